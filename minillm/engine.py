@@ -1,0 +1,263 @@
+"""The serving engine: `LLMEngine.step()` = schedule -> run -> update, over a paged KV cache.
+
+    engine = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=32))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32))      # list[RequestOutput]
+    rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort_request(rid)
+
+Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no tensors),
+`Scheduler` (decides), `ModelRunner` (runs tensors). The engine owns them, validates requests
+(bad input never reaches the scheduler), applies sampled tokens, stops finished sequences at once
+(their blocks go back to the pool), forks n > 1 completions after the prompt's prefill, and keeps
+per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
+
+Left out on purpose: async serving / streaming over HTTP, detokenized stop strings, multiple
+devices, and speculative decoding (the `num_speculative_tokens` / `draft_model` hook is reserved
+for minillm.speculative).
+"""
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .paged_attention import PagedKVCache
+from .scheduler import Scheduler
+from .sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
+                       SequenceStatus)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"           # or "swap"
+    scheduling: str = "continuous"               # or "static" (the baseline)
+    kv_cache_memory_bytes: int = 512 * 2**20
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None
+    seed: int = 0                                 # for requests without their own seed
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"EngineConfig.num_blocks must be None or an int >= 1, got {self.num_blocks!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None):
+        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+        self.draft_model = draft_model
+        if self.config.num_speculative_tokens > 0:
+            raise NotImplementedError("speculative decoding is not wired into the engine yet: "
+                                      "use minillm.speculative directly")
+        mc, cfg = model.config, self.config
+        param = next(model.parameters())
+        per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
+        self.cache = PagedKVCache(mc, num_blocks, cfg.block_size, param.device, param.dtype)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill, cfg.preemption_mode, cfg.scheduling)
+        self.runner = ModelRunner(model, self.cache, self.block_manager, cfg.seed)
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.requests: dict[str, Request] = {}
+        self.trace: list[dict] = []
+        self.clock = time.perf_counter
+        self.step_count = 0
+        self._next_seq_id = 0
+        self._next_request_id = 0
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request (token ids, or a str with a tokenizer); returns its request id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._check_prompt(prompt, params)
+        rid = str(self._next_request_id) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self._next_request_id += 1
+        now = self.clock() if arrival_time is None else arrival_time
+        seq = Sequence(self._new_seq_id(), rid, ids, params, now)
+        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count))
+        self.scheduler.add(seq)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(str(request_id))
+        if req is None or req.finished:
+            raise ValueError(f"unknown or finished request_id {request_id!r}")
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        req.metrics.finish_time, req.metrics.finish_step = self.clock(), self.step_count
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run -> update. Returns the requests it advanced."""
+        t0 = self.clock()
+        out = self.scheduler.schedule()
+        seqs, logits = self.runner.execute(out)
+        return self._update(out, seqs, logits, t0)
+
+    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Serve a list of prompts to completion; one RequestOutput per prompt, in input order."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of str or of token-id lists")
+        if isinstance(prompts[0], int):
+            prompts = [prompts]
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(rids), disable=not use_tqdm, desc="requests")
+        while any(not self.requests[r].finished for r in rids):
+            bar.update(sum(o.finished for o in self.step() if o.request_id in rids))
+        bar.close()
+        return [self._output(self.requests[r]) for r in rids]
+
+    def export_trace(self, path=None) -> dict:
+        """Per-step trace and per-request metrics as a JSON-ready dict (written to `path` if given)."""
+        data = {"config": asdict(self.config), "num_blocks": self.num_blocks, "steps": self.trace,
+                "requests": {rid: r.metrics.as_dict() for rid, r in self.requests.items()}}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(data, f, indent=1)
+        return data
+
+    # ---- internals --------------------------------------------------------------------------
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _check_prompt(self, prompt, params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("a str prompt needs LLMEngine(..., tokenizer=...); pass token ids instead")
+            prompt = self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise TypeError("prompt must be a str or a list of int token ids")
+        if not prompt:
+            raise ValueError("prompt must hold at least one token, got an empty prompt")
+        V, ctx = self.model.config.vocab_size, self.model.config.max_seq_len
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size), got {bad[:5]}")
+        if len(prompt) >= ctx:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                             f"context of max_seq_len={ctx} tokens")
+        need = min(len(prompt) + params.max_tokens, ctx)
+        pool = self.num_blocks * self.config.block_size
+        if need > pool:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
+                             f"{need} KV slots, but the whole pool holds num_blocks={self.num_blocks}"
+                             f" x block_size={self.config.block_size} = {pool}")
+        return list(prompt)
+
+    def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
+        bm, advanced = self.block_manager, {}
+        num_decode = 0
+        for seq, n in out.scheduled:
+            num_decode += n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
+            seq.num_computed_tokens += n
+            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        rows, order = [], []
+        for i, seq in enumerate(seqs):
+            req = self.requests[seq.request_id]
+            group = [seq]
+            if req.params.n > 1 and not req.forked:
+                group += self._fork(req, seq)
+            order += group
+            rows += [i] * len(group)
+        tokens = self.runner.sample(order, logits[rows]) if order else []
+        now = self.clock()
+        for seq, tok in zip(order, tokens):
+            req = self.requests[seq.request_id]
+            seq.output_token_ids.append(tok)
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time, m.first_token_step = now, self.step_count
+            m.num_generated = max(m.num_generated, len(seq.output_token_ids))
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                if req.finished:
+                    m.finish_time, m.finish_step = now, self.step_count
+            advanced[req.request_id] = req
+        for seq in out.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        self._record(out, t0, now, num_decode)
+        self.step_count += 1
+        return [self._output(r) for r in advanced.values()]
+
+    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
+        children = []
+        for i in range(1, req.params.n):
+            child = Sequence(self._new_seq_id(), req.request_id, parent.prompt_token_ids,
+                             req.params, parent.arrival_time, index=i,
+                             num_computed_tokens=parent.num_computed_tokens)
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            children.append(child)
+        req.seqs += children
+        req.forked = True
+        return children
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if (p.stop_token_ids and tok in p.stop_token_ids) or (
+                not p.ignore_eos and tok == self.eos_token_id):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.model.config.max_seq_len:
+            return "length"
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        o = req.output()
+        if self.tokenizer is not None:
+            o.text = self.tokenizer.decode(o.token_ids)
+        return o
+
+    def _record(self, out, t0, t1, num_decode) -> None:
+        s = self.scheduler
+        self.trace.append({
+            "step": self.step_count, "t_start": t0, "t_end": t1,
+            "num_decode_tokens": int(num_decode), "num_prefill_tokens": out.num_tokens - int(num_decode),
+            "num_seqs": len(out.scheduled), "num_running": len(s.running),
+            "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
+            "blocks_used": self.block_manager.num_used_blocks, "num_preempted": len(out.preempted),
+            "request_ids": [seq.request_id for seq, _ in out.scheduled]})

@@ -1,0 +1,173 @@
+"""Request and sequence state of the serving engine: what each request asked for (`SamplingParams`),
+where each of its sequences stands (`Sequence`), and what the engine hands back (`RequestOutput`).
+
+No tensors and no policy here: the scheduler decides, the runner runs, these classes only
+remember. One request holds `n` sequences (parallel sampling); it starts with one, which is
+forked into n after its prompt is prefilled.
+
+A sequence's tokens are prompt + output. `num_computed_tokens` of them have their KV in the
+cache; the rest (the whole prompt at first, then the one newest sampled token) are what the
+next forward passes must compute. A chunk that reaches the last token yields logits, and a new
+token is sampled. Preemption by recompute only resets `num_computed_tokens` to 0, so a
+resumed sequence recomputes prompt + output and then continues where it stopped.
+
+Left out on purpose: beam search, logprobs, detokenization of streamed text, LoRA.
+"""
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (vLLM's names). temperature 0 = greedy; top_k -1 and top_p 1.0
+    are off; `seed` gives the request its own random stream; `n` completions share the prompt."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not in the cache: new, or preempted by recompute
+    RUNNING = "running"      # has blocks; scheduled every step
+    SWAPPED = "swapped"      # preempted by swap: its KV waits in CPU memory
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    index: int = 0                       # which of the request's n completions
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    swapped_kv: object = None            # CPU copy of its blocks while SWAPPED
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (seconds on the engine's clock) and engine steps of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    arrival_step: int = 0
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    num_generated: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None or self.num_generated < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated - 1)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e)
+        return d
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """What `step()` and `generate()` return for one request. With n > 1, `outputs` holds every
+    completion and `token_ids` / `finish_reason` are those of completion 0."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    text: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class Request:
+    """One request: its sequences (1 before the prompt is prefilled, then n) and its metrics."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        done = all(s.is_finished for s in self.seqs)
+        return done and (self.forked or self.params.n == 1 or self.seqs[0].finish_reason == "abort")
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason)
+                for s in sorted(self.seqs, key=lambda s: s.index)]
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
+                             self.finished, self.metrics)
