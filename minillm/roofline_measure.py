@@ -183,3 +183,34 @@ def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_le
     out["overhead_s"] = max(0.0, measured_s - out["weights_s"] - out["kv_s"]
                             - out["activations_s"])
     return out
+
+
+def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 128,
+                         repeats: int = 3, seed: int = 0, progress: bool = True) -> list[float]:
+    """Median seconds of one real decode step of `model`: input (B, 1) with S cached tokens.
+
+    The cache is filled with random K/V instead of a prefill (the step's time does not depend
+    on the values), and rolled back after each step so every repeat sees the same S.
+    """
+    from minillm.kv_cache import KVCache
+    cfg = model.config
+    _check = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if _check or context_len < 1:
+        raise ValueError(f"batch_sizes must be ints >= 1 and context_len >= 1, got "
+                         f"{batch_sizes}, {context_len}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in tqdm(batch_sizes, desc="decode steps", disable=not progress):
+        cache = KVCache(cfg, b, context_len + 1, device=model.device, dtype=model.dtype)
+        cache.k.normal_(generator=None)   # stand-in for a prefilled context
+        cache.v.normal_(generator=None)
+        cache.seq_len = context_len
+        ids = torch.randint(0, cfg.vocab_size, (b, 1), generator=g).to(model.device)  # (B, 1)
+
+        def step():
+            model(ids, cache=cache)                                   # (B, 1, V)
+            cache.truncate(context_len)
+        with torch.inference_mode():
+            out.append(timeit(step, model.device, repeats))
+        del cache
+    return out

@@ -1,0 +1,218 @@
+"""Roofline formulas against hand arithmetic and against FLOPs counted on the real modules."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from minillm import KVCache, get_config, tiny_model
+from minillm.config import PRESETS
+from minillm.roofline import (HARDWARE_PRESETS, Hardware, OpCost, decode_compute_bound_batch,
+                              decode_costs, dtype_bytes, get_hardware, prefill_costs, step_costs,
+                              step_time, total_cost)
+from minillm.roofline_measure import (decode_breakdown, decode_weight_bytes,
+                                      measure_bandwidth, measure_decode_steps,
+                                      measure_matmul_flops, time_matmul)
+
+
+def by_name(costs):
+    return {c.name: c for c in costs}
+
+
+# ---------------------------------------------------------------- hardware and dtypes
+
+def test_datasheet_ridges():
+    # A100: 312 TFLOP/s bf16 dense / 2.039 TB/s = 153.0 FLOP/byte (the article's "~150")
+    assert get_hardware("a100-80gb-sxm").ridge("bf16") == pytest.approx(312e12 / 2.039e12)
+    assert get_hardware("A100-80GB-SXM").ridge(torch.bfloat16) == pytest.approx(153.0, abs=0.1)
+    # H100 SXM: 989.4 / 3.35 = 295.3; H200: same compute, 4.8 TB/s -> 206.1
+    assert get_hardware("h100-sxm").ridge("bf16") == pytest.approx(295.3, abs=0.1)
+    assert get_hardware("h200").ridge("fp16") == pytest.approx(206.1, abs=0.1)
+    assert get_hardware("h200").mem_bytes == 141e9
+    # fp32 without tensor cores: 19.5 TFLOP/s / 2.039 TB/s = 9.56
+    assert get_hardware("a100-80gb-sxm").ridge("fp32") == pytest.approx(9.56, abs=0.01)
+
+
+def test_attainable_is_min_of_roofs():
+    hw = Hardware("toy", {"fp32": 100.0}, mem_bandwidth=10.0, mem_bytes=1.0)
+    assert hw.ridge("fp32") == 10.0
+    assert hw.attainable(2.0, "fp32") == 20.0    # memory-bound: 2 * 10
+    assert hw.attainable(50.0, "fp32") == 100.0  # compute-bound: the peak
+    # op time: 1000 FLOPs at 100/s = 10 s vs 30 bytes at 10 B/s = 3 s -> 10 s
+    assert step_time([OpCost("x", 1000, 30)], hw, "fp32") == 10.0
+
+
+def test_dtype_errors():
+    assert dtype_bytes("bf16") == 2 and dtype_bytes(torch.float32) == 4
+    assert dtype_bytes("int4") == 0.5 and dtype_bytes("BFloat16") == 2
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dtype_bytes("fp13")
+    with pytest.raises(TypeError, match="dtype"):
+        dtype_bytes(2)
+    with pytest.raises(ValueError, match="no peak"):
+        get_hardware("a100-80gb-sxm").peak("fp8")
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("tpu-v9")
+    with pytest.raises(ValueError, match="mem_bandwidth"):
+        Hardware("bad", {"fp32": 1.0}, mem_bandwidth=0, mem_bytes=1)
+
+
+# ---------------------------------------------------------------- FLOPs and bytes by hand
+
+def test_llama2_7b_decode_by_hand():
+    cfg = get_config("llama-2-7b")  # L=32, H=Hkv=32, D=128, d=4096, d_ff=11008, V=32000
+    c = by_name(decode_costs(cfg, batch_size=1, context_len=1023, dtype="bf16"))
+    # qkv: 2 * 1 token * 4096 * (32 + 64) * 128 = 100,663,296 FLOPs per layer, x 32 layers
+    assert c["qkv_proj"].flops == 32 * 2 * 4096 * 12288
+    # bytes: weights 4096 * 12288 * 2 + input 4096 * 2 + output 12288 * 2, per layer
+    assert c["qkv_proj"].bytes == 32 * (4096 * 12288 * 2 + 4096 * 2 + 12288 * 2)
+    # Q K^T over 1024 keys: 2 * 32 heads * 1024 * 128 per layer
+    assert c["attn_scores"].flops == 32 * 2 * 32 * 1024 * 128
+    # reads Q (32 * 128 * 2 bytes) and K (1024 keys * 32 heads * 128 * 2 bytes)
+    assert c["attn_scores"].bytes == 32 * (32 * 128 * 2 + 1024 * 32 * 128 * 2)
+    assert c["mlp_gate_up"].flops == 32 * 2 * 4096 * 22016
+    assert c["mlp_down"].flops == 32 * 2 * 11008 * 4096
+    assert c["lm_head"].flops == 2 * 4096 * 32000
+    assert c["lm_head"].bytes == 4096 * 32000 * 2 + (4096 + 32000) * 2
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_decode_total_matches_param_count(name):
+    # decode at B=1: every matmul weight is used once (2 FLOPs each); independent of the op list,
+    # the matmul weights are all parameters minus norms (2L + 1 vectors of d) and, if untied,
+    # the embedding table. Attention adds 2 * 2 * H * D * (S + 1) per layer.
+    cfg, S = get_config(name), 100
+    mm_params = cfg.num_params - (2 * cfg.n_layer + 1) * cfg.d_model \
+        - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    attn = cfg.n_layer * 4 * cfg.n_head * cfg.head_dim * (S + 1)
+    t = total_cost(decode_costs(cfg, 1, S, "bf16"))
+    assert t.flops == 2 * mm_params + attn
+    assert decode_weight_bytes(cfg, "bf16") == 2 * mm_params
+    kv = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * (S + 1) * 2
+    assert t.bytes > 2 * mm_params + kv  # plus activations
+    assert t.bytes < 1.01 * (2 * mm_params + kv)
+
+
+def test_70b_decode_intensity_is_about_one():
+    # 2 FLOPs per weight and 2 bytes per bf16 weight -> intensity ~1 at batch 1 (article: "1-2")
+    t = total_cost(decode_costs(get_config("llama-2-70b"), 1, 0, "bf16"))
+    assert t.intensity == pytest.approx(1.0, abs=0.01)
+    assert t.flops == pytest.approx(2 * 68.7e9, rel=0.01)
+
+
+def test_8b_decode_step_at_3tbs():
+    # 16.06 GB of bf16 weights, but the untied 128256 x 4096 embedding is only gathered, not
+    # streamed: (8.03e9 - 0.525e9) * 2 bytes / 3e12 B/s = 5.0 ms per step (not "under 1 ms")
+    hw = Hardware("3 TB/s", {"bf16": 989.4e12}, mem_bandwidth=3e12, mem_bytes=80e9)
+    t = step_time(decode_costs(get_config("llama-3-8b"), 1, 0, "bf16"), hw, "bf16")
+    assert t == pytest.approx((8.03e9 - 128256 * 4096) * 2 / 3e12, rel=0.01)
+    assert 4.9e-3 < t < 5.1e-3
+
+
+class MatmulAttention:
+    """Reference attention with explicit matmuls (so FlopCounterMode sees them), own K/V store."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def attend(self, layer_idx, q, k, v):
+        if layer_idx in self.k:
+            k = torch.cat([self.k[layer_idx], k], dim=2)
+            v = torch.cat([self.v[layer_idx], v], dim=2)
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # (B, H, S, D)
+        T, S = q.shape[2], k.shape[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])        # (B, H, T, S)
+        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)
+        return F.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v  # (B, H, T, D)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_flops_match_flop_counter(kv_heads):
+    model = tiny_model(dtype=torch.float64, n_kv_head=kv_heads)
+    cfg, B, T = model.config, 3, 7
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    cache = MatmulAttention()
+    with FlopCounterMode(display=False) as fc:
+        model(ids, cache=cache)                                          # prefill
+    want = total_cost(prefill_costs(cfg, T, B, "fp64", logits_tokens=T)).flops
+    assert fc.get_total_flops() == want
+    with FlopCounterMode(display=False) as fc:
+        model(ids[:, :1], cache=cache)                                   # decode with S = T
+    assert fc.get_total_flops() == total_cost(decode_costs(cfg, B, T, "fp64")).flops
+
+
+# ---------------------------------------------------------------- properties and errors
+
+def test_monotone_in_batch_and_context():
+    cfg, hw = get_config("llama-3-8b"), get_hardware("h100-sxm")
+    prev_i = prev_t = 0.0
+    for b in [1, 2, 8, 32, 128, 512]:
+        t = total_cost(decode_costs(cfg, b, 512))
+        assert t.intensity > prev_i
+        assert step_time(decode_costs(cfg, b, 512), hw, "bf16") > prev_t
+        prev_i, prev_t = t.intensity, step_time(decode_costs(cfg, b, 512), hw, "bf16")
+    times = [step_time(decode_costs(cfg, 8, s), hw, "bf16") for s in [0, 100, 1000, 10000]]
+    assert times == sorted(times)
+    # at batch 1 weight reads dominate: 8x the batch costs far less than 8x the time
+    assert step_time(decode_costs(cfg, 8, 0), hw, "bf16") < 1.1 * step_time(
+        decode_costs(cfg, 1, 0), hw, "bf16")
+
+
+def test_compute_bound_batch():
+    cfg, hw = get_config("llama-2-70b"), get_hardware("a100-80gb-sxm")
+    b = decode_compute_bound_batch(cfg, hw, 0, "bf16")
+    # with no context the intensity is ~B FLOP/byte, so B* sits just above the ridge (153)
+    assert 153 <= b <= 170
+    assert total_cost(decode_costs(cfg, b, 0)).intensity >= hw.ridge("bf16")
+    assert total_cost(decode_costs(cfg, b - 1, 0)).intensity < hw.ridge("bf16")
+    # MHA with a long context: KV reads grow with B as fast as FLOPs; never compute-bound
+    assert decode_compute_bound_batch(get_config("llama-2-7b"), hw, 4096, max_batch=4096) is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0, new_tokens=1, context_len=0), "batch_size"),
+    (dict(batch_size=1, new_tokens=0, context_len=0), "new_tokens"),
+    (dict(batch_size=1, new_tokens=1, context_len=-1), "context_len"),
+    (dict(batch_size=1.5, new_tokens=1, context_len=0), "batch_size"),
+    (dict(batch_size=1, new_tokens=2, context_len=0, logits_tokens=3), "logits_tokens"),
+    (dict(batch_size=1, new_tokens=1, context_len=0, dtype="fp13"), "dtype"),
+])
+def test_bad_step_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        step_costs(get_config("smollm2-135m"), **kwargs)
+    with pytest.raises(TypeError, match="ModelConfig"):
+        step_costs("llama", 1, 1, 0)
+
+
+# ---------------------------------------------------------------- measurement (smoke, no timing asserts)
+
+def test_measurement_smoke():
+    hw = Hardware("toy", {"fp32": 1e10}, mem_bandwidth=1e9, mem_bytes=1e9)
+    assert measure_bandwidth("cpu", nbytes=1 << 20, repeats=1) > 0
+    assert measure_matmul_flops("cpu", "fp32", n=64, repeats=1) > 0
+    p = time_matmul(hw, 4, 32, 48, "fp32", "cpu", repeats=1, min_weight_bytes=1 << 14)
+    assert p.flops == 2 * 4 * 32 * 48 and p.bytes == (32 * 48 + 4 * 32 + 4 * 48) * 4
+    assert p.seconds > 0 and p.ratio > 0
+
+
+def test_decode_steps_and_breakdown():
+    model = tiny_model()
+    times = measure_decode_steps(model, (1, 2), context_len=5, repeats=1, progress=False)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    cfg = model.config
+    hw = Hardware("toy", {"fp32": 1e10}, mem_bandwidth=1e9, mem_bytes=1e9)
+    parts = decode_breakdown(cfg, hw, 2, 5, measured_s=1.0)
+    # weight bytes from the real modules: every Linear weight (lm_head untied here)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert parts["weights_s"] == pytest.approx(linear * 4 / 1e9)
+    # KV read: the cache tensors of 2 rows x 6 tokens are what a real KVCache holds
+    assert parts["kv_s"] == pytest.approx(KVCache(cfg, 2, 6).nbytes / 1e9)
+    with pytest.raises(ValueError, match="measured_s"):
+        decode_breakdown(cfg, hw, 1, 1, measured_s=0)
+
+
+def test_presets_cover_the_issue():
+    assert {"a100-80gb-sxm", "h100-sxm", "h200"} <= set(HARDWARE_PRESETS)
