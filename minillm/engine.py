@@ -260,4 +260,6 @@ class LLMEngine:
             "num_seqs": len(out.scheduled), "num_running": len(s.running),
             "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
             "blocks_used": self.block_manager.num_used_blocks, "num_preempted": len(out.preempted),
-            "request_ids": [seq.request_id for seq, _ in out.scheduled]})
+            "request_ids": [seq.request_id for seq, _ in out.scheduled],
+            "prefill_request_ids": [seq.request_id for seq, n in out.scheduled
+                                    if n > 1 or seq.num_computed_tokens - n < len(seq.prompt_token_ids)]})
