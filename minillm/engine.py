@@ -210,6 +210,8 @@ class LLMEngine:
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, self.step_count
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
+            if seq.index == 0:
+                m.token_times.append(now)
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 seq.finish_reason = reason

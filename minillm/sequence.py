@@ -99,6 +99,7 @@ class RequestMetrics:
     num_generated: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)   # when each token of completion 0 came
 
     @property
     def ttft(self) -> float | None:
