@@ -145,7 +145,7 @@ def matmul_points(hw: Hardware, k: int, n: int, batches=(1, 4, 16, 64, 256),
                   prefill_tokens=(1024,), dtype="fp32", device=None, quick: bool = False,
                   progress: bool = True) -> list[MeasuredPoint]:
     """Decode-shaped (B, k) @ (k, n) for each B, then prefill-shaped (T, k) @ (k, n)."""
-    shapes = [(b, f"decode B={b}") for b in batches] + [(t, f"prefill T={t}")
+    shapes = [(b, f"matmul B={b}") for b in batches] + [(t, f"matmul T={t}")
                                                         for t in prefill_tokens]
     mb = (32 if quick else 128) * 2**20
     return [time_matmul(hw, m, k, n, dtype, device, repeats=2 if quick else 3,
