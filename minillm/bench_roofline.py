@@ -8,39 +8,17 @@ Every measured time is reported with its roofline lower bound and the ratio meas
 
 Left out on purpose: repeated runs and confidence intervals (medians of a few repeats only).
 """
-import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from minillm.plotting import REPO_ROOT, use_headless_backend
+from minillm.benchutil import device_tag, write_result
+from minillm.plotting import use_headless_backend
 from minillm.roofline import decode_costs, step_time, total_cost
 from minillm.roofline_measure import (decode_breakdown, matmul_points, measure_decode_steps,
                                       measure_hardware)
-
-
-def _machine_info(device: torch.device) -> dict:
-    try:
-        from minillm.benchutil import machine_info
-        return machine_info()
-    except ImportError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True,
-                                capture_output=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor()) \
-        if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": sys.version.split()[0],
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "git_commit": commit, "load_avg": list(os.getloadavg())}
 
 
 def run(quick: bool = False, device=None, out_dir="benchmarks/results",
@@ -67,7 +45,7 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results",
     predicted = [step_time(decode_costs(cfg, b, S, dt), hw, dt) for b in batches]
     parts = decode_breakdown(cfg, hw, 1, S, measured[0], dt)
     result = {
-        "name": "roofline", "quick": quick, "machine": _machine_info(device),
+        "quick": quick, "load_avg_1min": os.getloadavg()[0],
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops,
                      "mem_bandwidth": hw.mem_bandwidth, "mem_bytes": hw.mem_bytes},
         "matmul_points": [{"label": p.label, "flops": p.flops, "bytes": p.bytes,
@@ -78,16 +56,14 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results",
                    "ratio": [m / p for m, p in zip(measured, predicted)]},
         "decode_breakdown_b1": parts,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"roofline_{device.type}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_result("roofline", result, device=device, out_dir=out_dir)
+    out, tag = path.parent, device_tag(device)
     dec_pts = [(f"B={b}", total_cost(decode_costs(cfg, b, S, dt))) for b in batches]
     fig = plot_roofline(hw, dt, predicted=dec_pts, measured=points,
                         title=f"{hw.name}: matmuls (squares) and SmolLM2 decode (circles)")
-    fig.savefig(out / f"roofline_{device.type}.png", dpi=110, bbox_inches="tight")
+    fig.savefig(out / f"roofline_{tag}.png", dpi=110, bbox_inches="tight")
     fig = plot_decode_vs_batch(batches, predicted, measured, title=f"SmolLM2 decode, S={S}")
-    fig.savefig(out / f"roofline_decode_{device.type}.png", dpi=110, bbox_inches="tight")
+    fig.savefig(out / f"roofline_decode_{tag}.png", dpi=110, bbox_inches="tight")
     _report(result, path)
     return result
 

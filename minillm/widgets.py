@@ -84,7 +84,8 @@ def roofline_panel(measured: Hardware | None = None, model="llama-3-8b", hardwar
     def view(hardware, model, dtype, batch, context):
         hw = hws[hardware]
         if dtype not in hw.peak_flops:
-            dtype = "fp32" if "fp32" in hw.peak_flops else next(iter(hw.peak_flops))
+            known = [d for d in ("bf16", "fp32") if d in hw.peak_flops]
+            dtype = known[0] if known else next(iter(hw.peak_flops))
         return roofline_view(hw, model, dtype, batch, context)
     controls = {
         "hardware": w.Dropdown(options=list(hws), value=hardware, description="hardware"),

@@ -187,7 +187,7 @@ def test_bad_step_inputs(kwargs, match):
         step_costs("llama", 1, 1, 0)
 
 
-# ---------------------------------------------------------------- measurement (smoke, no timing asserts)
+# ------------------------------------------------ measurement (smoke, no timing asserts)
 
 def test_measurement_smoke():
     hw = Hardware("toy", {"fp32": 1e10}, mem_bandwidth=1e9, mem_bytes=1e9)
@@ -216,3 +216,13 @@ def test_decode_steps_and_breakdown():
 
 def test_presets_cover_the_issue():
     assert {"a100-80gb-sxm", "h100-sxm", "h200"} <= set(HARDWARE_PRESETS)
+
+
+def test_widget_views_are_static_figures():
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.widgets import kv_view, roofline_view
+    fig, text = roofline_view(get_hardware("a100-80gb-sxm"), "llama-2-70b", "bf16", 1, 0)
+    assert fig.axes and "intensity 1.00 FLOP/byte" in text and "from B = 158" in text
+    fig, text = kv_view("llama-2-70b", "fp16", 2048, 1, kv_heads=8)
+    assert "327,680 B/token" in text and "KV 0.62 GiB" in text
