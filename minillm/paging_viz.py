@@ -41,8 +41,9 @@ def _draw_panel(ax, snap: dict, title: str, copies) -> None:
     for b, rc in enumerate(refs):  # the physical pool, bottom row
         ax.add_patch(Rectangle((b, pool_y), 0.9, 0.9, facecolor=REF_COLORS[min(rc, 2)],
                                edgecolor="black", hatch="//" if snap["cached"][b] else None))
-        ax.text(b + 0.45, pool_y + 0.6, f"#{b}", ha="center", va="center", fontsize=8)
-        ax.text(b + 0.45, pool_y + 0.25, f"rc={rc}", ha="center", va="center", fontsize=7)
+        box = dict(facecolor=REF_COLORS[min(rc, 2)], edgecolor="none", pad=0.3)  # readable on hatch
+        ax.text(b + 0.45, pool_y + 0.62, f"#{b}", ha="center", va="center", fontsize=8, bbox=box)
+        ax.text(b + 0.45, pool_y + 0.25, f"rc={rc}", ha="center", va="center", fontsize=7, bbox=box)
     ax.text(-0.3, pool_y + 0.45, "physical\nblocks", ha="right", va="center", fontsize=8)
     for r, (s, table) in enumerate(tables.items()):  # one row per sequence, above the pool
         y, n = 2.0 + 1.5 * (rows - 1 - r), snap["num_tokens"][s]
