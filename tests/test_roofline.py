@@ -2,6 +2,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
@@ -226,3 +228,19 @@ def test_widget_views_are_static_figures():
     assert fig.axes and "intensity 1.00 FLOP/byte" in text and "from B = 158" in text
     fig, text = kv_view("llama-2-70b", "fp16", 2048, 1, kv_heads=8)
     assert "327,680 B/token" in text and "KV 0.62 GiB" in text
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 4), T=st.integers(1, 9), S=st.integers(0, 12),
+       heads=st.sampled_from([(4, 1), (4, 4), (6, 2)]))
+def test_flops_match_flop_counter_random_shapes(B, T, S, heads):
+    # a chunk of T tokens after S cached ones (chunked prefill / speculative verification shape)
+    model = tiny_model(dtype=torch.float64, n_head=heads[0], n_kv_head=heads[1])
+    cfg, cache = model.config, MatmulAttention()
+    ids = torch.randint(0, cfg.vocab_size, (B, S + T), generator=torch.Generator().manual_seed(1))
+    if S:
+        model(ids[:, :S], cache=cache)
+    with FlopCounterMode(display=False) as fc:
+        model(ids[:, S:], positions=torch.arange(S, S + T), cache=cache)
+    want = total_cost(step_costs(cfg, B, T, S, "fp64", logits_tokens=T)).flops
+    assert fc.get_total_flops() == want
