@@ -349,3 +349,57 @@ def test_unknown_and_duplicate_sequences():
         bm.mark_computed("a", 2)
     with pytest.raises(ValueError, match="block_id must be < num_blocks=4"):
         bm.ref_count(4)
+
+
+# ---- the chapter's measurements, against closed forms -------------------------------------------
+def test_simulate_memory_matches_the_closed_form():
+    from minillm.paging_viz import simulate_memory
+    workload, P, max_len = [(5, 3), (1, 7), (9, 1)], 4, 16
+    sim = simulate_memory(workload, max_len=max_len, block_size=P, max_num_seqs=3)
+    # all three start at step 0; request i holds p_i + t tokens at step t = 0..o_i
+    steps = max(o for _, o in workload) + 1
+    used = [sum(p + t for p, o in workload if t <= o) for t in range(steps)]
+    alloc = [sum(-(-(p + t) // P) * P for p, o in workload if t <= o) for t in range(steps)]
+    reserved = [max_len * sum(t <= o for _, o in workload) for t in range(steps)]
+    assert sim["used"].tolist() == used and sim["allocated"].tolist() == alloc
+    assert sim["reserved"].tolist() == reserved
+    assert sim["paging_waste"] == pytest.approx(1 - sum(used) / sum(alloc))
+
+
+def test_heavy_tailed_workload_is_seeded_and_clipped():
+    from minillm.paging_viz import heavy_tailed_workload
+    a = heavy_tailed_workload(num_requests=500, max_len=256, seed=3)
+    assert a == heavy_tailed_workload(num_requests=500, max_len=256, seed=3)
+    assert all(p >= 1 and o >= 1 and p + o <= 256 for p, o in a)
+    with pytest.raises(ValueError, match="num_requests"):
+        heavy_tailed_workload(num_requests=0)
+
+
+@pytest.mark.parametrize("prompt_len, n, gen_len, P", [(100, 4, 20, 16), (32, 3, 5, 16), (7, 2, 1, 4)])
+def test_sharing_strategies_by_hand(prompt_len, n, gen_len, P):
+    from minillm.paging_viz import sharing_strategies
+    r = sharing_strategies(prompt_len, n, gen_len, P)
+    full, partial = prompt_len // P, prompt_len % P > 0
+    per_seq = -(-(prompt_len + gen_len) // P)
+    assert r["no sharing"] == {"blocks": n * per_seq, "cow_copies": 0,
+                               "prompt_tokens_computed": n * prompt_len}
+    # the full prompt blocks are held once, every completion owns the rest
+    assert r["fork + CoW"]["blocks"] == full + n * (per_seq - full)
+    assert r["fork + CoW"]["cow_copies"] == (n - 1 if partial else 0)
+    assert r["fork + CoW"]["prompt_tokens_computed"] == prompt_len
+    recompute = prompt_len - min(full, (prompt_len - 1) // P) * P
+    assert r["full blocks only"]["prompt_tokens_computed"] == prompt_len + (n - 1) * recompute
+    assert r["full blocks only"]["cow_copies"] == 0
+
+
+def test_block_table_figure_draws_every_block():
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.paging_viz import plot_block_tables, snapshot
+    bm = BlockManager(num_blocks=5, block_size=2)
+    bm.allocate("a", [1, 2, 3])
+    bm.fork("a", "b")
+    fig = plot_block_tables([snapshot(bm)], ["one step"])
+    assert len(fig.axes) == 1 and len(fig.axes[0].patches) >= 5 + 2 * 2
+    with pytest.raises(ValueError, match="one entry per snapshot"):
+        plot_block_tables([snapshot(bm)], ["a", "b"])
