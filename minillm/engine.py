@@ -71,7 +71,8 @@ class LLMEngine:
         param = next(model.parameters())
         per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
-        self.cache = PagedKVCache(mc, num_blocks, cfg.block_size, param.device, param.dtype)
+        scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
+        self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.preemption_mode, cfg.scheduling)
@@ -263,5 +264,6 @@ class LLMEngine:
             "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
             "blocks_used": self.block_manager.num_used_blocks, "num_preempted": len(out.preempted),
             "request_ids": [seq.request_id for seq, _ in out.scheduled],
+            "padding_request_ids": list(out.padding),
             "prefill_request_ids": [seq.request_id for seq, n in out.scheduled
                                     if n > 1 or seq.num_computed_tokens - n < len(seq.prompt_token_ids)]})

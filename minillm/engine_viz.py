@@ -13,7 +13,11 @@ import numpy as np
 
 
 def gantt_chart(traces: dict[str, list[dict]], max_requests: int = 64):
-    """Rows = requests (in arrival order), columns = engine steps; dark = decode, light = prefill."""
+    """Rows = requests (in arrival order), columns = engine steps; colour = what the row computes:
+    prefill, decode, or padding (a finished member of a static batch that still holds its row)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    colors = ["white", "#d9d9d9", "#9ecae1", "#08519c"]          # empty, padding, prefill, decode
     fig, axes = plt.subplots(len(traces), 1, figsize=(9, 2.6 * len(traces)), squeeze=False)
     for ax, (label, trace) in zip(axes[:, 0], traces.items()):
         ids = sorted({r for rec in trace for r in rec["request_ids"]}, key=int)[:max_requests]
@@ -21,13 +25,20 @@ def gantt_chart(traces: dict[str, list[dict]], max_requests: int = 64):
         grid = np.zeros((len(ids), len(trace)))
         for t, rec in enumerate(trace):
             pre = set(rec["prefill_request_ids"])
+            for r in rec.get("padding_request_ids", []):
+                grid[row[r], t] = 1
             for r in rec["request_ids"]:
                 if r in row:
-                    grid[row[r], t] = 1 if r in pre else 2
-        ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=2, interpolation="nearest")
-        ax.set_title(f"{label}: {len(trace)} steps")
+                    grid[row[r], t] = 2 if r in pre else 3
+        ax.imshow(grid, aspect="auto", cmap=ListedColormap(colors), vmin=0, vmax=3,
+                  interpolation="nearest")
+        waste = int((grid == 1).sum())
+        ax.set_title(f"{label}: {len(trace)} steps" + (f", {waste} padding row-steps" if waste else ""))
         ax.set_ylabel("request")
-    axes[-1, 0].set_xlabel("engine step (light = prefill, dark = decode)")
+    axes[0, 0].legend(handles=[Patch(color=c, label=n) for c, n in
+                               zip(colors[1:], ("padding", "prefill", "decode"))],
+                      fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("engine step")
     fig.tight_layout()
     return fig
 
@@ -87,13 +98,13 @@ def step_time_plot(traces: dict[str, list[dict]]):
 
 
 def tradeoff_plot(points: list[dict]):
-    """points: dicts with 'label', 'long_ttft' (s) and 'p99_tpot' (s) of the running requests."""
+    """points: dicts with 'label', 'long_ttft' (s) and 'p99_itl' (s) of the running requests."""
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for p in points:
-        ax.scatter(1e3 * p["p99_tpot"], 1e3 * p["long_ttft"])
-        ax.annotate(p["label"], (1e3 * p["p99_tpot"], 1e3 * p["long_ttft"]), fontsize=8,
+        ax.scatter(1e3 * p["p99_itl"], 1e3 * p["long_ttft"])
+        ax.annotate(p["label"], (1e3 * p["p99_itl"], 1e3 * p["long_ttft"]), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
-    ax.set(xlabel="p99 TPOT of running requests (ms)", ylabel="TTFT of the long prompt (ms)",
+    ax.set(xlabel="p99 inter-token latency of running requests (ms)", ylabel="TTFT of the long prompt (ms)",
            title="chunk size: stall vs time to first token")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -57,6 +57,12 @@ class ModelRunner:
             if start + n == seq.num_tokens:       # the chunk reaches the end: sample after it
                 last.append(len(ids) - 1)
                 sampling.append(seq)
+        for _ in out.padding:   # static batching: a finished member's row still costs compute
+            ids.append(0)
+            pos.append(0)
+            qlens.append(1)
+            ctxs.append(1)
+            tables.append([self.cache.num_blocks - 1])   # the scratch block (see LLMEngine)
         self.cache.prepare(qlens, ctxs, tables)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)   # (1, M)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)     # (M,)

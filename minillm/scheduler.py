@@ -12,7 +12,9 @@ One step (`schedule()`), with a token budget of `max_num_batched_tokens`:
 3. waiting sequences are admitted while `max_num_seqs`, the budget and free blocks allow.
 With chunked prefill a prompt takes whatever budget is left (a chunk); without it a prompt runs
 whole, and only if it fits or is the step's first prefill. `scheduling="static"` admits a batch
-only when the previous batch has completely finished (the baseline that continuous batching beats).
+only when the previous batch has completely finished, and its finished members stay in the batch
+as padding rows (`padding`: the runner feeds them a dummy token each step, as a padded batch
+tensor would) until the longest member ends: the baseline that continuous batching beats.
 
 Left out on purpose: priorities, fairness across users, and lookahead scheduling.
 """
@@ -31,6 +33,7 @@ class SchedulerOutput:
     swap_in: list[tuple[Sequence, list[int], int]] = field(default_factory=list)
     # (seq, dst blocks, index of the first saved block they receive; earlier ones hit the cache)
     preempted: list[Sequence] = field(default_factory=list)
+    padding: list[str] = field(default_factory=list)   # static batching: finished members' rows
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +55,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # kept in arrival order
         self.swapped: deque[Sequence] = deque()
-        self.static_batch: set[str] = set()   # request ids of the current static batch
+        self.static_batch: set[str] = set()   # request ids of the current static batch, unfinished
+        self.static_members: list[str] = []   # all request ids of the current static batch
         self.num_preemptions = 0
 
     # ---- queues ----------------------------------------------------------------------------
@@ -106,6 +110,8 @@ class Scheduler:
             budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
             if not self.swapped:
                 self._admit(out, budget, prefill_seen)
+        if self.scheduling == "static" and out.scheduled:
+            out.padding = [r for r in self.static_members if r not in self.static_batch]
         return out
 
     def _prefill_size(self, need: int, budget: int, prefill_seen: bool) -> int:
@@ -173,7 +179,7 @@ class Scheduler:
             for s in self.waiting:
                 if s.request_id not in ids and len(ids) < self.max_num_seqs:
                     ids.append(s.request_id)
-            self.static_batch = set(ids)
+            self.static_batch, self.static_members = set(ids), ids
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if static and seq.request_id not in self.static_batch:
