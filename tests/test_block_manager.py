@@ -160,7 +160,7 @@ class Machine(RuleBasedStateMachine):
         assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
 
 
-Machine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
+Machine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
 TestRandomOperations = Machine.TestCase
 
