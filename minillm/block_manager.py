@@ -94,6 +94,7 @@ class BlockManager:
         self._entry: dict[int, _CacheEntry] = {}   # block id -> what it caches
         self._by_hash: dict[int, int] = {}         # chained hash -> block id
         self._seqs: dict = {}
+        # queried_blocks: prompt blocks that could have hit ((len - 1) // P per prompt, with caching)
         self.stats = {"queried_blocks": 0, "hit_blocks": 0, "evicted_blocks": 0, "cow_copies": 0}
 
     # ---- pool state -------------------------------------------------------------------
@@ -117,9 +118,9 @@ class BlockManager:
         return -(-_check_int("num_tokens", num_tokens, 0) // self.block_size)
 
     def block_hash(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-        """Chained hash of a full block: depends on every token before it through parent_hash.
-        (Python's hash of a tuple of ints does not depend on PYTHONHASHSEED.)"""
-        return hash((parent_hash, tokens))
+        """Chained hash of a full block: depends on every token before it through parent_hash
+        (None for the first block). A tuple of ints hashes the same in every process."""
+        return hash((-1 if parent_hash is None else parent_hash, tokens))
 
     def ref_count(self, block_id: int) -> int:
         _check_int("block_id", block_id, 0)
