@@ -95,15 +95,19 @@ def throughput(model, s: dict, seed: int = 0) -> dict:
     res = {"workload": {"num_requests": len(workload), "batch": B,
                         "output_tokens": sum(w.max_tokens for w in workload),
                         "max_output": max(w.max_tokens for w in workload)}}
-    res["continuous"] = _engine_throughput(model, workload, B, "continuous")
-    res["static"] = _engine_throughput(model, workload, B, "static")
     from .hf_convert import to_hf_model
     hf = to_hf_model(model)
-    res["hf_padded_generate"] = _hf_padded(hf, workload, B)
-    try:
-        res["hf_generate_batch"] = _hf_continuous(hf, workload, B, num_blocks=256, max_batch_tokens=512)
-    except Exception as e:                                  # report, do not hide, a failure
-        res["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"}
+    methods = {"continuous": lambda: _engine_throughput(model, workload, B, "continuous"),
+               "static": lambda: _engine_throughput(model, workload, B, "static"),
+               "hf_padded_generate": lambda: _hf_padded(hf, workload, B),
+               "hf_generate_batch": lambda: _hf_continuous(hf, workload, B, num_blocks=256,
+                                                           max_batch_tokens=512)}
+    for name, fn in tqdm(methods.items(), desc="throughput runs"):
+        try:
+            res[name] = fn()
+        except Exception as e:                              # report, do not hide, a failure
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"{name}: {res[name]}", flush=True)
     c = res["continuous"]["tokens_per_s"]
     res["ratios"] = {f"continuous_vs_{k}": c / v["tokens_per_s"] for k, v in res.items()
                      if isinstance(v, dict) and "tokens_per_s" in v and k != "continuous"}

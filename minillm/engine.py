@@ -10,9 +10,11 @@ Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no ten
 (their blocks go back to the pool), forks n > 1 completions after the prompt's prefill, and keeps
 per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
 
+With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
+`draft_model`) that one forward pass verifies (engine_spec.py).
+
 Left out on purpose: async serving / streaming over HTTP, detokenized stop strings, multiple
-devices, and speculative decoding (the `num_speculative_tokens` / `draft_model` hook is reserved
-for minillm.speculative).
+devices.
 """
 import json
 import time
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .block_manager import BlockManager
+from .engine_spec import SpecDecoder
 from .model_runner import ModelRunner
 from .paged_attention import PagedKVCache
 from .scheduler import Scheduler
@@ -56,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got "
+                             f"{self.speculative_method!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
@@ -64,10 +70,11 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None):
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         self.draft_model = draft_model
-        if self.config.num_speculative_tokens > 0:
-            raise NotImplementedError("speculative decoding is not wired into the engine yet: "
-                                      "use minillm.speculative directly")
         mc, cfg = model.config, self.config
+        self.spec = None
+        if cfg.num_speculative_tokens > 0:
+            self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
+                                    draft_model, mc.max_seq_len)
         param = next(model.parameters())
         per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
@@ -127,6 +134,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run -> update. Returns the requests it advanced."""
         t0 = self.clock()
+        if self.spec is not None:   # draft for decoding sequences before the scheduler books blocks
+            self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1
+                               and s.output_token_ids], self.cache.k.device)
         out = self.scheduler.schedule()
         seqs, logits = self.runner.execute(out)
         return self._update(out, seqs, logits, t0)
@@ -189,25 +199,52 @@ class LLMEngine:
 
     def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
         bm, advanced = self.block_manager, {}
-        num_decode = 0
+        num_decode, prefill_ids = 0, []
         for seq, n in out.scheduled:
-            num_decode += n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
+            if seq.num_computed_tokens >= len(seq.prompt_token_ids) and (n == 1 or seq.draft_token_ids):
+                num_decode += n
+            else:
+                prefill_ids.append(seq.request_id)
             seq.num_computed_tokens += n
-            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        rows, order = [], []
-        for i, seq in enumerate(seqs):
+            if not seq.draft_token_ids:
+                bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        rows, order, new_tokens, r = [], [], [], 0
+        for seq in seqs:
             req = self.requests[seq.request_id]
+            if seq.draft_token_ids:                     # verify K drafts with K + 1 logits rows
+                k = len(seq.draft_token_ids)
+                toks = self.spec.verify(seq, logits[r:r + k + 1], self.runner.generator)
+                seq.num_computed_tokens -= k + 1 - len(toks)   # rejected drafts' KV is void
+                bm.truncate(seq.seq_id, seq.num_computed_tokens)
+                bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+                seq.draft_token_ids, seq.draft_probs = [], None
+                new_tokens.append((seq, toks))
+                r += k + 1
+                continue
             group = [seq]
             if req.params.n > 1 and not req.forked:
                 group += self._fork(req, seq)
             order += group
-            rows += [i] * len(group)
-        tokens = self.runner.sample(order, logits[rows]) if order else []
+            rows += [r] * len(group)
+            r += 1
+        if order:
+            new_tokens += [(s, [t]) for s, t in zip(order, self.runner.sample(order, logits[rows]))]
         now = self.clock()
-        for seq, tok in zip(order, tokens):
-            req = self.requests[seq.request_id]
+        for seq, toks in new_tokens:
+            self._append(seq, toks, now)
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        for seq in out.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        self._record(out, t0, now, num_decode, prefill_ids)
+        self.step_count += 1
+        return [self._output(r) for r in advanced.values()]
+
+    def _append(self, seq: Sequence, toks: list[int], now: float) -> None:
+        """Append sampled tokens up to the first that finishes the sequence."""
+        req = self.requests[seq.request_id]
+        m = req.metrics
+        for tok in toks:
             seq.output_token_ids.append(tok)
-            m = req.metrics
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, self.step_count
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
@@ -220,12 +257,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED
                 if req.finished:
                     m.finish_time, m.finish_step = now, self.step_count
-            advanced[req.request_id] = req
-        for seq in out.preempted:
-            self.requests[seq.request_id].metrics.num_preemptions += 1
-        self._record(out, t0, now, num_decode)
-        self.step_count += 1
-        return [self._output(r) for r in advanced.values()]
+                return
 
     def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
         children = []
@@ -255,7 +287,7 @@ class LLMEngine:
             o.text = self.tokenizer.decode(o.token_ids)
         return o
 
-    def _record(self, out, t0, t1, num_decode) -> None:
+    def _record(self, out, t0, t1, num_decode, prefill_ids) -> None:
         s = self.scheduler
         self.trace.append({
             "step": self.step_count, "t_start": t0, "t_end": t1,
@@ -265,5 +297,4 @@ class LLMEngine:
             "blocks_used": self.block_manager.num_used_blocks, "num_preempted": len(out.preempted),
             "request_ids": [seq.request_id for seq, _ in out.scheduled],
             "padding_request_ids": list(out.padding),
-            "prefill_request_ids": [seq.request_id for seq, n in out.scheduled
-                                    if n > 1 or seq.num_computed_tokens - n < len(seq.prompt_token_ids)]})
+            "prefill_request_ids": prefill_ids})

@@ -48,14 +48,15 @@ class ModelRunner:
         """Flatten the batch -> (input_ids (1, M), positions (M,), logits_index (K,), sampling seqs)."""
         ids, pos, qlens, ctxs, tables, last, sampling = [], [], [], [], [], [], []
         for seq, n in out.scheduled:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            start, k = seq.num_computed_tokens, len(seq.draft_token_ids)
+            toks = seq.token_ids + seq.draft_token_ids if k else seq.token_ids
+            ids += toks[start:start + n]
             pos += range(start, start + n)
             qlens.append(n)
             ctxs.append(start + n)
             tables.append(self.bm.block_table(seq.seq_id))
-            if start + n == seq.num_tokens:       # the chunk reaches the end: sample after it
-                last.append(len(ids) - 1)
+            if start + n == len(toks):            # the chunk reaches the end: sample after it
+                last += range(len(ids) - 1 - k, len(ids))   # + every draft position to verify
                 sampling.append(seq)
         for _ in out.padding:   # static batching: a finished member's row still costs compute
             ids.append(0)
@@ -71,7 +72,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Move blocks, run the forward pass; return the sequences that sample and their logits (K, V)."""
+        """Move blocks, run the forward pass; return the sequences that sample and their logits
+        (one row each, K + 1 rows for a sequence with K speculative drafts)."""
         self.move_blocks(out)
         if out.is_empty:
             return [], None

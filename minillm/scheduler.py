@@ -101,11 +101,14 @@ class Scheduler:
                 continue
             if budget < 1:
                 continue
-            if not self._make_room(seq, out):
+            if 1 + len(seq.draft_token_ids) > budget:   # speculative drafts that do not fit: drop
+                seq.draft_token_ids, seq.draft_probs = [], None
+            if not self._make_room(seq, out, len(seq.draft_token_ids)):
                 continue  # seq itself was preempted
-            out.copies += self.bm.append_tokens(seq.seq_id, seq.token_ids[self.bm.num_tokens(seq.seq_id):])
-            out.scheduled.append((seq, 1))
-            budget -= 1
+            toks = seq.token_ids + seq.draft_token_ids
+            out.copies += self.bm.append_tokens(seq.seq_id, toks[self.bm.num_tokens(seq.seq_id):])
+            out.scheduled.append((seq, 1 + len(seq.draft_token_ids)))
+            budget -= 1 + len(seq.draft_token_ids)
         if not out.preempted:
             budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
             if not self.swapped:
@@ -119,9 +122,9 @@ class Scheduler:
             return min(need, budget)
         return need if need <= budget or not prefill_seen else 0
 
-    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, out: SchedulerOutput, extra: int = 0) -> bool:
         """Preempt latest-arrived running sequences until seq can append; False if seq went."""
-        grow = seq.num_tokens - self.bm.num_tokens(seq.seq_id)
+        grow = seq.num_tokens + extra - self.bm.num_tokens(seq.seq_id)
         while not self.bm.can_append(seq.seq_id, grow):
             victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING),
                          key=lambda s: (s.arrival_time, s.seq_id))
@@ -134,6 +137,7 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         out.preempted.append(seq)
+        seq.draft_token_ids, seq.draft_probs = [], None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.preemption_mode == "swap" and seq.num_computed_tokens > 0:

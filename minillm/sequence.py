@@ -68,6 +68,8 @@ class Sequence:
     swapped_kv: object = None            # CPU copy of its blocks while SWAPPED
     num_preemptions: int = 0
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
+    draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
+    draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
 
     @property
     def num_tokens(self) -> int:

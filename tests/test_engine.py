@@ -167,3 +167,34 @@ def test_metrics_and_trace(model, workload):
     assert all(r["num_prefill_tokens"] + r["num_decode_tokens"] <= 16 for r in engine.trace)
     data = engine.export_trace()
     assert len(data["requests"]) == len(prompts) and len(data["steps"]) == len(engine.trace)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(block_size=3, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=16),
+    dict(block_size=4, num_blocks=16, max_num_seqs=64, max_num_batched_tokens=64,
+         preemption_mode="swap", enable_prefix_caching=True),
+    dict(block_size=1, num_blocks=90, max_num_seqs=64, max_num_batched_tokens=64),
+])
+def test_speculative_greedy_equals_generate(model, cfg):
+    """n-gram drafts verified in the ragged batch: greedy output unchanged, drafts accepted."""
+    rng = random.Random(1)
+    base = [rng.randrange(256) for _ in range(8)]
+    prompts = [(base * 4)[:rng.randint(5, 30)] for _ in range(8)]  # repetitive: n-gram hits
+    max_tokens = [rng.randint(1, 30) for _ in prompts]
+    engine = LLMEngine(model, EngineConfig(**cfg, num_speculative_tokens=3))
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
+    assert [o.token_ids for o in outs] == [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
+    assert engine.spec.num_accepted > 0
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_speculative_draft_model_is_target(model, workload):
+    """A draft model identical to the target: every greedy draft is accepted."""
+    prompts, max_tokens, refs = workload
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, num_speculative_tokens=4,
+                                           speculative_method="draft"), draft_model=model)
+    outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=k) for k in max_tokens[:4]])
+    assert [o.token_ids for o in outs] == refs[:4]
+    assert engine.spec.acceptance_rate == 1.0
+    steps_plain = sum(max_tokens[:4])
+    assert sum(r["num_seqs"] for r in engine.trace) < steps_plain   # fewer target passes per token
