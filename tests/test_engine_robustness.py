@@ -110,6 +110,10 @@ def test_no_block_leaks_random_schedules(model, data):
             prompt = data.draw(st.lists(st.integers(0, 15), min_size=1, max_size=12))
             params = SamplingParams(max_tokens=data.draw(st.integers(1, 8)),
                                     n=data.draw(st.sampled_from([1, 1, 2])))
+            if len(prompt) + params.max_tokens > cfg.num_blocks * cfg.block_size:
+                with pytest.raises(ValueError, match="whole pool"):
+                    engine.add_request(prompt, params)
+                continue
             live.append(engine.add_request(prompt, params))
         elif op == "step":
             engine.step()
