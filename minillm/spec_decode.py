@@ -117,3 +117,25 @@ def _step(target, proposer, cache, context, k, params, generator, stats) -> list
     stats.num_proposed.append(k)
     stats.num_accepted.append(n)
     return tokens[0, :n + 1].tolist()
+
+
+@torch.inference_mode()
+def teacher_forced_acceptance(target, draft, token_ids: list[int], start: int,
+                              temperature: float = 0.0, top_k=None, top_p=None) -> dict:
+    """How well `draft` predicts `target` along a fixed sequence, from one forward pass each.
+
+    For every position t >= start, with p and q the processed next-token laws after
+    token_ids[:t]: `alpha` = mean of sum_x min(p(x), q(x)) = 1 - TV(p, q), the probability that
+    rejection sampling accepts a sampled draft token (Leviathan et al.'s alpha), and `greedy` =
+    mean of [argmax p == argmax q], the acceptance rate at temperature 0.
+    """
+    x = torch.tensor([token_ids], device=target.device)                           # (1, S)
+    idx = torch.arange(start - 1, len(token_ids) - 1, device=target.device)
+    lp, lq = target(x, logits_index=idx)[0], draft(x.to(draft.device), logits_index=idx)[0]
+    greedy = (lp.argmax(-1) == lq.argmax(-1).to(lp.device)).double().mean()
+    alpha = float("nan")
+    if temperature > 0:
+        p = logits_to_probs(lp, temperature, top_k, top_p)                        # (S', V)
+        q = logits_to_probs(lq.to(lp.device), temperature, top_k, top_p)
+        alpha = float(torch.minimum(p, q).sum(-1).double().mean())
+    return {"greedy": float(greedy), "alpha": alpha, "positions": len(idx)}

@@ -1,0 +1,230 @@
+"""Speculative decoding benchmark (chapter 6): real model, batch 1, greedy, ratios from one run.
+
+1. n-gram (prompt lookup) drafting on input-grounded prompts (summarize, rewrite, extract, code
+   edit) vs minillm's plain `generate`, and transformers' `prompt_lookup_num_tokens` vs
+   transformers' plain `generate` on the same prompts.
+2. Each self-draft of the target (bf16 copy, layer-skipping copy, early-exit copy) as a draft
+   model: measured speedup vs the prediction E[tokens](a, K) / (K c + v) from the acceptance
+   rate a measured in the run, the measured cost ratio c (one draft forward / one target
+   forward) and the measured verify cost v (a K+1-token target forward / a 1-token one);
+   and transformers' assisted generation with the same draft (constant K, no confidence cut).
+
+Generation stops at the chat end-of-turn token, the same for every method; greedy speculative
+output is checked to be identical to plain output. Times are the best of `repeat` runs.
+
+    python -m minillm.bench spec [--quick]
+"""
+import time
+
+import torch
+
+from .benchutil import device_tag, write_result
+from .chat import encode_chat
+from .generate import generate
+from .hf_convert import to_hf_model
+from .kv_cache import KVCache
+from .loading import default_device, load_model
+from .proposers import (DraftModelProposer, NgramProposer, bf16_copy, early_exit_model,
+                        layer_skip_model)
+from .spec_decode import SpecStats, speculative_generate
+from .spec_theory import expected_speedup
+
+PROMPTS = {
+    "summarize": "Text: The city council met on Tuesday to discuss the new bike lanes on Main Street. "
+    "Council members agreed that the lanes will be painted green and separated from traffic by a "
+    "low curb. Work starts in March and should finish by the end of May. Shop owners asked for "
+    "loading zones, and the council promised two loading zones near the market.\n\nSummarize the "
+    "text above in three sentences, reusing its exact wording where possible.",
+    "rewrite": "Rewrite the following paragraph, changing only the word 'cat' to 'dog' everywhere "
+    "and keeping everything else the same:\n\nThe cat sat by the window every morning. The cat "
+    "watched the birds in the garden and waited for the sun. When the sun came out, the cat "
+    "stretched, yawned, and walked slowly to the kitchen to ask for breakfast.",
+    "extract": "Here are some records:\nName: Alice Smith, Email: alice.smith@example.com, City: "
+    "Paris\nName: Bob Jones, Email: bob.jones@example.com, City: Berlin\nName: Carol White, Email: "
+    "carol.white@example.com, City: Madrid\nName: David Brown, Email: david.brown@example.com, "
+    "City: Rome\n\nList every name with its email, one per line, in the format 'Name - Email'.",
+    "code_edit": "Here is a Python function:\n\ndef total_price(items, tax_rate):\n    total = 0\n"
+    "    for item in items:\n        total = total + item.price * item.quantity\n    total = total "
+    "* (1 + tax_rate)\n    return round(total, 2)\n\nRename the variable 'total' to 'subtotal' and "
+    "return the complete edited function.",
+}
+SELF_DRAFTS = {  # name -> (builder, description)
+    "bf16": (bf16_copy, "all 30 layers in bfloat16"),
+    "layer_skip": (lambda m: layer_skip_model(m, [12, 16, 20, 24]), "26 layers: skips 12, 16, 20, 24"),
+    "early_exit": (lambda m: early_exit_model(m, 24), "first 24 of 30 layers"),
+}
+SETTINGS = {False: dict(max_new_tokens=64, k_ngram=8, k_draft=4, repeat=2,
+                        draft_prompts=("summarize", "code_edit")),
+            True: dict(max_new_tokens=24, k_ngram=8, k_draft=4, repeat=1, draft_prompts=("summarize",))}
+
+
+def _best(fn, repeat: int):
+    """(best wall seconds, result of the last call)."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+@torch.inference_mode()
+def forward_time(model, context_len: int, new_tokens: int, repeat: int = 9) -> float:
+    """Fastest of `repeat` forwards over `new_tokens` tokens after `context_len` cached ones (the
+    minimum, not the median: on a shared machine other processes only ever add time)."""
+    cache = KVCache(model.config, 1, context_len + new_tokens, model.device, model.dtype)
+    model(torch.zeros(1, context_len, dtype=torch.long, device=model.device), cache=cache)
+    x = torch.ones(1, new_tokens, dtype=torch.long, device=model.device)
+    times = []
+    for _ in range(repeat):
+        cache.truncate(context_len)
+        t0 = time.perf_counter()
+        model(x, cache=cache)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _hf_generate(hf, ids, n, stop, **kw) -> list[int]:
+    x = torch.tensor([ids], device=hf.device)
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                      eos_token_id=stop, pad_token_id=stop[0], **kw)
+    return out[0, len(ids):].tolist()
+
+
+def _first_run(st: SpecStats, repeat: int) -> SpecStats:
+    """Stats of one run (the `repeat` greedy runs are identical)."""
+    n = st.num_steps // repeat
+    return SpecStats(st.num_proposed[:n], st.num_accepted[:n], st.draft_s / repeat,
+                     st.verify_s / repeat)
+
+
+def _spec_entry(t_plain, t_spec, out, ref, st: SpecStats, k, c, v, t1) -> dict:
+    """c, v: from isolated forward timings; c_loop, v_loop: from the time spent inside the run."""
+    a = st.acceptance_rate
+    pred = expected_speedup(min(a, 1.0), k, c, v)
+    steps = max(1, st.num_steps)
+    c_loop = st.draft_s / max(1, sum(st.num_proposed)) / t1
+    v_loop = st.verify_s / steps / t1
+    return {"c_loop": c_loop, "verify_cost_loop": v_loop,
+            "predicted_loop": expected_speedup(min(a, 1.0), k, c_loop, v_loop),"tokens": len(out), "seconds": t_spec, "speedup": t_plain / t_spec,
+            "same_as_plain": out == ref, "acceptance": a, "tokens_per_step": st.tokens_per_step,
+            "mean_k": sum(st.num_proposed) / max(1, st.num_steps), "steps": st.num_steps,
+            "k": k, "c": c, "verify_cost": v, "predicted": pred,
+            "predicted_ideal": expected_speedup(min(a, 1.0), k, c, 1.0),
+            "measured_over_predicted": (t_plain / t_spec) / pred}
+
+
+def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=None, tok=None,
+        num_threads: int | None = None) -> dict:
+    s = SETTINGS[quick]
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    device = torch.device(device) if device is not None else default_device()
+    if model is None:
+        model, tok = load_model(device=device)
+    stop = [tok.convert_tokens_to_ids("<|im_end|>")]
+    hf = to_hf_model(model)
+    N, Kn, Kd, rep = s["max_new_tokens"], s["k_ngram"], s["k_draft"], s["repeat"]
+    drafts = {name: build(model) for name, (build, _) in SELF_DRAFTS.items()}
+    hf_drafts = {name: to_hf_model(d) for name, d in drafts.items()}
+    for a in hf_drafts.values():
+        a.generation_config.num_assistant_tokens = Kd
+        a.generation_config.num_assistant_tokens_schedule = "constant"
+        a.generation_config.assistant_confidence_threshold = 0.0
+    result = {"settings": {**s, "draft_prompts": list(s["draft_prompts"])}, "ngram": {},
+              "self_drafts": {n: {"description": d, "prompts": {}} for n, (_, d) in SELF_DRAFTS.items()}}
+    ctx = len(encode_chat(tok, PROMPTS["summarize"])) + N // 2     # a typical context length
+    t1 = forward_time(model, ctx, 1)
+    verify = {k: forward_time(model, ctx, k + 1) / t1 for k in range(1, max(Kn, Kd) + 1)}
+    cost = {name: forward_time(d, ctx, 1) / t1 for name, d in drafts.items()}
+    result["costs"] = {"context_len": ctx, "target_forward_s": t1, "verify_cost": verify,
+                       "draft_cost_ratio": cost}
+    for name, text in PROMPTS.items():
+        ids = encode_chat(tok, text)
+        t_plain, ref = _best(lambda: generate(model, ids, N, stop_token_ids=stop), rep)
+        st = SpecStats()
+        t_spec, out = _best(lambda: speculative_generate(model, NgramProposer(), ids, N, Kn,
+                                                         stop_token_ids=stop, stats=st), rep)
+        st = _first_run(st, rep)
+        entry = _spec_entry(t_plain, t_spec, out, ref, st, Kn, 0.0, verify[Kn], t1)
+        # the same cost model fed with the steps that actually ran (k varies with the matches)
+        step_cost = sum(verify[k] if k else 1.0 for k in st.num_proposed)
+        entry["predicted_from_steps"] = len(out) / step_cost
+        t_hf, hf_ref = _best(lambda: _hf_generate(hf, ids, N, stop), rep)
+        t_hf_pl, hf_out = _best(lambda: _hf_generate(hf, ids, N, stop, prompt_lookup_num_tokens=Kn,
+                                                     max_matching_ngram_size=3), rep)
+        entry.update(plain_seconds=t_plain, plain_tokens=len(ref), hf_plain_seconds=t_hf,
+                     hf_tokens=len(hf_ref), hf_prompt_lookup_seconds=t_hf_pl,
+                     hf_speedup=t_hf / t_hf_pl, hf_same_as_ours=hf_out == ref)
+        result["ngram"][name] = entry
+        if name not in s["draft_prompts"]:
+            continue
+        for dname, draft in drafts.items():
+            st = SpecStats()
+            t_spec, out = _best(lambda: speculative_generate(
+                model, DraftModelProposer(draft), ids, N, Kd, stop_token_ids=stop, stats=st), rep)
+            entry = _spec_entry(t_plain, t_spec, out, ref, _first_run(st, rep), Kd, cost[dname],
+                                verify[Kd], t1)
+            t_hf_a, _ = _best(lambda: _hf_generate(hf, ids, N, stop, assistant_model=hf_drafts[dname]), rep)
+            entry.update(hf_speedup=t_hf / t_hf_a)
+            result["self_drafts"][dname]["prompts"][name] = entry
+    _summarize(result)
+    path = write_result("spec", result, device, out_dir)
+    from .spec_plots import plot_spec_benchmark
+    fig = plot_spec_benchmark(result)
+    fig.savefig(path.parent / f"spec_{device_tag(device)}.png", dpi=110, bbox_inches="tight")
+    result["path"] = str(path)
+    return result
+
+
+def _summarize(result: dict) -> None:
+    """Aggregate over prompts: total plain time / total speculative time, and mean prediction."""
+    ng = result["ngram"].values()
+    result["ngram_summary"] = {
+        "speedup": sum(e["plain_seconds"] for e in ng) / sum(e["seconds"] for e in ng),
+        "hf_speedup": sum(e["hf_plain_seconds"] for e in ng) / sum(e["hf_prompt_lookup_seconds"] for e in ng),
+        "predicted_from_steps": sum(e["predicted_from_steps"] for e in ng) / len(ng),
+        "acceptance": sum(e["acceptance"] for e in ng) / len(ng), "all_same": all(e["same_as_plain"] for e in ng)}
+    for d in result["self_drafts"].values():
+        es = list(d["prompts"].values())
+        if es:
+            d["summary"] = {key: sum(e[key] for e in es) / len(es) for key in
+                            ("speedup", "predicted", "predicted_ideal", "predicted_loop", "acceptance", "c",
+                             "verify_cost", "c_loop", "verify_cost_loop",
+                             "hf_speedup", "measured_over_predicted")}
+            d["summary"]["all_same"] = all(e["same_as_plain"] for e in es)
+
+
+def report(r: dict) -> str:
+    lines = ["n-gram (prompt lookup), K = %d:" % r["settings"]["k_ngram"]]
+    for name, e in r["ngram"].items():
+        lines.append(f"  {name:>10}: a={e['acceptance']:.2f} tokens/step={e['tokens_per_step']:.2f} "
+                     f"speedup {e['speedup']:.2f}x (predicted {e['predicted']:.2f}x from a, "
+                     f"{e['predicted_from_steps']:.2f}x from the steps run) | transformers "
+                     f"prompt lookup {e['hf_speedup']:.2f}x | identical={e['same_as_plain']}")
+    sm = r["ngram_summary"]
+    lines.append(f"  all prompts: minillm {sm['speedup']:.2f}x, transformers {sm['hf_speedup']:.2f}x")
+    lines.append("self-drafts, K = %d:" % r["settings"]["k_draft"])
+    for name, d in r["self_drafts"].items():
+        if "summary" in d:
+            m = d["summary"]
+            lines.append(f"  {name:>10} ({d['description']}): a={m['acceptance']:.2f} c={m['c']:.2f} "
+                         f"v={m['verify_cost']:.2f} measured {m['speedup']:.2f}x predicted "
+                         f"{m['predicted']:.2f}x (ideal v=1: {m['predicted_ideal']:.2f}x; with c, v "
+                         f"timed in the run: c={m['c_loop']:.2f} v={m['verify_cost_loop']:.2f} -> "
+                         f"{m['predicted_loop']:.2f}x) | "
+                         f"transformers assisted {m['hf_speedup']:.2f}x")
+    return "\n".join(lines + [f"wrote {r.get('path', '')}"])
+
+
+def main(args=None) -> dict:
+    import sys
+    args = sys.argv[1:] if args is None else args
+    threads = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--threads=")), None)
+    r = run(quick="--quick" in args, num_threads=threads)
+    print(report(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()
