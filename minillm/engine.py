@@ -134,9 +134,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run -> update. Returns the requests it advanced."""
         t0 = self.clock()
-        if self.spec is not None:   # draft for decoding sequences before the scheduler books blocks
-            self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1
-                               and s.output_token_ids], self.cache.k.device)
+        self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
         seqs, logits = self.runner.execute(out)
         return self._update(out, seqs, logits, t0)
@@ -168,6 +166,12 @@ class LLMEngine:
         return data
 
     # ---- internals --------------------------------------------------------------------------
+    def _draft(self) -> None:
+        """Propose drafts for decoding sequences before the scheduler books their blocks."""
+        if self.spec is not None:
+            self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1
+                               and s.output_token_ids], self.cache.k.device)
+
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1

@@ -83,7 +83,7 @@ def latency_cdfs(runs: dict[str, list]):
 def step_time_plot(traces: dict[str, list[dict]]):
     """Per-step wall time (ms) against step index, with the step's prefill tokens as bars."""
     fig, axes = plt.subplots(len(traces), 1, figsize=(9, 2.4 * len(traces)), squeeze=False,
-                             sharex=True)
+                             sharex=True, sharey=True)
     for ax, (label, trace) in zip(axes[:, 0], traces.items()):
         ms = [1e3 * (r["t_end"] - r["t_start"]) for r in trace]
         ax.plot(ms, color="C0", lw=1)
