@@ -8,7 +8,9 @@ Letters: B batch, S context length, K draft tokens, V vocab.
 - `DraftModelProposer`: any minillm-style model with the target's vocabulary samples K tokens
   with the same temperature / top-k / top-p as the target and reports its processed q. At batch 1
   it keeps a contiguous `KVCache` and rolls it back with `truncate()` to the longest prefix it
-  shares with the next context (rejected drafts simply fall off). Larger batches of equal-length
+  shares with the next context (rejected drafts simply fall off); it keeps one such cache for
+  each of up to `max_cached_seqs` sequences, so an engine can call it for one sequence after
+  another. Larger batches of equal-length
   contexts recompute without a cache (the reference path; the engine's paged cache does better).
 - Self-drafts of the target, for teaching: `bf16_copy` (the same weights in bfloat16),
   `early_exit_model` (the first L layers, then the final norm and lm_head) and `layer_skip_model`
@@ -88,8 +90,8 @@ class NgramProposer:
 class DraftModelProposer:
     """Sample K tokens from a draft model with the target's sampling parameters."""
 
-    def __init__(self, model, use_cache: bool = True):
-        self.model, self.use_cache = model, use_cache
+    def __init__(self, model, use_cache: bool = True, max_cached_seqs: int = 8):
+        self.model, self.use_cache, self.max_cached_seqs = model, use_cache, max_cached_seqs
         self.reset()
 
     @property
@@ -97,25 +99,48 @@ class DraftModelProposer:
         return self.model.config.vocab_size
 
     def reset(self) -> None:
-        self._cache, self._tokens = None, []       # batch-1 cache and the tokens it holds
+        self._slots: list[list] = []               # [KVCache, tokens it holds], most recent last
+
+    @property
+    def _cache(self):
+        return self._slots[-1][0] if self._slots else None
+
+    @staticmethod
+    def _common(a: list[int], b: list[int]) -> int:
+        m = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            m += 1
+        return m
+
+    def _slot_for(self, context: list[int]) -> list:
+        """The cache sharing the longest prefix with `context` (several sequences, e.g. from the
+        engine, each keep theirs); a new one while fewer than max_cached_seqs exist, else the
+        least recently used one is recycled."""
+        best = max(self._slots, key=lambda sl: self._common(sl[1], context), default=None)
+        if best is None or self._common(best[1], context) == 0:
+            fresh = len(self._slots) < self.max_cached_seqs
+            best = [None, []] if fresh else self._slots[0]   # else recycle the least recent
+        if best in self._slots:
+            self._slots.remove(best)
+        self._slots.append(best)
+        need = len(context) + 64
+        if best[0] is None or need > best[0].max_seq_len:
+            size = min(max(2 * need, 256), self.model.config.max_seq_len)
+            best[0] = KVCache(self.model.config, 1, size, self.model.device, self.model.dtype)
+            best[1] = []
+        return best
 
     def _logits_batch1(self, context: list[int]) -> torch.Tensor:
         """Next-token logits (1, V) after `context`, reusing the cached common prefix."""
-        need = len(context) + 64
-        if self._cache is None or need > self._cache.max_seq_len:
-            size = min(max(2 * need, 256), self.model.config.max_seq_len)
-            self._cache = KVCache(self.model.config, 1, size, self.model.device, self.model.dtype)
-            self._tokens = []
-        m = 0
-        for a, b in zip(self._tokens, context):
-            if a != b:
-                break
-            m += 1
-        m = min(m, len(context) - 1)              # always feed >= 1 token to get logits
-        self._cache.truncate(m)                   # roll back rejected drafts
+        slot = self._slot_for(context)
+        cache = slot[0]
+        m = min(self._common(slot[1], context), len(context) - 1)   # feed >= 1 token
+        cache.truncate(m)                          # roll back rejected drafts
         x = torch.tensor([context[m:]], device=self.model.device)                # (1, T)
-        logits = self.model(x, cache=self._cache, logits_index=torch.tensor([x.shape[1] - 1]))
-        self._tokens = list(context)
+        logits = self.model(x, cache=cache, logits_index=torch.tensor([x.shape[1] - 1]))
+        slot[1] = list(context)
         return logits[:, -1]                                                      # (1, V)
 
     def _step_logits(self, ids: torch.Tensor, batch1: bool) -> torch.Tensor:

@@ -139,3 +139,23 @@ def teacher_forced_acceptance(target, draft, token_ids: list[int], start: int,
         q = logits_to_probs(lq.to(lp.device), temperature, top_k, top_p)
         alpha = float(torch.minimum(p, q).sum(-1).double().mean())
     return {"greedy": float(greedy), "alpha": alpha, "positions": len(idx)}
+
+
+@torch.inference_mode()
+def replay_greedy(proposer, prompt_ids: list[int], reference: list[int], k: int) -> SpecStats:
+    """The steps greedy speculative decoding would take to produce `reference` (the target's own
+    greedy output), without running the target: each step accepts the longest prefix of the
+    proposal that matches the reference. Same counts as `speculative_generate` at temperature 0."""
+    stats, done = SpecStats(), 0
+    while done < len(reference):
+        kk = min(k, len(reference) - done - 1)
+        prop = proposer.propose([list(prompt_ids) + reference[:done]], kk) if kk else None
+        if prop is not None and prop.num_proposed is not None:
+            kk = min(kk, int(prop.num_proposed[0]))
+        n = 0
+        while n < kk and int(prop.token_ids[0, n]) == reference[done + n]:
+            n += 1
+        stats.num_proposed.append(kk)
+        stats.num_accepted.append(n)
+        done += n + 1
+    return stats

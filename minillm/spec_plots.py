@@ -98,3 +98,46 @@ def plot_spec_benchmark(result: dict):
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def explorer_view(a: float, k: int, c: float, verify_cost: float = 1.0):
+    """(Figure, text) for the explorer: speedup against K at this a, and against a at this K."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+    plot_speedup_vs_k((a,), c, max(12, k), verify_cost, ax=left)
+    left.axvline(k, color="k", lw=0.8, ls=":")
+    grid = [i / 100 for i in range(101)]
+    right.plot(grid, [th.expected_speedup(x, k, c, verify_cost) for x in grid])
+    right.axhline(1.0, color="gray", lw=0.8, ls="--")
+    right.axvline(a, color="k", lw=0.8, ls=":")
+    right.set(xlabel="acceptance rate a", ylabel="expected speedup", title=f"K = {k}, c = {c:.2f}")
+    fig.tight_layout()
+    text = (f"a={a:.2f} K={k} c={c:.2f}: E[tokens/step]={th.expected_tokens_per_step(a, k):.3f}, "
+            f"speedup={th.expected_speedup(a, k, c, verify_cost):.3f}x, "
+            f"best K={th.best_k(a, c, 16, verify_cost)}")
+    return fig, text
+
+
+def spec_explorer(a: float = 0.8, k: int = 4, c: float = 0.1):
+    """ipywidgets sliders for a, K, c redrawing `explorer_view`, then its static twin below
+    (so a notebook rendered without a widget frontend still shows a figure and the numbers)."""
+    import ipywidgets as w
+    from IPython.display import display
+    controls = {"a": w.FloatSlider(value=a, min=0.0, max=1.0, step=0.01, description="a"),
+                "k": w.IntSlider(value=k, min=1, max=16, description="K"),
+                "c": w.FloatSlider(value=c, min=0.0, max=1.0, step=0.01, description="c")}
+    out = w.Output()
+
+    def redraw(a, k, c):
+        with out:
+            out.clear_output(wait=True)
+            fig, text = explorer_view(a, k, c)
+            display(fig)
+            print(text)
+            plt.close(fig)
+    ui = w.interactive_output(redraw, controls)
+    display(w.VBox([w.HBox(list(controls.values())), out, ui]))
+    fig, text = explorer_view(a, k, c)
+    display(fig)
+    print(text)
+    plt.close(fig)
+    return fig

@@ -100,6 +100,16 @@ def break_even(a: float, k: int, t_draft: float, t_target: float) -> bool:
 
 # ---- choosing K while decoding --------------------------------------------------------------
 
+class FixedK:
+    """The same K every step."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def update(self, num_accepted: int, num_proposed: int) -> None:
+        pass
+
+
 class HeuristicK:
     """transformers' "heuristic" schedule: K += 2 after a fully accepted step, else K -= 1 (>= 1)."""
 
@@ -134,11 +144,15 @@ class AdaptiveK:
 
 
 def simulate_policy(policy, acceptance: list[float], c: float,
-                    generator: torch.Generator | None = None, verify_cost: float = 1.0) -> float:
-    """Run a K policy over a sequence of per-step acceptance rates; return the speedup."""
+                    generator: torch.Generator | None = None, verify_cost: float = 1.0,
+                    history: list | None = None) -> float:
+    """Run a K policy over a sequence of per-step acceptance rates; return the speedup.
+    The K used at each step is appended to `history` when one is given."""
     tokens = cost = 0.0
     for a in acceptance:
         k = policy.k
+        if history is not None:
+            history.append(k)
         coins = torch.rand(k, generator=generator, dtype=torch.float64) < a
         n = int(coins.long().cumprod(0).sum())
         tokens, cost = tokens + n + 1, cost + k * c + verify_cost

@@ -9,7 +9,7 @@ from minillm import generate, generate_naive, tiny_model
 from minillm import spec_theory as th
 from minillm.proposers import (DraftModelProposer, NgramProposer, early_exit_model,
                                layer_skip_model)
-from minillm.spec_decode import SpecStats, speculative_generate
+from minillm.spec_decode import SpecStats, replay_greedy, speculative_generate
 from minillm.speculative import greedy_verify, rejection_sample
 
 F64 = torch.float64
@@ -170,6 +170,16 @@ def test_greedy_spec_equals_plain_greedy_tiny(tiny_pair, name, K):
     assert sum(stats.num_accepted) + stats.num_steps == 30
 
 
+@pytest.mark.parametrize("name", ["draft", "ngram"])
+def test_replay_greedy_counts_match_the_real_loop(tiny_pair, name):
+    target, draft = tiny_pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]
+    stats = SpecStats()
+    out = speculative_generate(target, _proposers(target, draft)[name], prompt, 25, 3, stats=stats)
+    replay = replay_greedy(_proposers(target, draft)[name], prompt, out, 3)
+    assert (replay.num_proposed, replay.num_accepted) == (stats.num_proposed, stats.num_accepted)
+
+
 def test_stop_tokens_and_length(tiny_pair):
     target, draft = tiny_pair
     prompt = [3, 1, 4, 1, 5]
@@ -192,6 +202,22 @@ def test_draft_cache_rollback_matches_recompute(tiny_pair):
         assert torch.equal(a.token_ids, b.token_ids)
         assert torch.allclose(a.probs, b.probs, atol=1e-12, rtol=0)
         assert cached._cache.seq_len == len(ctx) + 2      # context and K-1 drafts fed
+
+
+def test_draft_proposer_interleaved_sequences(tiny_pair):
+    """Engine-style use: one proposer called for several sequences in turn keeps one cache each
+    and gives the same q as recomputing from scratch."""
+    _, draft = tiny_pair
+    shared, fresh = DraftModelProposer(draft, max_cached_seqs=2), DraftModelProposer(draft, use_cache=False)
+    seqs = {0: [1, 2, 3], 1: [9, 8, 7, 6], 2: [4, 4]}
+    for step in range(4):
+        for i, ctx in seqs.items():
+            a = shared.propose([ctx], 2, 1.0, None, None, torch.Generator().manual_seed(step))
+            b = fresh.propose([ctx], 2, 1.0, None, None, torch.Generator().manual_seed(step))
+            assert torch.equal(a.token_ids, b.token_ids)
+            assert torch.allclose(a.probs, b.probs, atol=1e-12, rtol=0)
+            ctx.append(int(a.token_ids[0, 0]))                   # as if one draft was accepted
+    assert len(shared._slots) == 2
 
 
 def test_ngram_lookup():
