@@ -1,0 +1,73 @@
+"""`python -m minillm demo`: the main job. Loads the real model, generates for a few prompts
+with a progress bar, prints a summary table, writes figures/demo_decode.png, then serves a
+mixed workload through the engine (continuous batching, chunked prefill) and prints its table.
+"""
+import argparse
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "Explain in two sentences why the sky is blue.", "Give three tips for a first marathon."]
+
+
+def _decode_demo(model, tok, max_new_tokens: int):
+    from .chat import encode_chat
+    from .generate import generate
+    rows, step_ms = [], []
+    for prompt in tqdm(DEMO_PROMPTS, desc="generating", unit="prompt"):
+        ids = encode_chat(tok, prompt)
+        t0 = time.perf_counter()
+        out = generate(model, ids, max_new_tokens, stop_token_ids=[tok.eos_token_id])
+        dt = time.perf_counter() - t0
+        rows.append((prompt, len(ids), len(out), len(out) / dt, 1e3 * dt / len(out),
+                     tok.decode(out, skip_special_tokens=True)))
+    print(f"\n{'prompt':<48} {'prompt':>6} {'new':>5} {'tok/s':>7} {'ms/tok':>7}")
+    for prompt, n_in, n_out, tps, ms, _ in rows:
+        print(f"{prompt[:48]:<48} {n_in:>6} {n_out:>5} {tps:>7.1f} {ms:>7.1f}")
+    print()
+    for prompt, *_, text in rows:
+        print(f"> {prompt}\n  {text.strip()[:200]!r}")
+    return rows
+
+
+def _figure(rows):
+    import matplotlib.pyplot as plt
+    from .plotting import save_figure
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh([r[0][:32] for r in rows], [r[4] for r in rows], color="tab:blue")
+    ax.set_xlabel("ms per generated token (prefill included)")
+    ax.set_title("minillm on SmolLM2-135M-Instruct, batch 1")
+    ax.invert_yaxis()
+    return save_figure(fig, "demo_decode")
+
+
+def demo(max_new_tokens: int = 48) -> None:
+    from .loading import load_model
+    from .plotting import use_headless_backend
+    use_headless_backend()
+    t0 = time.perf_counter()
+    model, tok = load_model()
+    print(f"loaded {model.config.name} ({model.config.num_params / 1e6:.1f}M params) on "
+          f"{model.device} in {time.perf_counter() - t0:.1f}s, dtype {model.dtype}")
+    rows = _decode_demo(model, tok, max_new_tokens)
+    print(f"\nwrote {_figure(rows)}")
+    try:
+        from .engine_demo import run_demo
+    except ImportError:
+        return
+    run_demo(model, tok)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minillm")
+    parser.add_argument("command", choices=["demo"], help="demo: the real model served by minillm")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    demo(args.max_new_tokens)
+
+
+if __name__ == "__main__":
+    main()

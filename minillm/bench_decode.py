@@ -1,0 +1,86 @@
+"""Decode benchmark (chapter 0): minillm vs transformers' `generate` on the real model.
+
+Same weights (transformers' LlamaForCausalLM is built from minillm's model), same prompts,
+greedy, batch 1 and batch 8, in one run. Decode time per token is taken as
+(t(N new tokens) - t(1 new token)) / (N - 1), so the prompt's prefill is not counted.
+The bandwidth floor is the weight bytes one decode step must read divided by the measured
+memory read bandwidth: no batch-1 decode can beat it.
+"""
+import torch
+from tqdm.auto import tqdm
+
+from .benchutil import time_fn, write_result
+from .chat import encode_chat
+from .generate import generate, generate_batch
+from .hf_convert import to_hf_model
+from .loading import load_model
+from .roofline_measure import measure_bandwidth
+
+PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the sea.",
+           "What is the capital of France?", "Give three tips for learning to cook.",
+           "Why is the sky blue?", "Summarize the plot of Hamlet.",
+           "How do vaccines work?", "Describe a cat to someone who has never seen one."]
+
+
+def _equal_length_prompts(tok, n: int) -> list[list[int]]:
+    ids = [encode_chat(tok, p) for p in PROMPTS[:n]]
+    T = min(len(x) for x in ids)
+    return [x[-T:] for x in ids]                       # keep the assistant header at the end
+
+
+@torch.inference_mode()
+def _ms_per_token(run, n_new: int, device, repeat: int) -> float:
+    t_n = time_fn(lambda: run(n_new), device, warmup=1, repeat=repeat)
+    t_1 = time_fn(lambda: run(1), device, warmup=1, repeat=repeat)
+    return 1e3 * (t_n - t_1) / (n_new - 1)
+
+
+def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) -> dict:
+    """Measure and write benchmarks/results/decode_<device>.json; return the record."""
+    if model is None:
+        model, tok = load_model(device=device)
+    device = model.device
+    hf = to_hf_model(model)
+    n_new, repeat = (8, 1) if quick else (64, 3)
+    bandwidth = measure_bandwidth(device)
+    weight_bytes = model.config.num_params * model.dtype.itemsize
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    rows = {}
+    for batch in tqdm([1, 8], desc="decode benchmark"):
+        prompts = _equal_length_prompts(tok, batch)
+        x = torch.tensor(prompts, device=device)
+        if batch == 1:
+            ours = lambda n: generate(model, prompts[0], n)
+        else:
+            ours = lambda n: generate_batch(model, prompts, n)
+        theirs = lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+        ms_ours = _ms_per_token(ours, n_new, device, repeat)
+        ms_hf = _ms_per_token(theirs, n_new, device, repeat)
+        rows[f"batch{batch}"] = {
+            "minillm_ms_per_step": round(ms_ours, 3), "transformers_ms_per_step": round(ms_hf, 3),
+            "minillm_tok_per_s": round(1e3 * batch / ms_ours, 2),
+            "transformers_tok_per_s": round(1e3 * batch / ms_hf, 2),
+            "speedup_vs_transformers": round(ms_hf / ms_ours, 3)}
+    b1 = rows["batch1"]["minillm_ms_per_step"]
+    record = {"model": model.config.name, "dtype": str(model.dtype).replace("torch.", ""),
+              "quick": quick, "new_tokens": n_new,
+              "units": {"ms_per_step": "ms per decode step", "tok_per_s": "generated tokens/s",
+                        "bandwidth": "GB/s", "bandwidth_floor_ms": "ms"},
+              "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
+              "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3),
+              "batch1_fraction_of_floor": round(floor_ms / b1, 3), **rows}
+    record["path"] = str(write_result("decode", record, device, out_dir))
+    return record
+
+
+def report(r: dict) -> str:
+    lines = [f"decode benchmark: {r['model']} {r['dtype']}, bandwidth {r['measured_bandwidth_GBps']} GB/s, "
+             f"floor {r['bandwidth_floor_ms']:.1f} ms/token"]
+    for b in ("batch1", "batch8"):
+        x = r[b]
+        lines.append(f"  {b}: minillm {x['minillm_ms_per_step']:.1f} ms/step ({x['minillm_tok_per_s']:.1f} tok/s), "
+                     f"transformers {x['transformers_ms_per_step']:.1f} ms/step -> "
+                     f"{x['speedup_vs_transformers']:.2f}x")
+    lines.append(f"  batch-1 decode reaches {100 * r['batch1_fraction_of_floor']:.0f}% of the bandwidth floor")
+    return "\n".join(lines)

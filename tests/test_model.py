@@ -1,0 +1,87 @@
+"""minillm's forward pass against transformers' LlamaForCausalLM with the same weights.
+
+Random models of several shapes (GQA and MHA, tied and untied) so this runs without the real
+model; transformers is the trusted reference. transformers computes RMSNorm and RoPE tables in
+float32 even for float64 models, so the float64 comparison is as tight as float32 allows.
+"""
+import pytest
+import torch
+
+import minillm
+from minillm.hf_convert import to_hf_model
+
+SHAPES = {
+    "gqa-untied": dict(n_head=4, n_kv_head=2),
+    "mha-tied": dict(n_head=4, n_kv_head=4, tie_embeddings=True),
+    "mqa-untied": dict(n_head=4, n_kv_head=1, n_layer=3),
+    "gqa-tied-wide": dict(n_head=6, n_kv_head=2, head_dim=8, d_model=48, tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-5)])
+def test_logits_match_transformers(shape, dtype, tol):
+    model = minillm.tiny_model(vocab_size=97, seed=1, dtype=dtype, **SHAPES[shape])
+    hf = to_hf_model(model)
+    x = torch.randint(0, 97, (3, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, ref = model(x), hf(x).logits
+    assert ours.shape == (3, 21, 97)
+    assert (ours - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_matches_transformers_generate(shape):
+    model = minillm.tiny_model(vocab_size=97, seed=2, dtype=torch.float64, **SHAPES[shape])
+    hf = to_hf_model(model)
+    prompt = [3, 14, 15, 92, 65, 35]
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64,
+                          min_new_tokens=64, do_sample=False, pad_token_id=0)
+    assert minillm.generate(model, prompt, 64) == ref[0, len(prompt):].tolist()
+
+
+def test_kv_cache_prefill_in_pieces_matches_one_pass():
+    """Chunks of the prompt through the cache give the same logits as one uncached pass."""
+    model = minillm.tiny_model(seed=3, dtype=torch.float64)
+    x = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(1))
+    cache = minillm.KVCache(model.config, 2, 40, dtype=torch.float64)
+    pieces = [model(x[:, a:b], cache=cache) for a, b in [(0, 7), (7, 8), (8, 30)]]
+    assert torch.allclose(torch.cat(pieces, dim=1), model(x), atol=1e-12, rtol=0)
+    assert cache.seq_len == 30
+    cache.truncate(8)                                      # rollback, then recompute the rest
+    assert torch.allclose(model(x[:, 8:], cache=cache), model(x)[:, 8:], atol=1e-12, rtol=0)
+
+
+def test_logits_index_selects_positions():
+    model = minillm.tiny_model(seed=4, dtype=torch.float64)
+    x = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    idx = torch.tensor([3, 11])
+    assert torch.allclose(model(x, logits_index=idx), model(x)[:, idx], atol=1e-12, rtol=0)
+
+
+def test_tiny_model_is_deterministic_in_seed():
+    a, b, c = (minillm.tiny_model(seed=s) for s in (5, 5, 6))
+    x = torch.arange(10)[None]
+    assert torch.equal(a(x), b(x)) and not torch.equal(a(x), c(x))
+
+
+def test_presets_and_param_counts():
+    # published sizes: SmolLM2 134.5M (tied), Llama-2-7B 6.74B, Llama-3-8B 8.03B, Llama-2-70B 68.98B
+    expected = {"smollm2-135m": 134_515_008, "llama-2-7b": 6_738_415_616,
+                "llama-3-8b": 8_030_261_248, "llama-2-70b": 68_976_648_192}
+    for name, n in expected.items():
+        assert minillm.get_config(name).num_params == n
+    real = minillm.tiny_model(**{k: v for k, v in vars(minillm.get_config("smollm2-135m")).items()
+                                 if k not in ("name", "n_layer", "vocab_size")}, n_layer=1,
+                              vocab_size=100)
+    assert sum(p.numel() for p in real.parameters()) == real.config.num_params
+
+
+@pytest.mark.parametrize("bad", [dict(n_head=4, n_kv_head=3), dict(n_layer=0), dict(d_model=-1)])
+def test_bad_config(bad):
+    with pytest.raises(ValueError):
+        minillm.tiny_model(**bad)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        minillm.get_config("gpt-5")

@@ -1,0 +1,66 @@
+"""The real SmolLM2-135M-Instruct: minillm against transformers loading the same GGUF itself.
+
+transformers' own GGUF loader is the trusted reference: it dequantizes the file independently
+of minillm's weight copy, so a wrong name mapping or layout would show up here.
+"""
+import pytest
+import torch
+
+import minillm
+from minillm.chat import encode_chat
+from minillm.loading import smollm2_gguf_path
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?",
+           "List three uses of a paperclip."]
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import AutoModelForCausalLM
+    model, tok = minillm.load_model(device="cpu")
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    return model, tok, hf
+
+
+@torch.no_grad()
+def test_logits_match_transformers(models):
+    model, tok, hf = models
+    for prompt in PROMPTS:
+        x = torch.tensor([encode_chat(tok, prompt)])
+        ours, ref = model(x), hf(x).logits
+        assert (ours - ref).abs().max().item() < 1e-3            # logits are O(10); fp32 sums
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@torch.no_grad()
+def test_greedy_64_tokens_match_transformers_generate(models):
+    model, tok, hf = models
+    for prompt in PROMPTS[:2]:
+        ids = encode_chat(tok, prompt)
+        x = torch.tensor([ids])
+        # the pad token (2) is also <|im_end|>, which chat prompts contain: pass the mask explicitly
+        # eos_token_id=None: no early stop (min_new_tokens would instead forbid the eos token)
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64,
+                          do_sample=False, eos_token_id=None)[0, len(ids):].tolist()
+        assert minillm.generate(model, ids, 64) == ref
+
+
+def test_cached_equals_naive_on_real_model(models):
+    model, tok, _ = models
+    ids = encode_chat(tok, PROMPTS[2])
+    assert minillm.generate(model, ids, 24) == minillm.generate_naive(model, ids, 24)
+
+
+def test_chat_answers(models):
+    model, tok, _ = models
+    from minillm.chat import chat
+    assert "Paris" in chat(model, tok, "What is the capital of France?", max_new_tokens=20)
+
+
+def test_prompt_longer_than_context_is_rejected(models):
+    model, _, _ = models
+    with pytest.raises(ValueError, match="context of 8192"):
+        minillm.generate(model, [1] * 8190, 5)
