@@ -198,3 +198,12 @@ def test_speculative_draft_model_is_target(model, workload):
     assert engine.spec.acceptance_rate == 1.0
     steps_plain = sum(max_tokens[:4])
     assert sum(r["num_seqs"] for r in engine.trace) < steps_plain   # fewer target passes per token
+
+
+def test_num_blocks_from_memory_budget(model):
+    """num_blocks=None: as many blocks as fit in kv_cache_memory_bytes (K and V, all layers)."""
+    from minillm.paged_attention import PagedKVCache
+    per_block = PagedKVCache.bytes_per_block(model.config, 16, torch.float64)
+    engine = LLMEngine(model, EngineConfig(num_blocks=None, kv_cache_memory_bytes=10 * per_block + 5))
+    assert engine.num_blocks == 10 and engine.num_free_blocks == 10
+    assert engine.cache.nbytes == 10 * per_block
