@@ -83,7 +83,9 @@ class GraphDecoder:
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device; the model is on {device}")
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (B, 1)
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)              # (1,)
+        # warm-up runs really execute: aim them at the last slot, which every real step at
+        # an earlier position masks out and a step at that position overwrites before reading
+        self.pos = torch.full((1,), cache.max_seq_len - 1, dtype=torch.long, device=device)  # (1,)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.inference_mode():   # warm up kernels, allocator
@@ -139,6 +141,7 @@ def measure_launch_overhead(model, steps: int = 64, prompt_len: int = 16, seed: 
     start_pos = torch.arange(prompt_len, device=device)
 
     static = StaticKVCache(cfg, 1, S, device=device, dtype=model.dtype)
+    decoder = GraphDecoder(model, static)
     first = forward_static(model, static, prompt, start_pos)[:, -1].argmax(-1)          # (1,)
     pos = torch.zeros(1, dtype=torch.long, device=device)
 
@@ -151,7 +154,6 @@ def measure_launch_overhead(model, steps: int = 64, prompt_len: int = 16, seed: 
     rewind = lambda: dynamic.truncate(prompt_len)
     eager_dynamic = lambda token, i: model(token.view(1, 1), cache=dynamic)[:, -1]
 
-    decoder = GraphDecoder(model, static)
     graph = lambda token, i: decoder.step(token, prompt_len + i)
     results = {}
     loops = (("eager_kvcache", eager_dynamic, rewind), ("eager_static", eager_static, None),

@@ -31,25 +31,24 @@ class Headline:
     label: str
     unit: str
     scale: float = 1.0        # value shown = stored value * scale (bytes/s -> GB/s, s -> ms)
-    digits: int = 2
 
 
 HEADLINES = [
-    Headline("decode", "batch1.minillm_tok_per_s", "decode, batch 1", "tok/s", digits=1),
-    Headline("decode", "batch8.minillm_tok_per_s", "decode, batch 8", "tok/s", digits=1),
+    Headline("decode", "batch1.minillm_tok_per_s", "decode, batch 1", "tok/s"),
+    Headline("decode", "batch8.minillm_tok_per_s", "decode, batch 8", "tok/s"),
     Headline("decode", "batch1.speedup_vs_transformers", "batch-1 decode vs transformers", "x"),
-    Headline("decode", "batch1_fraction_of_floor", "batch-1 decode / bandwidth floor", "%", 100, 0),
-    Headline("roofline", "hardware.mem_bandwidth", "memory bandwidth (measured)", "GB/s", 1e-9, 1),
+    Headline("decode", "batch1_fraction_of_floor", "batch-1 decode / bandwidth floor", "%", 100),
+    Headline("roofline", "hardware.mem_bandwidth", "memory bandwidth (measured)", "GB/s", 1e-9),
     Headline("roofline", "hardware.peak_flops.fp32", "fp32 matmul peak (measured)", "TFLOP/s", 1e-12),
     Headline("roofline", "decode.measured_s.0", "decode step, batch 1, S=128", "ms", 1e3),
-    Headline("serving", "throughput.continuous.tokens_per_s", "continuous batching", "tok/s", digits=1),
+    Headline("serving", "throughput.continuous.tokens_per_s", "continuous batching", "tok/s"),
     Headline("serving", "throughput.ratios.continuous_vs_static", "continuous vs static batching", "x"),
     Headline("serving", "stall_ratios.p99_itl_no_chunk_over_chunk",
              "p99 inter-token latency, no chunking / chunked", "x"),
     Headline("spec", "ngram_summary.speedup", "n-gram speculative decoding speedup", "x"),
-    Headline("spec", "ngram_summary.acceptance", "n-gram acceptance rate", "", digits=2),
-    Headline("cuda_graphs", "eager_ms_per_step", "decode step, eager", "ms", digits=3),
-    Headline("cuda_graphs", "graph_ms_per_step", "decode step, CUDA graph replay", "ms", digits=3),
+    Headline("spec", "ngram_summary.acceptance", "n-gram acceptance rate", ""),
+    Headline("cuda_graphs", "eager_ms_per_step", "decode step, eager", "ms"),
+    Headline("cuda_graphs", "graph_ms_per_step", "decode step, CUDA graph replay", "ms"),
     Headline("cuda_graphs", "graph_speedup", "CUDA graph speedup (launch overhead)", "x"),
 ]
 
@@ -81,6 +80,13 @@ def load_ledger(results_dir=None) -> list[dict]:
     return records
 
 
+def format_value(x: float, significant: int = 3) -> str:
+    """3 significant digits whatever the device: 0.0144 TFLOP/s on a CPU, 51.2 on a GPU."""
+    if abs(x) >= 10 ** significant:
+        return f"{x:.0f}"
+    return f"{x:.{significant}g}"
+
+
 def _notes(record: dict) -> str:
     notes = []
     if record.get("quick"):
@@ -103,7 +109,7 @@ def results_table(records: list[dict], headlines: list[Headline] = HEADLINES) ->
             if value is None:
                 continue
             m = r.get("machine", {})
-            shown = f"{value * h.scale:.{h.digits}f}" + (f" {h.unit}" if h.unit else "")
+            shown = format_value(value * h.scale) + (f" {h.unit}" if h.unit else "")
             rows.append(f"| {h.benchmark} | {h.label} | {shown}{_notes(r)} | "
                         f"{m.get('device_name', m.get('device', '?'))} | "
                         f"{str(m.get('date', '?'))[:10]} | {m.get('git_commit', '?')} |")

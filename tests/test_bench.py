@@ -87,13 +87,13 @@ def test_results_table_on_a_synthetic_ledger():
     lines = results_table(LEDGER).splitlines()
     assert lines[0] == "| benchmark | metric | value | device | date | commit |"
     body = lines[2:]
-    assert body[0] == "| decode | decode, batch 1 | 20.0 tok/s (quick) | AMD EPYC | 2026-11-29 | def5678 |"
-    assert body[1] == ("| decode | decode, batch 1 | 123.5 tok/s (random weights) | NVIDIA H200 | "
+    assert body[0] == "| decode | decode, batch 1 | 20 tok/s (quick) | AMD EPYC | 2026-11-29 | def5678 |"
+    assert body[1] == ("| decode | decode, batch 1 | 123 tok/s (random weights) | NVIDIA H200 | "
                        "2026-11-29 | abc1234 |")
-    assert "| 1.50 x (random weights) | NVIDIA H200" in body[3]
-    assert "| 46 % (quick) |" in body[4]
-    assert body[5].startswith("| roofline | memory bandwidth (measured) | 4.7 GB/s |")
-    assert "| 12.34 ms |" in body[6] and len(body) == 7         # metrics not recorded: no row
+    assert "| 1.5 x (random weights) | NVIDIA H200" in body[3]
+    assert "| 45.6 % (quick) |" in body[4]
+    assert body[5].startswith("| roofline | memory bandwidth (measured) | 4.71 GB/s |")
+    assert "| 12.3 ms |" in body[6] and len(body) == 7         # metrics not recorded: no row
     assert "no results" in results_table([])
     with pytest.raises(TypeError, match="records"):
         results_table({"benchmark": "decode"})
@@ -115,7 +115,7 @@ def test_update_readme_rewrites_only_between_markers(tmp_path):
     assert update_readme(readme, ledger) is True
     text = readme.read_text()
     assert text.startswith(f"# title\n\n{START}\n| benchmark |") and text.endswith(f"{END}\n\nafter\n")
-    assert "old table" not in text and "123.5 tok/s" in text
+    assert "old table" not in text and "123 tok/s" in text
     assert update_readme(readme, ledger) is False                 # idempotent
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="results:start"):

@@ -74,8 +74,8 @@ def test_graph_replay_matches_eager_decode_on_cuda():
     ids = _sequence(12).cuda()
     dense = model(ids)[0]                                           # (12, V)
     cache = StaticKVCache(model.config, 1, 32, device="cuda")
-    decoder = GraphDecoder(model, cache)                            # captured before any prefill
     forward_static(model, cache, ids[:, :7], torch.arange(7, device="cuda"))
+    decoder = GraphDecoder(model, cache)             # its warm-up must not spoil the prompt's KV
     for p in range(7, 12):
         logits = decoder.step(ids[:, p], p)                         # (1, V)
         torch.testing.assert_close(logits[0], dense[p], rtol=1e-4, atol=1e-4)
