@@ -11,7 +11,8 @@ it is skipped on random weights unless --spec-random-weights is given.
 
 DIR ends up with at most 8 files: one JSON per benchmark (<name>_<device>.json), figures.tar
 (every PNG the run drew), summary.json (status and seconds per step, the test tally) and
-gpu_run.log. Copy the JSONs into benchmarks/results/ and unpack figures.tar there.
+gpu_run.log. `python -m minillm.gpu_run --import-from DIR` copies the JSONs into
+benchmarks/results/ and unpacks figures.tar there (then `python -m minillm.results`).
 
 Left out on purpose: retries, several GPUs, installing anything on the GPU machine.
 """
@@ -38,7 +39,9 @@ SKIP_RC = 3                      # a step that cannot run here exits with this c
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m minillm.gpu_run", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="output folder (created; at most 8 files)")
+    p.add_argument("--out", default=None, help="output folder (created; at most 8 files)")
+    p.add_argument("--import-from", default=None,
+                   help="instead of running: copy a finished run's folder into benchmarks/results")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     p.add_argument("--quick", action="store_true", help="the benchmarks' small sizes")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(STEPS)}")
@@ -50,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step", default=None, help=argparse.SUPPRESS)     # internal: one step
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if (a.out is None) == (a.import_from is None):
+        p.error("give exactly one of --out DIR (run) or --import-from DIR (import a finished run)")
     steps = STEPS if a.only is None else [s.strip() for s in a.only.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
     if unknown or not steps:
@@ -125,7 +130,8 @@ def _subprocess(cmd: list[str], log: Path, limit: float, env: dict) -> tuple[str
         except subprocess.TimeoutExpired:
             rc = None
     lines = log.read_text().strip().splitlines()
-    status = "timeout" if rc is None else "ok" if rc == 0 else "skipped" if rc == SKIP_RC else f"failed (rc {rc})"
+    status = ("timeout" if rc is None else "ok" if rc == 0 else "skipped" if rc == SKIP_RC
+              else f"failed (rc {rc})")
     return status, time.perf_counter() - t0, lines[-1] if lines else ""
 
 
@@ -144,15 +150,39 @@ def _collect(work: Path, out: Path, t_start: float) -> list[str]:
     return sorted(p.name for p in pngs)
 
 
+def import_results(folder, dest=None) -> list[str]:
+    """Copy a finished run's JSONs and unpack its figures.tar into benchmarks/results/."""
+    from .benchutil import RESULTS_DIR
+    folder, dest = Path(folder), Path(dest) if dest is not None else RESULTS_DIR
+    if not (folder / "summary.json").is_file():
+        raise ValueError(f"folder {str(folder)!r} holds no summary.json: not a gpu_run output")
+    dest.mkdir(parents=True, exist_ok=True)
+    names = []
+    for p in sorted(folder.glob("*.json")):
+        if p.name != "summary.json":
+            (dest / p.name).write_text(p.read_text())
+            names.append(p.name)
+    if (folder / "figures.tar").is_file():
+        with tarfile.open(folder / "figures.tar") as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and "/" not in m.name]
+            tar.extractall(dest, members=members, filter="data")
+            names += [m.name for m in members]
+    return names
+
+
 def main(argv=None) -> dict | None:
     a = parse_args(argv)
+    if a.import_from is not None:
+        names = import_results(a.import_from)
+        print(f"[gpu_run] imported into benchmarks/results: {names}")
+        return None
     if a.step is not None:
         run_step(a.step, a.device, Path(a.work), a.quick, a.spec_random_weights)
         return None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work, log = Path(tempfile.mkdtemp(prefix="minillm_gpu_run_")), out / "gpu_run.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINILLM_TEST_DEVICE": a.device,
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MINILLM_TEST_DEVICE": a.device,
            "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t_start, summary = time.time(), {"device": a.device, "quick": a.quick, "steps": {}}
     for name in a.steps:

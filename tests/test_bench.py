@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minillm import bench, get_config, tiny_model
-from minillm.gpu_run import STEPS, parse_args
+from minillm.gpu_run import STEPS, import_results, parse_args
 from minillm.gpu_run import main as gpu_run_main
 from minillm.results import END, START, get_metric, ledger_for, results_table, update_readme
 
@@ -142,7 +142,8 @@ def test_gpu_run_arguments():
     a = parse_args(["--out", "x", "--device", "cpu", "--quick"])
     assert a.steps == STEPS and a.quick and a.device == "cpu"
     assert parse_args(["--out", "x", "--only", "tests,decode"]).steps == ["tests", "decode"]
-    for bad in (["--out", "x", "--only", "nope"], ["--out", "x", "--device", "tpu"], ["--device", "cpu"]):
+    for bad in (["--out", "x", "--only", "nope"], ["--out", "x", "--device", "tpu"], ["--device", "cpu"],
+                ["--out", "x", "--import-from", "y"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -154,3 +155,19 @@ def test_gpu_run_dry_run_on_cpu(tmp_path):
     assert "CUDA" in summary["steps"]["cuda_graphs"]["last_line"]
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert {p.name for p in files} == {"summary.json", "gpu_run.log"} and len(files) <= 8
+
+
+def test_import_results_copies_records_and_figures(tmp_path):
+    import tarfile
+    run, dest = tmp_path / "run", tmp_path / "results"
+    run.mkdir()
+    with pytest.raises(ValueError, match="summary.json"):
+        import_results(run, dest)
+    (run / "summary.json").write_text("{}")
+    (run / "decode_h200.json").write_text(json.dumps(LEDGER[0]))
+    (tmp_path / "roofline_h200.png").write_bytes(b"png")
+    with tarfile.open(run / "figures.tar", "w") as tar:
+        tar.add(tmp_path / "roofline_h200.png", arcname="roofline_h200.png")
+    assert sorted(import_results(run, dest)) == ["decode_h200.json", "roofline_h200.png"]
+    assert json.loads((dest / "decode_h200.json").read_text()) == LEDGER[0]
+    assert (dest / "roofline_h200.png").read_bytes() == b"png" and not (dest / "summary.json").exists()
