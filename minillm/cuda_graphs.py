@@ -171,3 +171,24 @@ def measure_launch_overhead(model, steps: int = 64, prompt_len: int = 16, seed: 
             "graph_ms_per_step": results["graph"],
             "graph_speedup": results["eager_kvcache"] / results["graph"],
             "graph_max_abs_diff_vs_eager": (graph_logits - eager_logits).abs().max().item()}
+
+
+def run(quick: bool = False, device=None, out_dir=None) -> dict:
+    """Benchmark entry point (`bench` dispatcher protocol): writes cuda_graphs_<gpu>.json.
+
+    On a machine without CUDA it writes nothing and returns {"skipped": reason}.
+    """
+    from .benchutil import write_result
+    from .gpu_model import bench_model
+    from .loading import default_device
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda" or not torch.cuda.is_available():
+        print("cuda_graphs: skipped, CUDA graphs need a CUDA device")
+        return {"benchmark": "cuda_graphs", "skipped": "CUDA graphs need a CUDA device"}
+    model, _, weights = bench_model(device)                  # bf16 on cuda
+    record = measure_launch_overhead(model, steps=16 if quick else 64)
+    record.update(quick=quick, weights=weights)
+    record["path"] = str(write_result("cuda_graphs", record, device, out_dir))
+    print(f"cuda_graphs: eager {record['eager_ms_per_step']:.3f} ms/step, graph "
+          f"{record['graph_ms_per_step']:.3f} ms/step -> {record['graph_speedup']:.2f}x")
+    return record

@@ -77,19 +77,16 @@ def _tag_weights(work: Path, name: str, weights: str) -> None:
 
 def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool) -> None:
     """One step, in this process (the parent runs it as a subprocess)."""
-    from .benchutil import write_result
     from .gpu_model import REAL_WEIGHTS, bench_model, random_smollm2
     from .plotting import use_headless_backend
     use_headless_backend()
     if name == "cuda_graphs":
-        from .cuda_graphs import measure_launch_overhead
-        if not str(device).startswith("cuda") or not torch.cuda.is_available():
-            print("skipped: CUDA graphs need a CUDA device")
+        from . import cuda_graphs
+        record = cuda_graphs.run(quick, device, work)
+        if "skipped" in record:
+            print(f"skipped: {record['skipped']}")
             sys.exit(SKIP_RC)
-        model, _, weights = bench_model(device)
-        record = measure_launch_overhead(model, steps=16 if quick else 64)
-        print(json.dumps(record, indent=1))
-        write_result("cuda_graphs", {**record, "quick": quick}, device, work)
+        return                                              # its record says "weights" itself
     elif name == "roofline":
         from . import bench_roofline, gpu_model, loading
         weights = REAL_WEIGHTS if gpu_model.has_real_weights() else gpu_model.RANDOM_WEIGHTS

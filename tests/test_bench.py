@@ -148,6 +148,13 @@ def test_gpu_run_arguments():
             parse_args(bad)
 
 
+def test_cuda_graphs_benchmark_skips_without_cuda(tmp_path):
+    from minillm import cuda_graphs
+    assert {"quick", "device", "out_dir"} <= set(inspect.signature(cuda_graphs.run).parameters)
+    assert "CUDA" in cuda_graphs.run(True, "cpu", tmp_path)["skipped"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_gpu_run_dry_run_on_cpu(tmp_path):
     summary = gpu_run_main(["--out", str(tmp_path), "--device", "cpu", "--quick",
                             "--only", "cuda_graphs"])
