@@ -76,7 +76,7 @@ class Scheduler:
         for q in (self.waiting, self.running, self.swapped):
             if seq in q:
                 q.remove(seq)
-        if seq.seq_id in self.bm._seqs:
+        if seq.seq_id in self.bm.seq_ids():
             self.bm.free(seq.seq_id)
         seq.swapped_kv = None
         if self.scheduling == "static" and not any(
