@@ -232,11 +232,9 @@ def test_ngram_lookup():
 @pytest.mark.slow
 def test_greedy_spec_equals_plain_greedy_real_model():
     from minillm import load_model
+    from minillm.chat import encode_chat
     model, tok = load_model(device="cpu")
-    text = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
-    prompt = tok.apply_chat_template([{"role": "user", "content": text}],
-                                     add_generation_prompt=True, tokenize=False)
-    prompt = tok(prompt)["input_ids"]
+    prompt = encode_chat(tok, "Repeat exactly: the quick brown fox jumps over the lazy dog.")
     reference = generate(model, prompt, 32)
     for proposer in (NgramProposer(), DraftModelProposer(layer_skip_model(model, [10, 12, 14]))):
         assert speculative_generate(model, proposer, prompt, 32, num_speculative_tokens=4) == reference
