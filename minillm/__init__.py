@@ -15,10 +15,13 @@ from .model import Transformer
 from .paged_attention import PagedKVCache
 from .sampling import logits_to_probs, sample
 from .sequence import RequestOutput, SamplingParams
-from .speculative import rejection_sample
+from .spec_decode import speculative_generate
+from .proposers import DraftModelProposer, NgramProposer
+from .speculative import greedy_verify, rejection_sample
 
 __all__ = ["BlockManager", "NoFreeBlocksError", "chat", "encode_chat", "PRESETS", "ModelConfig",
            "get_config", "EngineConfig", "LLMEngine", "generate", "generate_batch",
            "generate_naive", "KVCache", "default_device", "load_model", "tiny_model",
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
-           "SamplingParams", "rejection_sample"]
+           "SamplingParams", "rejection_sample", "greedy_verify", "speculative_generate",
+           "DraftModelProposer", "NgramProposer"]
