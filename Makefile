@@ -24,7 +24,7 @@ demo: setup
 	$(PY) -m minillm demo
 
 test: setup
-	$(PY) -m pytest -q tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600
+	$(PY) -m pytest -q tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 --durations=15
 
 bench: setup
 	$(PY) -m minillm.bench all
