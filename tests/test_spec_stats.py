@@ -30,12 +30,7 @@ PROMPT = [1, 2, 3, 1, 2]
 SMALL = dict(n_layer=2, n_head=2, n_kv_head=1, head_dim=8, d_model=16, d_ff=32)  # cheap at N rows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # fixture in conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,7 @@ from minillm.speculative import greedy_verify, rejection_sample
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and a busy CI box does not oversubscribe)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # fixture in conftest.py
 
 
 def random_table(V, seed, zero_frac):
