@@ -26,11 +26,10 @@ from tqdm.auto import tqdm
 from .benchutil import write_result
 from .engine import EngineConfig, LLMEngine
 from .engine_viz import step_time_plot, throughput_bars
-from .plotting import save_figure
 from .workloads import long_prompt_workload, poisson_workload, replay
 
 SETTINGS = {  # quick: a smoke run of a minute or two; full: the numbers in the chapters
-    False: dict(num_requests=48, batch=16, prompt_len=(16, 128), output_len=(8, 192),
+    False: dict(num_requests=128, batch=16, prompt_len=(16, 128), output_len=(4, 128),
                 num_running=8, running_out=48, long_prompt=1024, chunk=128),
     True: dict(num_requests=16, batch=8, prompt_len=(8, 32), output_len=(4, 48),
                num_running=4, running_out=16, long_prompt=256, chunk=32),
@@ -146,7 +145,7 @@ def stall(model, s: dict, chunks=None, seed: int = 0) -> tuple[dict, dict]:
 
 
 def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=None) -> dict:
-    """Both benchmarks; writes serving_<device>.json and figures/serving_*.png; returns the record."""
+    """Both benchmarks; writes serving_<device>.json and two figures beside it; returns the record."""
     if model is None:
         from .loading import load_model
         model, _ = load_model(device=device)
@@ -162,8 +161,9 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
     path = write_result("serving", res, device=model.device, out_dir=out_dir)
     tp = {k: v["tokens_per_s"] for k, v in res["throughput"].items()
           if isinstance(v, dict) and "tokens_per_s" in v}
-    save_figure(throughput_bars(tp), "serving_throughput")
-    save_figure(step_time_plot(traces), "serving_stall_steps")
+    tag = path.stem.rsplit("_", 1)[1]
+    for fig, stem in ((throughput_bars(tp), "serving_throughput"), (step_time_plot(traces), "serving_stall")):
+        fig.savefig(path.parent / f"{stem}_{tag}.png", dpi=110, bbox_inches="tight", metadata={"Software": None})
     print(f"wrote {path}")
     for k, v in res["throughput"]["ratios"].items():
         print(f"throughput {k}: {v:.2f}x")

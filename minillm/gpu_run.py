@@ -132,18 +132,15 @@ def _subprocess(cmd: list[str], log: Path, limit: float, env: dict) -> tuple[str
     return status, time.perf_counter() - t0, lines[-1] if lines else ""
 
 
-def _collect(work: Path, out: Path, t_start: float) -> list[str]:
+def _collect(work: Path, out: Path) -> list[str]:
     """JSONs to out/, every PNG drawn during the run into out/figures.tar."""
     pngs = [p for p in work.glob("*.png")]
-    pngs += [p for p in (REPO_ROOT / "figures").glob("serving_*.png") if p.stat().st_mtime >= t_start]
     for p in sorted(work.glob("*.json")):
         (out / p.name).write_text(p.read_text())
     if pngs:
-        tag = next((p.stem.rsplit("_", 1)[1] for p in work.glob("*_*.json")), "dev")
         with tarfile.open(out / "figures.tar", "w") as tar:
             for p in pngs:
-                arc = p.name if p.parent == work else f"{p.stem}_{tag}.png"
-                tar.add(p, arcname=arc)
+                tar.add(p, arcname=p.name)
     return sorted(p.name for p in pngs)
 
 
@@ -197,7 +194,7 @@ def main(argv=None) -> dict | None:
         status, seconds, last = _subprocess(cmd, log, min(STEP_LIMIT_S[name] * a.limit_scale, left), env)
         summary["steps"][name] = {"status": status, "seconds": round(seconds, 1), "last_line": last}
         print(f"[gpu_run] {name}: {status} in {seconds:.0f}s | {last}", flush=True)
-    summary["figures"] = _collect(work, out, t_start)
+    summary["figures"] = _collect(work, out)
     summary["tests_read_device_env"] = any("MINILLM_TEST_DEVICE" in (REPO_ROOT / t).read_text()
                                            for t in TESTS)
     summary["total_seconds"] = round(time.time() - t_start, 1)

@@ -43,6 +43,8 @@ HEADLINES = [
     Headline("roofline", "decode.measured_s.0", "decode step, batch 1, S=128", "ms", 1e3),
     Headline("serving", "throughput.continuous.tokens_per_s", "continuous batching", "tok/s"),
     Headline("serving", "throughput.ratios.continuous_vs_static", "continuous vs static batching", "x"),
+    Headline("serving", "throughput.ratios.continuous_vs_hf_generate_batch",
+             "continuous batching vs transformers generate_batch", "x"),
     Headline("serving", "stall_ratios.p99_itl_no_chunk_over_chunk",
              "p99 inter-token latency, no chunking / chunked", "x"),
     Headline("spec", "ngram_summary.speedup", "n-gram speculative decoding speedup", "x"),
