@@ -46,6 +46,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 2**20
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
+    prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
+    prompt_lookup_max: int = 3
     seed: int = 0                                 # for requests without their own seed
 
     def __post_init__(self):
@@ -62,6 +64,9 @@ class EngineConfig:
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got "
                              f"{self.speculative_method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
@@ -74,7 +79,8 @@ class LLMEngine:
         self.spec = None
         if cfg.num_speculative_tokens > 0:
             self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
-                                    draft_model, mc.max_seq_len)
+                                    draft_model, mc.max_seq_len,
+                                    ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
         param = next(model.parameters())
         per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
@@ -209,6 +215,9 @@ class LLMEngine:
                 num_decode += n
             else:
                 prefill_ids.append(seq.request_id)
+            m = self.requests[seq.request_id].metrics
+            if seq.index == 0 and m.first_token_time is None:
+                m.num_cached_tokens = seq.num_cached_tokens
             seq.num_computed_tokens += n
             if not seq.draft_token_ids:
                 bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
@@ -218,6 +227,9 @@ class LLMEngine:
             if seq.draft_token_ids:                     # verify K drafts with K + 1 logits rows
                 k = len(seq.draft_token_ids)
                 toks = self.spec.verify(seq, logits[r:r + k + 1], self.runner.generator)
+                req.metrics.num_spec_steps += 1
+                req.metrics.num_draft_tokens += k
+                req.metrics.num_accepted_tokens += len(toks) - 1
                 seq.num_computed_tokens -= k + 1 - len(toks)   # rejected drafts' KV is void
                 bm.truncate(seq.seq_id, seq.num_computed_tokens)
                 bm.mark_computed(seq.seq_id, seq.num_computed_tokens)

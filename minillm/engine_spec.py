@@ -25,13 +25,15 @@ from .speculative import greedy_verify, rejection_sample
 
 
 class SpecDecoder:
-    def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None):
+    def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None,
+                 ngram: tuple[int, int] = (1, 3)):
         if method not in ("ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {method!r}")
         if method == "draft" and draft_model is None:
             raise ValueError("speculative_method='draft' needs LLMEngine(..., draft_model=...)")
         self.k, self.method, self.max_seq_len = k, method, max_seq_len
-        self.proposer = NgramProposer() if method == "ngram" else DraftModelProposer(draft_model)
+        self.proposer = (NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1]) if method == "ngram"
+                         else DraftModelProposer(draft_model))
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verify_steps = 0

@@ -13,13 +13,12 @@ as a real step's hundreds of MB of weights cannot.
 """
 import math
 import os
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from minillm.benchutil import time_fn
 from minillm.config import ModelConfig
 from minillm.roofline import (Hardware, OpCost, decode_costs, dtype_bytes, dtype_name,
                               op_time, step_time, total_cost)
@@ -34,27 +33,11 @@ def _device(device) -> torch.device:
     return torch.device(device)
 
 
-def timeit(fn, device, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall seconds of fn() over `repeats` runs (device synchronized)."""
-    device = _device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: sum a fp32 buffer far larger than any cache."""
     device = _device(device)
     x = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=device)
-    return x.numel() * 4 / timeit(lambda: x.sum(), device, repeats)
+    return x.numel() * 4 / time_fn(lambda: x.sum(), device, repeat=repeats)
 
 
 def measure_matmul_flops(device=None, dtype="fp32", n: int = 1024, repeats: int = 3) -> float:
@@ -62,7 +45,7 @@ def measure_matmul_flops(device=None, dtype="fp32", n: int = 1024, repeats: int 
     device = _device(device)
     a = torch.randn(n, n, device=device).to(_TORCH[dtype_name(dtype)])
     b = torch.randn(n, n, device=device).to(a.dtype)
-    return 2.0 * n**3 / timeit(lambda: a @ b, device, repeats)
+    return 2.0 * n**3 / time_fn(lambda: a @ b, device, repeat=repeats)
 
 
 def _memory_bytes(device: torch.device) -> float:
@@ -137,7 +120,7 @@ def time_matmul(hw: Hardware, m: int, k: int, n: int, dtype="fp32", device=None,
     def run():
         for wt in ws:
             x @ wt                                                          # (m, k) @ (k, n)
-    seconds = timeit(run, device, repeats) / copies
+    seconds = time_fn(run, device, repeat=repeats) / copies
     return MeasuredPoint(cost.name, cost.flops, cost.bytes, seconds, op_time(cost, hw, dtype))
 
 
@@ -211,6 +194,6 @@ def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 1
             model(ids, cache=cache)                                   # (B, 1, V)
             cache.truncate(context_len)
         with torch.inference_mode():
-            out.append(timeit(step, model.device, repeats))
+            out.append(time_fn(step, model.device, repeat=repeats))
         del cache
     return out

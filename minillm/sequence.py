@@ -100,7 +100,10 @@ class RequestMetrics:
     finish_step: int | None = None
     num_generated: int = 0
     num_preemptions: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache
+    num_spec_steps: int = 0                    # speculative decoding: verify steps,
+    num_draft_tokens: int = 0                  # draft tokens proposed,
+    num_accepted_tokens: int = 0               # and those accepted
     token_times: list[float] = field(default_factory=list)   # when each token of completion 0 came
 
     @property
@@ -119,9 +122,14 @@ class RequestMetrics:
             return None
         return (self.finish_time - self.first_token_time) / (self.num_generated - 1)
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None without speculative decoding)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e)
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, acceptance_rate=self.acceptance_rate)
         return d
 
 

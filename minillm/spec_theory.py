@@ -49,6 +49,17 @@ def expected_speedup(a: float, k: int, c: float, verify_cost: float = 1.0) -> fl
     return expected_tokens_per_step(a, k) / (k * c + verify_cost)
 
 
+def speedup_with_prefill(num_tokens: int, step_speedup: float, prefill_cost: float,
+                         draft_prefill_cost: float = 0.0) -> float:
+    """Whole-request speedup when both runs also pay a prefill. Costs in one-token target forwards:
+    plain = prefill + num_tokens; speculative = prefill + draft prefill + num_tokens / step_speedup.
+    A draft model must read the prompt too, which a short generation does not amortize."""
+    if num_tokens < 1 or step_speedup <= 0 or prefill_cost < 0 or draft_prefill_cost < 0:
+        raise ValueError(f"need num_tokens >= 1, step_speedup > 0 and prefill costs >= 0, got "
+                         f"{num_tokens}, {step_speedup}, {prefill_cost}, {draft_prefill_cost}")
+    return (prefill_cost + num_tokens) / (prefill_cost + draft_prefill_cost + num_tokens / step_speedup)
+
+
 def best_k(a: float, c: float, k_max: int = 16, verify_cost: float = 1.0) -> int:
     """The K in 0..k_max with the largest expected speedup (0 means: do not speculate)."""
     return max(range(k_max + 1), key=lambda k: expected_speedup(a, k, c, verify_cost) - 1e-12 * k)

@@ -97,6 +97,7 @@ def test_prefix_hits_match_shared_length(model):
     engine.generate([system + [1, 2]], SamplingParams(max_tokens=2))
     outs = engine.generate([system + [3, 4, 5], system + [6]], SamplingParams(max_tokens=3))
     assert engine.block_manager.stats["hit_blocks"] == 2 * 10
+    assert [o.metrics.num_cached_tokens for o in outs] == [30, 30]      # 10 whole blocks each
     assert outs[0].token_ids == generate(model, system + [3, 4, 5], 3)
     assert outs[1].token_ids == generate(model, system + [6], 3)
 
@@ -185,6 +186,8 @@ def test_speculative_greedy_equals_generate(model, cfg):
     outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
     assert [o.token_ids for o in outs] == [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
     assert engine.spec.num_accepted > 0
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == engine.spec.num_accepted
+    assert sum(o.metrics.num_draft_tokens for o in outs) == engine.spec.num_proposed
     assert engine.num_free_blocks == engine.num_blocks
 
 
@@ -196,6 +199,14 @@ def test_speculative_draft_model_is_target(model, workload):
     outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=k) for k in max_tokens[:4]])
     assert [o.token_ids for o in outs] == refs[:4]
     assert engine.spec.acceptance_rate == 1.0
+    for o, k in zip(outs, max_tokens[:4]):      # prefill gives 1 token, each verify step k + 1
+        done, steps, drafts = 1, 0, 0
+        while done < k:
+            kk = min(4, k - done - 1)
+            done, steps, drafts = done + kk + 1, steps + (kk > 0), drafts + kk
+        m = o.metrics
+        assert (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens) == (steps, drafts, drafts)
+        assert m.acceptance_rate == (1.0 if drafts else None)
     steps_plain = sum(max_tokens[:4])
     assert sum(r["num_seqs"] for r in engine.trace) < steps_plain   # fewer target passes per token
 

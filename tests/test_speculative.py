@@ -255,6 +255,15 @@ def test_best_k_and_break_even():
     assert th.simulate_speculation(0.3, 2, 0.1, 100_000, torch.Generator().manual_seed(1)) > 1.1
 
 
+def test_speedup_with_prefill():
+    # 64 tokens at 2x per step; prefill = 10 target forwards, the draft's own prefill = 20:
+    # plain 10 + 64 = 74 units, speculative 10 + 20 + 32 = 62 units -> 74 / 62.
+    assert th.speedup_with_prefill(64, 2.0, 10.0, 20.0) == pytest.approx(74 / 62)
+    assert th.speedup_with_prefill(64, 2.0, 0.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        th.speedup_with_prefill(0, 2.0, 1.0)
+
+
 def test_estimate_acceptance_recovers_a():
     g = torch.Generator().manual_seed(0)
     coins = torch.rand(50_000, 4, generator=g) < 0.7
