@@ -1,6 +1,7 @@
 """`python -m minillm demo`: the main job. Loads the real model, generates for a few prompts
 with a progress bar, prints a summary table, writes figures/demo_decode.png, then serves a
-mixed workload through the engine (continuous batching, chunked prefill) and prints its table.
+mixed workload through the engine (continuous batching, chunked prefill) and prints its table,
+and serves input-grounded prompts with and without n-gram speculative decoding.
 """
 import argparse
 import time
@@ -54,10 +55,11 @@ def demo(max_new_tokens: int = 48) -> None:
     rows = _decode_demo(model, tok, max_new_tokens)
     print(f"\nwrote {_figure(rows)}")
     try:
-        from .engine_demo import run_demo
+        from .engine_demo import run_demo, run_spec_demo
     except ImportError:
         return
     run_demo(model, tok)
+    run_spec_demo(model, tok)
 
 
 def main(argv=None) -> None:

@@ -1,8 +1,9 @@
 """`make demo`'s serving part: a mixed workload through `LLMEngine` on the real model, then a
-summary table (per-request TTFT / TPOT / end-to-end, and throughput), static vs continuous.
+summary table (per-request TTFT / TPOT / end-to-end, and throughput), static vs continuous; then
+input-grounded prompts with and without n-gram speculative decoding (chapter 6).
 
-    from minillm.engine_demo import run_demo
-    run_demo(model, tokenizer)
+    from minillm.engine_demo import run_demo, run_spec_demo
+    run_demo(model, tokenizer); run_spec_demo(model, tokenizer)
 """
 import numpy as np
 
@@ -48,4 +49,34 @@ def run_demo(model, tokenizer, num_requests: int = 12, max_num_seqs: int = 4, se
     ratio = result["static"]["seconds"] / result["continuous"]["seconds"]
     print(f"continuous / static throughput: {ratio:.2f}x "
           f"({result['static']['steps']} vs {result['continuous']['steps']} engine steps)")
+    return result
+
+
+def run_spec_demo(model, tokenizer, max_tokens: int = 48, k: int = 8) -> dict:
+    """Chapter 6 in the engine: the benchmark's input-grounded prompts served together, plain and
+    with n-gram drafts (greedy, so the outputs must be identical); prints a table."""
+    from .bench_spec import PROMPTS
+    prompts = [encode_chat(tokenizer, t) for t in PROMPTS.values()]
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop)
+    configs = {"plain": EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512),
+               f"n-gram K={k}": EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512,
+                                              num_speculative_tokens=k, speculative_method="ngram",
+                                              prompt_lookup_min=2)}
+    print(f"\n{'decoding':<11} {'steps':>6} {'tokens':>7} {'tok/s':>9}   acceptance per prompt")
+    result, outs = {}, {}
+    for label, cfg in configs.items():
+        engine = LLMEngine(model, cfg)
+        t0 = engine.clock()
+        outs[label] = engine.generate(prompts, params)
+        seconds = engine.clock() - t0
+        tokens = sum(len(o.token_ids) for o in outs[label])
+        acc = "  ".join(f"{name} {o.metrics.acceptance_rate:.2f}" for name, o in zip(PROMPTS, outs[label])
+                        if o.metrics.acceptance_rate is not None)
+        print(f"{label:<11} {len(engine.trace):>6} {tokens:>7} {tokens / seconds:>9.1f}   {acc}")
+        result[label] = {"seconds": seconds, "tokens": tokens, "steps": len(engine.trace)}
+    plain, spec = (result[x]["seconds"] for x in configs)
+    same = [o.token_ids for o in outs["plain"]] == [o.token_ids for o in outs[f"n-gram K={k}"]]
+    print(f"speculative / plain throughput: {plain / spec:.2f}x, identical outputs: {same}")
+    result["identical"] = same
     return result
