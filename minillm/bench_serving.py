@@ -163,7 +163,8 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
           if isinstance(v, dict) and "tokens_per_s" in v}
     tag = path.stem.rsplit("_", 1)[1]
     for fig, stem in ((throughput_bars(tp), "serving_throughput"), (step_time_plot(traces), "serving_stall")):
-        fig.savefig(path.parent / f"{stem}_{tag}.png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+        fig.savefig(path.parent / f"{stem}_{tag}.png", dpi=110, bbox_inches="tight",
+                    metadata={"Software": None})
     print(f"wrote {path}")
     for k, v in res["throughput"]["ratios"].items():
         print(f"throughput {k}: {v:.2f}x")

@@ -299,7 +299,8 @@ def report(r: dict) -> str:
         b = r["small_batch"]
         lines.append(f"batch of {b['batch']} in the engine, n-gram K = {r['settings']['k_ngram']}: "
                      f"{b['plain']['tokens_per_s']:.1f} -> {b['ngram']['tokens_per_s']:.1f} tokens/s = "
-                     f"{b['speedup']:.2f}x (a={b['ngram']['acceptance']:.2f}, identical={b['same_as_plain']})")
+                     f"{b['speedup']:.2f}x (a={b['ngram']['acceptance']:.2f}, "
+                     f"identical={b['same_as_plain']})")
     return "\n".join(lines + [f"wrote {r.get('path', '')}"])
 
 
