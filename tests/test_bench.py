@@ -171,9 +171,10 @@ def test_import_results_copies_records_and_figures(tmp_path):
     with pytest.raises(ValueError, match="summary.json"):
         import_results(run, dest)
     (run / "summary.json").write_text("{}")
-    (run / "decode_h200.json").write_text(json.dumps(LEDGER[0]))
+    (tmp_path / "decode_h200.json").write_text(json.dumps(LEDGER[0]))
     (tmp_path / "roofline_h200.png").write_bytes(b"png")
-    with tarfile.open(run / "figures.tar", "w") as tar:
+    with tarfile.open(run / "results.tar", "w") as tar:
+        tar.add(tmp_path / "decode_h200.json", arcname="decode_h200.json")
         tar.add(tmp_path / "roofline_h200.png", arcname="roofline_h200.png")
     assert sorted(import_results(run, dest)) == ["decode_h200.json", "roofline_h200.png"]
     assert json.loads((dest / "decode_h200.json").read_text()) == LEDGER[0]

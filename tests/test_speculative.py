@@ -174,6 +174,24 @@ def test_replay_greedy_counts_match_the_real_loop(tiny_pair, name):
     assert (replay.num_proposed, replay.num_accepted) == (stats.num_proposed, stats.num_accepted)
 
 
+def test_timing_replay_runs_the_real_schedule(tiny_pair):
+    """spec_replay with the weights that produced the output: the logits accept exactly what the
+    schedule says at every step (check=True), and the steps are those of the real loop. With
+    another model's output the check fails: the replay is not free to invent its schedule."""
+    from minillm.spec_replay import replay
+    target, draft = tiny_pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
+    out = generate(target, prompt, 30)
+    stats = SpecStats()
+    assert speculative_generate(target, NgramProposer(min_ngram=2), prompt, 30, 4, stats=stats) == out
+    r = replay(target, prompt, out, 4, NgramProposer(min_ngram=2), check=True)
+    assert (r["num_proposed"], r["num_accepted"]) == (stats.num_proposed, stats.num_accepted)
+    assert sum(stats.num_accepted) > 0 and r["tokens"] == 30
+    other = generate(draft, prompt, 30)
+    with pytest.raises(AssertionError, match="accepted"):
+        replay(target, prompt, other, 4, NgramProposer(min_ngram=2), check=True)
+
+
 def test_stop_tokens_and_length(tiny_pair):
     target, draft = tiny_pair
     prompt = [3, 1, 4, 1, 5]

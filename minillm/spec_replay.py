@@ -1,0 +1,173 @@
+"""Time n-gram speculative decoding on any device from a recorded greedy schedule (chapter 6).
+
+Greedy speculative decoding with prompt lookup is a deterministic function of the prompt and the
+target's greedy output: which tokens get drafted, how many are accepted, which forward passes run.
+How long a forward pass takes depends on its shape (tokens fed, context length), not on the weight
+values. So the real model's outputs, recorded once where the weights are (`record`), can be
+replayed on a machine that cannot hold the weights, with random weights of the same architecture,
+and the times measured there are the times the real model would take:
+
+- plain: `generate` for exactly as many tokens (one prefill, then one forward per token);
+- speculative: the loop of `speculative_generate` (prefill, then per step the n-gram lookup on the
+  host, one (k+1)-token verify forward, `greedy_verify`, the KV rollback), with the number of
+  accepted drafts taken from the recorded output instead of the (random) logits.
+
+`replay(..., check=True)` on the real weights asserts that the logits accept exactly what the
+schedule says (tests/test_speculative.py does this on a tiny model), so the loop is the real one.
+
+    python -m minillm.spec_replay record     # real weights -> benchmarks/spec_schedule.json
+    python -m minillm.bench spec_replay      # any weights, any device -> spec_replay_<device>.json
+
+Left out on purpose: draft-model schedules (their cost needs the draft's own timings), sampling.
+"""
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .benchutil import write_result
+from .generate import generate
+from .kv_cache import KVCache
+from .plotting import REPO_ROOT
+from .proposers import NgramProposer
+from .speculative import greedy_verify
+
+SCHEDULE = REPO_ROOT / "benchmarks" / "spec_schedule.json"
+SETTINGS = {False: dict(k=8, min_ngram=2, max_ngram=3, repeat=3),
+            True: dict(k=8, min_ngram=2, max_ngram=3, repeat=1)}
+
+
+def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -> dict:
+    """Greedy outputs of the real model for each prompt (stopping at the chat end-of-turn)."""
+    from .chat import encode_chat
+    stop = [tok.convert_tokens_to_ids("<|im_end|>")]
+    data = {"model": model.config.name, "max_new_tokens": max_new_tokens, "prompts": {}}
+    for name, text in prompts.items():
+        ids = encode_chat(tok, text)
+        data["prompts"][name] = {"prompt": ids, "output": generate(model, ids, max_new_tokens,
+                                                                   stop_token_ids=stop)}
+    Path(path).write_text(json.dumps(data) + "\n")
+    return data
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
+           check: bool = False) -> dict:
+    """(plain seconds, speculative seconds, steps) of producing `output` after `prompt`."""
+    if not prompt or not output:
+        raise ValueError("prompt and output must be non-empty token-id lists")
+    proposer = proposer or NgramProposer(min_ngram=2)
+    dev, N = model.device, len(output)
+    _sync(dev)
+    t0 = time.perf_counter()
+    generate(model, prompt, N)                                       # no stop: exactly N tokens
+    _sync(dev)
+    t_plain = time.perf_counter() - t0
+
+    cache = KVCache(model.config, 1, len(prompt) + N + k + 1, dev, model.dtype)
+    num_proposed, num_accepted = [], []
+    _sync(dev)
+    t0 = time.perf_counter()
+    if len(prompt) > 1:
+        model(torch.tensor([prompt[:-1]], device=dev), cache=cache,
+              logits_index=torch.tensor([len(prompt) - 2]))
+    done = 0
+    while done < N:
+        context, start = prompt + output[:done], cache.seq_len
+        kk = min(k, N - done - 1)
+        prop = proposer.propose([context], kk) if kk else None
+        if prop is not None:
+            kk = min(kk, int(prop.num_proposed[0]))
+        cand = prop.token_ids[0, :kk].tolist() if kk else []
+        drafts = torch.tensor([cand], dtype=torch.long, device=dev)                   # (1, kk)
+        x = torch.cat([torch.tensor([[context[-1]]], device=dev), drafts], dim=1)     # (1, kk + 1)
+        logits = model(x, cache=cache)                                                # (1, kk + 1, V)
+        if kk:                                                # what the logits say
+            tokens, n_logits = greedy_verify(logits, drafts)
+            n_logits, next_tok = int(n_logits[0]), int(tokens[0, n_logits[0]])
+        else:                                                 # a plain decode step
+            n_logits, next_tok = 0, int(logits[0, -1].argmax())
+        n = 0                                                 # what the real model accepted
+        while n < kk and cand[n] == output[done + n]:
+            n += 1
+        if check and (n_logits, next_tok) != (n, output[done + n]):
+            raise AssertionError(f"step at token {done}: the logits give {n_logits} accepted "
+                                 f"then {next_tok}, the recorded output {n} then {output[done + n]}")
+        cache.truncate(start + 1 + n)
+        num_proposed.append(kk)
+        num_accepted.append(n)
+        done += n + 1
+    _sync(dev)
+    t_spec = time.perf_counter() - t0
+    return {"tokens": N, "plain_seconds": t_plain, "spec_seconds": t_spec,
+            "speedup": t_plain / t_spec, "steps": len(num_proposed),
+            "tokens_per_step": N / len(num_proposed), "num_proposed": num_proposed,
+            "num_accepted": num_accepted}
+
+
+def run(quick: bool = False, device=None, out_dir=None, model=None, schedule=SCHEDULE) -> dict:
+    """Replay every recorded prompt (best of `repeat`); writes spec_replay_<device>.json."""
+    from .gpu_model import bench_model
+    s = SETTINGS[bool(quick)]
+    data = json.loads(Path(schedule).read_text())
+    weights = "given"
+    if model is None:
+        model, _, weights = bench_model(device)        # fp32 on a CPU, bf16 on a GPU
+    proposer = NgramProposer(min_ngram=s["min_ngram"], max_ngram=s["max_ngram"])
+    res = {"settings": s, "schedule_model": data["model"], "weights": weights,
+           "dtype": str(model.dtype), "prompts": {},
+           "units": {"plain_seconds": "s (best of repeat)", "spec_seconds": "s (best of repeat)",
+                     "speedup": "plain / speculative time", "tokens_per_step": "tokens per target pass"}}
+    first = next(iter(data["prompts"].values()))
+    replay(model, first["prompt"], first["output"][:4], s["k"], proposer)      # warm-up
+    for name, p in data["prompts"].items():
+        best = None
+        for _ in range(s["repeat"]):
+            r = replay(model, p["prompt"], p["output"], s["k"], proposer)
+            if best is None:
+                best = r
+            best["plain_seconds"] = min(best["plain_seconds"], r["plain_seconds"])
+            best["spec_seconds"] = min(best["spec_seconds"], r["spec_seconds"])
+        best["speedup"] = best["plain_seconds"] / best["spec_seconds"]
+        res["prompts"][name] = best
+    ps = res["prompts"].values()
+    res["speedup"] = sum(r["plain_seconds"] for r in ps) / sum(r["spec_seconds"] for r in ps)
+    res["path"] = str(write_result("spec_replay", res, device=model.device, out_dir=out_dir))
+    return res
+
+
+def report(r: dict) -> str:
+    lines = [f"n-gram schedule of {r['schedule_model']} replayed with {r['weights']} weights, "
+             f"K = {r['settings']['k']}:"]
+    for name, e in r["prompts"].items():
+        lines.append(f"  {name:>10}: {e['tokens']} tokens in {e['steps']} steps "
+                     f"({e['tokens_per_step']:.2f}/step): {e['speedup']:.2f}x")
+    lines.append(f"  all prompts: {r['speedup']:.2f}x   wrote {r['path']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m minillm.spec_replay")
+    p.add_argument("command", nargs="?", default="replay", choices=["record", "replay"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    if a.command == "record":
+        from .bench_spec import PROMPTS
+        from .loading import load_model
+        model, tok = load_model(device="cpu")
+        record(model, tok, PROMPTS)
+        print(f"wrote {SCHEDULE}")
+    else:
+        print(report(run(a.quick, a.device)))
+
+
+if __name__ == "__main__":
+    main()
