@@ -100,7 +100,7 @@ def _load_folder(folder: Path):
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()), name=folder.name)
     hf_state = {}
     for f in files:
-        hf_state.update(load_file(f))
+        hf_state.update({k: v.clone() for k, v in load_file(f).items()})    # out of the mmap
     tok = None
     if any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         from transformers import AutoTokenizer
@@ -117,7 +117,9 @@ def _load_smollm2():
     weights, meta = folder / "model.safetensors", folder / "minillm_config.json"
     if weights.is_file() and meta.is_file():
         cfg = ModelConfig(**json.loads(meta.read_text()))
-        state = load_file(weights)
+        # load_file maps the file; copy out of the page cache so the weights live in ordinary
+        # memory: measured here, decode over file-mapped fp32 weights ran 5-10% slower
+        state = {k: v.clone() for k, v in load_file(weights).items()}
         if cfg.tie_embeddings:
             state["lm_head.weight"] = state["embed.weight"]
         return _from_state_dict(cfg, state), AutoTokenizer.from_pretrained(folder)
