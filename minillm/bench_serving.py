@@ -7,7 +7,8 @@
    - transformers `generate` in fixed padded batches of B (each batch runs to its longest output);
    - transformers `generate_batch`-style continuous batching (its manager, with `num_blocks` and
      `max_batch_tokens` passed explicitly; its defaults size the cache from system memory).
-   Throughput = generated tokens / wall seconds (only requested tokens count, not padding).
+   Throughput = generated tokens / wall seconds (only requested tokens count, not padding); the
+   two one-minute runs (continuous, generate_batch) are the faster of two.
 2. Long-prompt stall: `num_running` requests decode when a long prompt arrives (step-clocked,
    so every run sees the same arrival). Without chunked prefill that prompt runs in one step and
    every running request waits for it. We report the p99 *inter-token* latency of the running
@@ -101,9 +102,14 @@ def throughput(model, s: dict, seed: int = 0) -> dict:
                "hf_padded_generate": lambda: _hf_padded(hf, workload, B),
                "hf_generate_batch": lambda: _hf_continuous(hf, workload, B, num_blocks=256,
                                                            max_batch_tokens=512)}
+    # the two short runs (about a minute each on a 2-core CPU) are repeated and the faster kept:
+    # on a shared machine one slow minute moved their ratio by 20%; the long runs average it out
+    repeats = {"continuous": 2, "hf_generate_batch": 2}
     for name, fn in tqdm(methods.items(), desc="throughput runs"):
         try:
-            res[name] = fn()
+            runs = [fn() for _ in range(repeats.get(name, 1))]
+            res[name] = min(runs, key=lambda r: r["seconds"])
+            res[name]["runs_seconds"] = [r["seconds"] for r in runs]
         except Exception as e:                              # report, do not hide, a failure
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"{name}: {res[name]}", flush=True)
