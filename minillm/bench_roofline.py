@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchutil import device_tag, write_result
+from minillm.benchutil import save_figure_beside, write_result
 from minillm.plotting import use_headless_backend
 from minillm.roofline import decode_costs, step_time, total_cost
 from minillm.roofline_measure import (decode_breakdown, matmul_points, measure_decode_steps,
@@ -57,13 +57,12 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results",
         "decode_breakdown_b1": parts,
     }
     path = write_result("roofline", result, device=device, out_dir=out_dir)
-    out, tag = path.parent, device_tag(device)
     dec_pts = [(f"B={b}", total_cost(decode_costs(cfg, b, S, dt))) for b in batches]
     fig = plot_roofline(hw, dt, predicted=dec_pts, measured=points,
                         title=f"{hw.name}: matmuls (squares) and SmolLM2 decode (circles)")
-    fig.savefig(out / f"roofline_{tag}.png", dpi=110, bbox_inches="tight")
+    save_figure_beside(fig, path, "roofline")
     fig = plot_decode_vs_batch(batches, predicted, measured, title=f"SmolLM2 decode, S={S}")
-    fig.savefig(out / f"roofline_decode_{tag}.png", dpi=110, bbox_inches="tight")
+    save_figure_beside(fig, path, "roofline_decode")
     _report(result, path)
     return result
 

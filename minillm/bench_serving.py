@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .benchutil import write_result
+from .benchutil import save_figure_beside, write_result
 from .engine import EngineConfig, LLMEngine
 from .engine_viz import step_time_plot, throughput_bars
 from .workloads import long_prompt_workload, poisson_workload, replay
@@ -167,10 +167,8 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
     path = write_result("serving", res, device=model.device, out_dir=out_dir)
     tp = {k: v["tokens_per_s"] for k, v in res["throughput"].items()
           if isinstance(v, dict) and "tokens_per_s" in v}
-    tag = path.stem.rsplit("_", 1)[1]
-    for fig, stem in ((throughput_bars(tp), "serving_throughput"), (step_time_plot(traces), "serving_stall")):
-        fig.savefig(path.parent / f"{stem}_{tag}.png", dpi=110, bbox_inches="tight",
-                    metadata={"Software": None})
+    save_figure_beside(throughput_bars(tp), path, "serving_throughput")
+    save_figure_beside(step_time_plot(traces), path, "serving_stall")
     print(f"wrote {path}")
     for k, v in res["throughput"]["ratios"].items():
         print(f"throughput {k}: {v:.2f}x")

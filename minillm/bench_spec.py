@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .benchutil import device_tag, write_result
+from .benchutil import save_figure_beside, write_result
 from .chat import encode_chat
 from .generate import generate
 from .hf_convert import to_hf_model
@@ -220,8 +220,7 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
     _summarize(result)
     path = write_result("spec", result, device, out_dir)
     from .spec_plots import plot_spec_benchmark
-    fig = plot_spec_benchmark(result)
-    fig.savefig(path.parent / f"spec_{device_tag(device)}.png", dpi=110, bbox_inches="tight")
+    save_figure_beside(plot_spec_benchmark(result), path, "spec")
     result["path"] = str(path)
     return result
 

@@ -102,6 +102,14 @@ def write_result(name: str, payload: dict, device="cpu", out_dir=None) -> Path:
     return path
 
 
+def save_figure_beside(fig, record_path, stem: str) -> Path:
+    """Write `fig` as <stem>_<device-tag>.png next to a record written by `write_result`."""
+    record_path = Path(record_path)
+    path = record_path.parent / f"{stem}_{record_path.stem.rsplit('_', 1)[1]}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
 def load_results(name: str | None = None, results_dir=None) -> list[dict]:
     """Every committed result (optionally of one benchmark), for notebooks and the README table."""
     folder = Path(results_dir) if results_dir is not None else RESULTS_DIR

@@ -55,28 +55,17 @@ def run_demo(model, tokenizer, num_requests: int = 12, max_num_seqs: int = 4, se
 def run_spec_demo(model, tokenizer, max_tokens: int = 48, k: int = 8) -> dict:
     """Chapter 6 in the engine: the benchmark's input-grounded prompts served together, plain and
     with n-gram drafts (greedy, so the outputs must be identical); prints a table."""
-    from .bench_spec import PROMPTS
+    from .bench_spec import PROMPTS, small_batch
     prompts = [encode_chat(tokenizer, t) for t in PROMPTS.values()]
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop)
-    configs = {"plain": EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512),
-               f"n-gram K={k}": EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512,
-                                              num_speculative_tokens=k, speculative_method="ngram",
-                                              prompt_lookup_min=2)}
+    r = small_batch(model, prompts, stop, dict(max_new_tokens=max_tokens, k_ngram=k, min_ngram=2,
+                                               repeat=1))
+    acc = "  ".join(f"{name} {a:.2f}" for name, a in zip(PROMPTS, r["ngram"]["acceptance_per_request"])
+                    if a is not None)
     print(f"\n{'decoding':<11} {'steps':>6} {'tokens':>7} {'tok/s':>9}   acceptance per prompt")
-    result, outs = {}, {}
-    for label, cfg in configs.items():
-        engine = LLMEngine(model, cfg)
-        t0 = engine.clock()
-        outs[label] = engine.generate(prompts, params)
-        seconds = engine.clock() - t0
-        tokens = sum(len(o.token_ids) for o in outs[label])
-        acc = "  ".join(f"{name} {o.metrics.acceptance_rate:.2f}" for name, o in zip(PROMPTS, outs[label])
-                        if o.metrics.acceptance_rate is not None)
-        print(f"{label:<11} {len(engine.trace):>6} {tokens:>7} {tokens / seconds:>9.1f}   {acc}")
-        result[label] = {"seconds": seconds, "tokens": tokens, "steps": len(engine.trace)}
-    plain, spec = (result[x]["seconds"] for x in configs)
-    same = [o.token_ids for o in outs["plain"]] == [o.token_ids for o in outs[f"n-gram K={k}"]]
-    print(f"speculative / plain throughput: {plain / spec:.2f}x, identical outputs: {same}")
-    result["identical"] = same
-    return result
+    for label, name in (("plain", "plain"), ("ngram", f"n-gram K={k}")):
+        x = r[label]
+        print(f"{name:<11} {x['steps']:>6} {x['tokens']:>7} {x['tokens_per_s']:>9.1f}   "
+              f"{acc if label == 'ngram' else ''}")
+    print(f"speculative / plain throughput: {r['speedup']:.2f}x, identical outputs: {r['same_as_plain']}")
+    return r

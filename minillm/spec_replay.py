@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .benchutil import write_result
+from .benchutil import sync, write_result
 from .generate import generate
 from .kv_cache import KVCache
 from .plotting import REPO_ROOT
@@ -51,11 +51,6 @@ def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -
     return data
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
            check: bool = False) -> dict:
@@ -64,15 +59,15 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
         raise ValueError("prompt and output must be non-empty token-id lists")
     proposer = proposer or NgramProposer(min_ngram=2)
     dev, N = model.device, len(output)
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     generate(model, prompt, N)                                       # no stop: exactly N tokens
-    _sync(dev)
+    sync(dev)
     t_plain = time.perf_counter() - t0
 
     cache = KVCache(model.config, 1, len(prompt) + N + k + 1, dev, model.dtype)
     num_proposed, num_accepted = [], []
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     if len(prompt) > 1:
         model(torch.tensor([prompt[:-1]], device=dev), cache=cache,
@@ -103,7 +98,7 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
         num_proposed.append(kk)
         num_accepted.append(n)
         done += n + 1
-    _sync(dev)
+    sync(dev)
     t_spec = time.perf_counter() - t0
     return {"tokens": N, "plain_seconds": t_plain, "spec_seconds": t_spec,
             "speedup": t_plain / t_spec, "steps": len(num_proposed),
