@@ -5,14 +5,23 @@ greedy, batch 1 and batch 8, in one run. Decode time per token is taken as
 (t(N new tokens) - t(1 new token)) / (N - 1), so the prompt's prefill is not counted.
 The bandwidth floor is the weight bytes one decode step must read divided by the measured
 memory read bandwidth: no batch-1 decode can beat it.
+
+`forward_cost` times one forward of 1..17 new tokens after a 128-token context, with minillm's
+skinny CPU matmul route (`minillm.model.Linear`) on and off: the cost curve a decode batch and a
+speculative verify step pay, and the evidence for the route on the machine that runs it.
 """
+import statistics
+import time
+
 import torch
 from tqdm.auto import tqdm
 
 from .benchutil import time_fn, write_result
 from .chat import encode_chat
 from .generate import generate, generate_batch
+from . import model as model_module
 from .hf_convert import to_hf_model
+from .kv_cache import KVCache
 from .loading import load_model
 from .roofline_measure import measure_bandwidth
 
@@ -33,6 +42,29 @@ def _ms_per_token(run, n_new: int, device, repeat: int) -> float:
     t_n = time_fn(lambda: run(n_new), device, warmup=1, repeat=repeat)
     t_1 = time_fn(lambda: run(1), device, warmup=1, repeat=repeat)
     return 1e3 * (t_n - t_1) / (n_new - 1)
+
+
+@torch.inference_mode()
+def forward_cost(model, rows=(1, 2, 3, 4, 5, 8, 9, 12, 16, 17), context: int = 128,
+                 rounds: int = 5) -> dict:
+    """Median ms of one forward over `rows` new tokens, skinny route on ("skinny") and off
+    ("F.linear"); rounds interleave every case so drift spreads evenly."""
+    cache = KVCache(model.config, 1, context + max(rows), model.device, model.dtype)
+    model(torch.ones(1, context, dtype=torch.long, device=model.device), cache=cache)
+    saved, routes = model_module.SMALL_ROWS, {"skinny": max(16, model_module.SMALL_ROWS), "F.linear": 0}
+    samples = {(r, n): [] for r in routes for n in rows}
+    try:
+        for _ in range(rounds):
+            for (route, n), times in samples.items():
+                model_module.SMALL_ROWS = routes[route]
+                cache.truncate(context)
+                x = torch.ones(1, n, dtype=torch.long, device=model.device)
+                t0 = time.perf_counter()
+                model(x, cache=cache)
+                times.append(1e3 * (time.perf_counter() - t0))
+    finally:
+        model_module.SMALL_ROWS = saved
+    return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows} for r in routes}
 
 
 def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) -> dict:
@@ -70,6 +102,9 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
               "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3),
               "batch1_fraction_of_floor": round(floor_ms / b1, 3), **rows}
+    if device.type == "cpu":
+        record["forward_cost"] = forward_cost(model, rounds=2 if quick else 5)
+        record["units"]["forward_cost"] = "ms per forward of N new tokens (128 cached)"
     record["path"] = str(write_result("decode", record, device, out_dir))
     return record
 
@@ -83,4 +118,8 @@ def report(r: dict) -> str:
                      f"transformers {x['transformers_ms_per_step']:.1f} ms/step -> "
                      f"{x['speedup_vs_transformers']:.2f}x")
     lines.append(f"  batch-1 decode reaches {100 * r['batch1_fraction_of_floor']:.0f}% of the bandwidth floor")
+    for route, cost in r.get("forward_cost", {}).items():
+        one = cost["1"]
+        lines.append(f"  forward of N tokens / of 1 token, {route:>8}: "
+                     + " ".join(f"{n}:{ms / one:.2f}" for n, ms in cost.items()) + f" (1 token {one:.0f} ms)")
     return "\n".join(lines)

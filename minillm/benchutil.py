@@ -30,9 +30,14 @@ def _cpu_name() -> str:
 
 
 def git_commit() -> str:
+    """Short hash of HEAD, with "+dirty" when minillm/ has uncommitted changes (the code measured
+    is then not the commit named)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, text=True, capture_output=True,
+                              timeout=5).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True,
-                              capture_output=True, timeout=5).stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD") or "unknown"
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "minillm") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -48,6 +48,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# CPU fp32 products with at most this many rows (tokens) take the skinny route in `Linear`;
+# 0 turns it off (every product goes through F.linear)
+SMALL_ROWS = 16
+
+
+class Linear(nn.Linear):
+    """nn.Linear with a faster route on CPU for a handful of rows (tokens).
+
+    A decode step, a speculative verify step (K + 1 tokens) and a small decode batch multiply a
+    few rows by a big weight: the cost should be one read of the weight from memory, whatever the
+    number of rows. PyTorch's CPU `x @ W^T` (MKL) is far from that on the project's CPU (2-core
+    AMD EPYC, fp32): 2-16 rows cost about twice one row. Computing the same product as
+    `(W @ x^T)^T` brings 2-5 rows down to about one row's cost. With more than one thread a single
+    row is fed twice, because there the matrix-vector routine (one core) is slower than the
+    two-column product (all cores); with one thread it keeps `F.linear`. Larger inputs (prefill)
+    keep `F.linear`, which is faster there; GPUs always use it. `python -m minillm.bench decode`
+    measures both routes on whole forwards (`forward_cost` in decode_<device>.json) and chapter 1
+    on one matmul, so another CPU can check the choice; `minillm.model.SMALL_ROWS = 0` turns the
+    route off. Same math; rounding differs in the last bits (tests/test_model.py).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or self.bias is not None
+                or not 1 <= rows <= SMALL_ROWS):
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, -1)
+        if rows == 1:
+            if torch.get_num_threads() == 1:
+                return F.linear(x, self.weight)
+            x2 = torch.cat([x2, x2])                                # two rows beat one (see above)
+        y = torch.mm(self.weight, x2.t())[:, :rows]                 # (out, rows): one pass over W
+        return y.t().contiguous().view(*x.shape[:-1], -1)
+
+
 class DenseCausalAttention:
     """The no-cache reference: causal attention over exactly the tokens passed in."""
 
@@ -63,9 +98,9 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # q, k and v come out of one fused matmul: one weight read instead of three
-        self.qkv_proj = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim,
+        self.qkv_proj = Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim,
                                   bias=False)
-        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.o_proj = Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x, cos, sin, cache):
         B, T, _ = x.shape
@@ -86,8 +121,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate_up_proj = Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down_proj = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)           # (B, T, F) each
@@ -116,7 +151,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 

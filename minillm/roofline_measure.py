@@ -136,6 +136,38 @@ def matmul_points(hw: Hardware, k: int, n: int, batches=(1, 4, 16, 64, 256),
             for m, lab in tqdm(shapes, desc="matmuls", disable=not progress)]
 
 
+def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), device=None,
+                        repeats: int = 3, min_weight_bytes: float = 128 * 2**20) -> dict:
+    """Seconds of (rows, k) @ W^T for a weight W (n, k) stored as nn.Linear stores it, by two
+    routes: `F.linear` (what nn.Linear calls) and minillm's `Linear` (its skinny CPU route,
+    minillm.model.SMALL_ROWS), each cycling through enough weight copies to defeat the caches.
+    Also the bandwidth bound: one read of the weight. Returns {route: [seconds per row count]}."""
+    from . import model as model_module
+    device = _device(device)
+    copies = max(1, math.ceil(min_weight_bytes / (k * n * 4)))
+    g = torch.Generator(device=device).manual_seed(0)
+    layers = []
+    for _ in range(copies):
+        lin = model_module.Linear(k, n, bias=False).to(device)
+        lin.weight.data = torch.randn(n, k, generator=g, device=device)
+        layers.append(lin)
+    saved, out = model_module.SMALL_ROWS, {"F.linear": [], "minillm Linear": [], "bound": []}
+    try:
+        with torch.inference_mode():
+            for m in rows:
+                x = torch.randn(m, k, generator=g, device=device)
+                out["F.linear"].append(time_fn(lambda: [torch.nn.functional.linear(x, lin.weight)
+                                                         for lin in layers], device, repeat=repeats) / copies)
+                model_module.SMALL_ROWS = max(16, saved)
+                out["minillm Linear"].append(time_fn(lambda: [lin(x) for lin in layers], device,
+                                                     repeat=repeats) / copies)
+                model_module.SMALL_ROWS = saved
+                out["bound"].append(k * n * 4 / hw.mem_bandwidth)
+    finally:
+        model_module.SMALL_ROWS = saved
+    return out
+
+
 def decode_weight_bytes(cfg: ModelConfig, dtype="fp32") -> float:
     """Bytes of the weights a decode step streams: every linear layer and lm_head."""
     d, D, L = cfg.d_model, cfg.head_dim, cfg.n_layer

@@ -51,6 +51,46 @@ def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -
     return data
 
 
+def schedule(prompt: list[int], output: list[int], k: int, proposer=None) -> dict:
+    """The greedy n-gram schedule alone, no model: per step the drafts proposed and accepted.
+
+    Enough for the ceiling of prompt lookup on a recorded output: with every forward of up to
+    k + 1 tokens as cheap as a 1-token one and drafting free, `len(output) / steps` is the decode
+    speedup no hardware can beat for this K (chapter 6)."""
+    if not prompt or not output or k < 1:
+        raise ValueError("prompt and output must be non-empty token-id lists and k >= 1")
+    proposer = proposer or NgramProposer(min_ngram=2)
+    num_proposed, num_accepted, done, N = [], [], 0, len(output)
+    while done < N:
+        kk = min(k, N - done - 1)
+        prop = proposer.propose([prompt + output[:done]], kk) if kk else None
+        kk = min(kk, int(prop.num_proposed[0])) if prop is not None else 0
+        cand = prop.token_ids[0, :kk].tolist() if kk else []
+        n = 0
+        while n < kk and cand[n] == output[done + n]:
+            n += 1
+        num_proposed.append(kk)
+        num_accepted.append(n)
+        done += n + 1
+    return {"tokens": N, "steps": len(num_proposed), "num_proposed": num_proposed,
+            "num_accepted": num_accepted}
+
+
+def ceiling(data: dict, k: int, proposer=None, prefill_cost: dict | None = None) -> dict:
+    """Speedup of each recorded prompt (and all together) if verify were free: plain runs a
+    prefill then N - 1 one-token steps, speculative a prefill then its steps. `prefill_cost`
+    (prompt name -> cost in 1-token steps, e.g. from spec_<device>.json) defaults to 0."""
+    prefill_cost = prefill_cost or {}
+    out, num, den = {}, 0.0, 0.0
+    for name, p in data["prompts"].items():
+        s = schedule(p["prompt"], p["output"], k, proposer)
+        pre = prefill_cost.get(name, 0.0)
+        out[name] = (pre + s["tokens"] - 1) / (pre + s["steps"])
+        num, den = num + pre + s["tokens"] - 1, den + pre + s["steps"]
+    out["all"] = num / den
+    return out
+
+
 @torch.inference_mode()
 def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
            check: bool = False) -> dict:

@@ -85,3 +85,32 @@ def test_bad_config(bad):
         minillm.tiny_model(**bad)
     with pytest.raises(ValueError, match="unknown model preset"):
         minillm.get_config("gpt-5")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
+@pytest.mark.parametrize("lead", [(), (1,), (2,)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_routes_match_float64(rows, lead, threads, monkeypatch):
+    """`Linear`'s skinny CPU route ((W @ x^T)^T, one row fed twice with several threads) and
+    F.linear both agree with the product computed in float64, for any rows and leading shape."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_linear_routes(rows, lead, monkeypatch)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _check_linear_routes(rows, lead, monkeypatch):
+    torch.manual_seed(rows)
+    lin = minillm.model.Linear(48, 96, bias=False)
+    x = torch.randn(*lead, rows, 48)
+    ref = (x.double() @ lin.weight.double().t())
+    outs = {}
+    for small_rows in (0, 16):                        # 0: the skinny route is off
+        monkeypatch.setattr(minillm.model, "SMALL_ROWS", small_rows)
+        outs[small_rows] = lin(x)
+        assert outs[small_rows].shape == (*lead, rows, 96)
+        torch.testing.assert_close(outs[small_rows].double(), ref, atol=1e-5, rtol=1e-5)
+    if rows > 16:                                      # too many rows: the route is not taken
+        assert torch.equal(outs[0], outs[16])

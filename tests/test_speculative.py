@@ -178,7 +178,7 @@ def test_timing_replay_runs_the_real_schedule(tiny_pair):
     """spec_replay with the weights that produced the output: the logits accept exactly what the
     schedule says at every step (check=True), and the steps are those of the real loop. With
     another model's output the check fails: the replay is not free to invent its schedule."""
-    from minillm.spec_replay import replay
+    from minillm.spec_replay import ceiling, replay, schedule
     target, draft = tiny_pair
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
     out = generate(target, prompt, 30)
@@ -187,6 +187,10 @@ def test_timing_replay_runs_the_real_schedule(tiny_pair):
     r = replay(target, prompt, out, 4, NgramProposer(min_ngram=2), check=True)
     assert (r["num_proposed"], r["num_accepted"]) == (stats.num_proposed, stats.num_accepted)
     assert sum(stats.num_accepted) > 0 and r["tokens"] == 30
+    s = schedule(prompt, out, 4, NgramProposer(min_ngram=2))        # the same without a model
+    assert (s["num_proposed"], s["num_accepted"]) == (stats.num_proposed, stats.num_accepted)
+    c = ceiling({"prompts": {"p": {"prompt": prompt, "output": out}}}, 4, NgramProposer(min_ngram=2))
+    assert c["p"] == c["all"] == pytest.approx(29 / stats.num_steps)
     other = generate(draft, prompt, 30)
     with pytest.raises(AssertionError, match="accepted"):
         replay(target, prompt, other, 4, NgramProposer(min_ngram=2), check=True)
