@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 from .benchutil import time_fn, write_result
 from .chat import encode_chat
 from .generate import generate, generate_batch
-from . import model as model_module
 from .hf_convert import to_hf_model
 from .kv_cache import KVCache
 from .loading import load_model
+from .model import skinny_route
 from .roofline_measure import measure_bandwidth
 
 PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the sea.",
@@ -51,19 +51,16 @@ def forward_cost(model, rows=(1, 2, 3, 4, 5, 8, 9, 12, 16, 17), context: int = 1
     ("F.linear"); rounds interleave every case so drift spreads evenly."""
     cache = KVCache(model.config, 1, context + max(rows), model.device, model.dtype)
     model(torch.ones(1, context, dtype=torch.long, device=model.device), cache=cache)
-    saved, routes = model_module.SMALL_ROWS, {"skinny": max(16, model_module.SMALL_ROWS), "F.linear": 0}
+    routes = {"skinny": True, "F.linear": False}
     samples = {(r, n): [] for r in routes for n in rows}
-    try:
-        for _ in range(rounds):
-            for (route, n), times in samples.items():
-                model_module.SMALL_ROWS = routes[route]
-                cache.truncate(context)
-                x = torch.ones(1, n, dtype=torch.long, device=model.device)
+    for _ in range(rounds):
+        for (route, n), times in samples.items():
+            cache.truncate(context)
+            x = torch.ones(1, n, dtype=torch.long, device=model.device)
+            with skinny_route(routes[route]):
                 t0 = time.perf_counter()
                 model(x, cache=cache)
                 times.append(1e3 * (time.perf_counter() - t0))
-    finally:
-        model_module.SMALL_ROWS = saved
     return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows} for r in routes}
 
 

@@ -36,7 +36,7 @@ from .loading import default_device, load_model
 from .proposers import (DraftModelProposer, NgramProposer, bf16_copy, early_exit_model,
                         layer_skip_model)
 from .spec_decode import SpecStats, speculative_generate
-from .spec_theory import expected_speedup, speedup_with_prefill
+from .spec_theory import expected_speedup, free_verify_costs, speedup_with_prefill
 
 PROMPTS = {
     "summarize": "Text: The city council met on Tuesday to discuss the new bike lanes on Main Street. "
@@ -263,13 +263,12 @@ def _summarize(result: dict) -> None:
     """Aggregate over prompts: total plain time / total speculative time, and mean prediction."""
     ng = result["ngram"].values()
     # the ceiling of these runs' own schedules: every forward of up to K + 1 tokens as cheap as a
-    # 1-token step (v = 1) and drafting free. Plain: prefill, then N - 1 one-token steps;
-    # speculative: prefill, then its steps. In units of one 1-token forward.
-    for e in ng:
-        e["ceiling_v1"] = (e["prefill_cost"] + e["tokens"] - 1) / (e["prefill_cost"] + e["steps"])
+    # 1-token step (v = 1) and drafting free
+    costs = [free_verify_costs(e["tokens"], e["steps"], e["prefill_cost"]) for e in ng]
+    for e, (plain, spec) in zip(ng, costs):
+        e["ceiling_v1"] = plain / spec
     result["ngram_summary"] = {
-        "ceiling_v1": (sum(e["prefill_cost"] + e["tokens"] - 1 for e in ng)
-                       / sum(e["prefill_cost"] + e["steps"] for e in ng)),
+        "ceiling_v1": sum(p for p, _ in costs) / sum(s for _, s in costs),
         "speedup": sum(e["plain_seconds"] for e in ng) / sum(e["seconds"] for e in ng),
         "hf_speedup": sum(e["hf_plain_seconds"] for e in ng) / sum(e["hf_prompt_lookup_seconds"] for e in ng),
         "predicted_from_steps": sum(e["predicted_from_steps"] for e in ng) / len(ng),

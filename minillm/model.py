@@ -11,6 +11,8 @@ other cache is tested against.
 
 Left out on purpose: dropout, training code, rope scaling variants, sliding windows, biases.
 """
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -65,8 +67,8 @@ class Linear(nn.Linear):
     two-column product (all cores); with one thread it keeps `F.linear`. Larger inputs (prefill)
     keep `F.linear`, which is faster there; GPUs always use it. `python -m minillm.bench decode`
     measures both routes on whole forwards (`forward_cost` in decode_<device>.json) and chapter 1
-    on one matmul, so another CPU can check the choice; `minillm.model.SMALL_ROWS = 0` turns the
-    route off. Same math; rounding differs in the last bits (tests/test_model.py).
+    on one matmul, so another CPU can check the choice; `minillm.model.SMALL_ROWS = 0` (or
+    `with skinny_route(False):`) turns the route off. Same math; rounding differs in the last bits (tests/test_model.py).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +83,19 @@ class Linear(nn.Linear):
             x2 = torch.cat([x2, x2])                                # two rows beat one (see above)
         y = torch.mm(self.weight, x2.t())[:, :rows]                 # (out, rows): one pass over W
         return y.t().contiguous().view(*x.shape[:-1], -1)
+
+
+@contextmanager
+def skinny_route(on: bool):
+    """Turn `Linear`'s skinny CPU route on (up to 16 rows, or SMALL_ROWS if larger) or off for a
+    block of code, e.g. to time both routes; the setting is restored afterwards."""
+    global SMALL_ROWS
+    saved = SMALL_ROWS
+    SMALL_ROWS = max(16, saved) if on else 0
+    try:
+        yield
+    finally:
+        SMALL_ROWS = saved
 
 
 class DenseCausalAttention:

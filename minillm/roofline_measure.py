@@ -142,29 +142,25 @@ def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), 
     routes: `F.linear` (what nn.Linear calls) and minillm's `Linear` (its skinny CPU route,
     minillm.model.SMALL_ROWS), each cycling through enough weight copies to defeat the caches.
     Also the bandwidth bound: one read of the weight. Returns {route: [seconds per row count]}."""
-    from . import model as model_module
+    from .model import Linear, skinny_route
     device = _device(device)
     copies = max(1, math.ceil(min_weight_bytes / (k * n * 4)))
     g = torch.Generator(device=device).manual_seed(0)
     layers = []
     for _ in range(copies):
-        lin = model_module.Linear(k, n, bias=False).to(device)
+        lin = Linear(k, n, bias=False).to(device)
         lin.weight.data = torch.randn(n, k, generator=g, device=device)
         layers.append(lin)
-    saved, out = model_module.SMALL_ROWS, {"F.linear": [], "minillm Linear": [], "bound": []}
-    try:
-        with torch.inference_mode():
-            for m in rows:
-                x = torch.randn(m, k, generator=g, device=device)
-                out["F.linear"].append(time_fn(lambda: [torch.nn.functional.linear(x, lin.weight)
-                                                         for lin in layers], device, repeat=repeats) / copies)
-                model_module.SMALL_ROWS = max(16, saved)
+    out = {"F.linear": [], "minillm Linear": [], "bound": []}
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, k, generator=g, device=device)
+            out["F.linear"].append(time_fn(lambda: [torch.nn.functional.linear(x, lin.weight)
+                                                     for lin in layers], device, repeat=repeats) / copies)
+            with skinny_route(True):
                 out["minillm Linear"].append(time_fn(lambda: [lin(x) for lin in layers], device,
                                                      repeat=repeats) / copies)
-                model_module.SMALL_ROWS = saved
-                out["bound"].append(k * n * 4 / hw.mem_bandwidth)
-    finally:
-        model_module.SMALL_ROWS = saved
+            out["bound"].append(k * n * 4 / hw.mem_bandwidth)
     return out
 
 

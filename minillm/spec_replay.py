@@ -31,6 +31,7 @@ from .generate import generate
 from .kv_cache import KVCache
 from .plotting import REPO_ROOT
 from .proposers import NgramProposer
+from .spec_theory import free_verify_costs
 from .speculative import greedy_verify
 
 SCHEDULE = REPO_ROOT / "benchmarks" / "spec_schedule.json"
@@ -51,6 +52,20 @@ def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -
     return data
 
 
+def _drafts(proposer, context: list[int], k: int) -> list[int]:
+    """The proposer's drafts for `context`, at most k of them (none when k == 0)."""
+    prop = proposer.propose([context], k) if k else None
+    return prop.token_ids[0, :min(k, int(prop.num_proposed[0]))].tolist() if prop is not None else []
+
+
+def _num_matching(cand: list[int], output: list[int], done: int) -> int:
+    """How many drafts agree with the recorded output from position `done` on."""
+    n = 0
+    while n < len(cand) and cand[n] == output[done + n]:
+        n += 1
+    return n
+
+
 def schedule(prompt: list[int], output: list[int], k: int, proposer=None) -> dict:
     """The greedy n-gram schedule alone, no model: per step the drafts proposed and accepted.
 
@@ -62,14 +77,9 @@ def schedule(prompt: list[int], output: list[int], k: int, proposer=None) -> dic
     proposer = proposer or NgramProposer(min_ngram=2)
     num_proposed, num_accepted, done, N = [], [], 0, len(output)
     while done < N:
-        kk = min(k, N - done - 1)
-        prop = proposer.propose([prompt + output[:done]], kk) if kk else None
-        kk = min(kk, int(prop.num_proposed[0])) if prop is not None else 0
-        cand = prop.token_ids[0, :kk].tolist() if kk else []
-        n = 0
-        while n < kk and cand[n] == output[done + n]:
-            n += 1
-        num_proposed.append(kk)
+        cand = _drafts(proposer, prompt + output[:done], min(k, N - done - 1))
+        n = _num_matching(cand, output, done)
+        num_proposed.append(len(cand))
         num_accepted.append(n)
         done += n + 1
     return {"tokens": N, "steps": len(num_proposed), "num_proposed": num_proposed,
@@ -84,9 +94,9 @@ def ceiling(data: dict, k: int, proposer=None, prefill_cost: dict | None = None)
     out, num, den = {}, 0.0, 0.0
     for name, p in data["prompts"].items():
         s = schedule(p["prompt"], p["output"], k, proposer)
-        pre = prefill_cost.get(name, 0.0)
-        out[name] = (pre + s["tokens"] - 1) / (pre + s["steps"])
-        num, den = num + pre + s["tokens"] - 1, den + pre + s["steps"]
+        plain, spec = free_verify_costs(s["tokens"], s["steps"], prefill_cost.get(name, 0.0))
+        out[name] = plain / spec
+        num, den = num + plain, den + spec
     out["all"] = num / den
     return out
 
@@ -115,11 +125,8 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
     done = 0
     while done < N:
         context, start = prompt + output[:done], cache.seq_len
-        kk = min(k, N - done - 1)
-        prop = proposer.propose([context], kk) if kk else None
-        if prop is not None:
-            kk = min(kk, int(prop.num_proposed[0]))
-        cand = prop.token_ids[0, :kk].tolist() if kk else []
+        cand = _drafts(proposer, context, min(k, N - done - 1))
+        kk = len(cand)
         drafts = torch.tensor([cand], dtype=torch.long, device=dev)                   # (1, kk)
         x = torch.cat([torch.tensor([[context[-1]]], device=dev), drafts], dim=1)     # (1, kk + 1)
         logits = model(x, cache=cache)                                                # (1, kk + 1, V)
@@ -128,9 +135,7 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
             n_logits, next_tok = int(n_logits[0]), int(tokens[0, n_logits[0]])
         else:                                                 # a plain decode step
             n_logits, next_tok = 0, int(logits[0, -1].argmax())
-        n = 0                                                 # what the real model accepted
-        while n < kk and cand[n] == output[done + n]:
-            n += 1
+        n = _num_matching(cand, output, done)                 # what the real model accepted
         if check and (n_logits, next_tok) != (n, output[done + n]):
             raise AssertionError(f"step at token {done}: the logits give {n_logits} accepted "
                                  f"then {next_tok}, the recorded output {n} then {output[done + n]}")
@@ -146,11 +151,11 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
             "num_accepted": num_accepted}
 
 
-def run(quick: bool = False, device=None, out_dir=None, model=None, schedule=SCHEDULE) -> dict:
+def run(quick: bool = False, device=None, out_dir=None, model=None, schedule_path=SCHEDULE) -> dict:
     """Replay every recorded prompt (best of `repeat`); writes spec_replay_<device>.json."""
     from .gpu_model import bench_model
     s = SETTINGS[bool(quick)]
-    data = json.loads(Path(schedule).read_text())
+    data = json.loads(Path(schedule_path).read_text())
     weights = "given"
     if model is None:
         model, _, weights = bench_model(device)        # fp32 on a CPU, bf16 on a GPU

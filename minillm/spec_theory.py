@@ -60,6 +60,13 @@ def speedup_with_prefill(num_tokens: int, step_speedup: float, prefill_cost: flo
     return (prefill_cost + num_tokens) / (prefill_cost + draft_prefill_cost + num_tokens / step_speedup)
 
 
+def free_verify_costs(num_tokens: int, num_steps: int, prefill_cost: float = 0.0) -> tuple[float, float]:
+    """(plain, speculative) cost in one-token target forwards if every verify cost one decode step
+    and drafting were free: plain = prefill + num_tokens - 1 one-token steps (the prefill yields
+    the first token), speculative = prefill + num_steps. Their ratio is the ceiling of a schedule."""
+    return prefill_cost + num_tokens - 1, prefill_cost + num_steps
+
+
 def best_k(a: float, c: float, k_max: int = 16, verify_cost: float = 1.0) -> int:
     """The K in 0..k_max with the largest expected speedup (0 means: do not speculate)."""
     return max(range(k_max + 1), key=lambda k: expected_speedup(a, k, c, verify_cost) - 1e-12 * k)
