@@ -6,9 +6,10 @@ greedy, batch 1 and batch 8, in one run. Decode time per token is taken as
 The bandwidth floor is the weight bytes one decode step must read divided by the measured
 memory read bandwidth: no batch-1 decode can beat it.
 
-`forward_cost` times one forward of 1..17 new tokens after a 128-token context, with minillm's
-skinny CPU matmul route (`minillm.model.Linear`) on and off: the cost curve a decode batch and a
-speculative verify step pay, and the evidence for the route on the machine that runs it.
+`forward_cost` times one forward of 1..64 new tokens after a 128-token context through each CPU
+route of `minillm.model.Linear` ("auto" is the default: skinny for 1-4 rows, prepacked beyond):
+the cost curve a decode batch, a speculative verify step and a prefill chunk pay, and the evidence
+for the routes on the machine that runs it.
 """
 import statistics
 import time
@@ -22,7 +23,7 @@ from .generate import generate, generate_batch
 from .hf_convert import to_hf_model
 from .kv_cache import KVCache
 from .loading import load_model
-from .model import skinny_route
+from .model import ROUTES, linear_route
 from .roofline_measure import measure_bandwidth
 
 PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the sea.",
@@ -45,19 +46,18 @@ def _ms_per_token(run, n_new: int, device, repeat: int) -> float:
 
 
 @torch.inference_mode()
-def forward_cost(model, rows=(1, 2, 3, 4, 5, 8, 9, 12, 16, 17), context: int = 128,
-                 rounds: int = 5) -> dict:
-    """Median ms of one forward over `rows` new tokens, skinny route on ("skinny") and off
-    ("F.linear"); rounds interleave every case so drift spreads evenly."""
+def forward_cost(model, rows=(1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33, 64), context: int = 128,
+                 rounds: int = 5, routes=ROUTES) -> dict:
+    """Median ms of one forward over `rows` new tokens through each `Linear` route
+    (minillm.model.ROUTES); rounds interleave every case so drift spreads evenly."""
     cache = KVCache(model.config, 1, context + max(rows), model.device, model.dtype)
     model(torch.ones(1, context, dtype=torch.long, device=model.device), cache=cache)
-    routes = {"skinny": True, "F.linear": False}
     samples = {(r, n): [] for r in routes for n in rows}
     for _ in range(rounds):
         for (route, n), times in samples.items():
             cache.truncate(context)
             x = torch.ones(1, n, dtype=torch.long, device=model.device)
-            with skinny_route(routes[route]):
+            with linear_route(route):
                 t0 = time.perf_counter()
                 model(x, cache=cache)
                 times.append(1e3 * (time.perf_counter() - t0))
@@ -100,7 +100,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
               "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3),
               "batch1_fraction_of_floor": round(floor_ms / b1, 3), **rows}
     if device.type == "cpu":
-        record["forward_cost"] = forward_cost(model, rounds=2 if quick else 5)
+        record["forward_cost"] = (forward_cost(model, rows=(1, 2, 9), rounds=1) if quick
+                                  else forward_cost(model, rounds=5))
         record["units"]["forward_cost"] = "ms per forward of N new tokens (128 cached)"
     record["path"] = str(write_result("decode", record, device, out_dir))
     return record
@@ -117,6 +118,6 @@ def report(r: dict) -> str:
     lines.append(f"  batch-1 decode reaches {100 * r['batch1_fraction_of_floor']:.0f}% of the bandwidth floor")
     for route, cost in r.get("forward_cost", {}).items():
         one = cost["1"]
-        lines.append(f"  forward of N tokens / of 1 token, {route:>8}: "
+        lines.append(f"  forward of N tokens / of 1 token, {route:>9}: "
                      + " ".join(f"{n}:{ms / one:.2f}" for n, ms in cost.items()) + f" (1 token {one:.0f} ms)")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ other cache is tested against.
 
 Left out on purpose: dropout, training code, rope scaling variants, sliding windows, biases.
 """
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -50,52 +51,90 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# CPU fp32 products with at most this many rows (tokens) take the skinny route in `Linear`;
-# 0 turns it off (every product goes through F.linear)
-SMALL_ROWS = 16
+# CPU fp32 inference routes of `Linear` (chapter 1 and `python -m minillm.bench decode` measure them):
+SMALL_ROWS = 4     # 1..SMALL_ROWS rows (tokens): the skinny route (W @ x^T)^T; 0 turns it off
+PREPACKED = True   # more rows: oneDNN's prepacked weights; False: F.linear
+PACK_HINT = 64     # the row count oneDNN lays the packed weight out for (measured best, 1-256 rows)
+ROUTES = ("auto", "F.linear", "skinny", "prepacked")
+_PACKED = weakref.WeakKeyDictionary()   # Linear -> (weight key, packed weight); not in state_dict
+_PREPACK_OK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class Linear(nn.Linear):
-    """nn.Linear with a faster route on CPU for a handful of rows (tokens).
+    """nn.Linear with faster routes for fp32 inference on a CPU.
 
     A decode step, a speculative verify step (K + 1 tokens) and a small decode batch multiply a
     few rows by a big weight: the cost should be one read of the weight from memory, whatever the
     number of rows. PyTorch's CPU `x @ W^T` (MKL) is far from that on the project's CPU (2-core
-    AMD EPYC, fp32): 2-16 rows cost about twice one row. Computing the same product as
-    `(W @ x^T)^T` brings 2-5 rows down to about one row's cost. With more than one thread a single
-    row is fed twice, because there the matrix-vector routine (one core) is slower than the
-    two-column product (all cores); with one thread it keeps `F.linear`. Larger inputs (prefill)
-    keep `F.linear`, which is faster there; GPUs always use it. `python -m minillm.bench decode`
-    measures both routes on whole forwards (`forward_cost` in decode_<device>.json) and chapter 1
-    on one matmul, so another CPU can check the choice; `minillm.model.SMALL_ROWS = 0` (or
-    `with skinny_route(False):`) turns the route off. Same math; rounding differs in the last bits (tests/test_model.py).
+    AMD EPYC, fp32): 2-16 rows cost about twice one row, because the library re-lays the weight
+    out in its blocked format on every call. Two routes avoid that:
+
+    - skinny (1..SMALL_ROWS rows): the same product as `(W @ x^T)^T`. With more than one thread a
+      single row is fed twice, because there the matrix-vector routine (one core) is slower than
+      the two-column product (all cores); with one thread one row keeps `F.linear`.
+    - prepacked (more rows, with no autograd): oneDNN's matmul on a copy of the weight laid out
+      once in its blocked format (what torch.compile's CPU backend does to frozen weights). The
+      copy is made on first use, kept on the module and remade when the weight changes (another
+      tensor, or an in-place write); it doubles the weights' memory. 9 and 17 new tokens cost
+      about 1.5x and 1.8x one token instead of 1.8x and 3x; a 256-token prefill ~20% less.
+
+    GPUs, other dtypes, biases and autograd use `F.linear`. `with linear_route("F.linear"):`
+    (or "skinny", "prepacked", "auto") picks a route for a block of code, to time them; the
+    module flags SMALL_ROWS and PREPACKED set the default. Same math; rounding differs in the last
+    bits (tests/test_model.py).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or self.bias is not None
-                or not 1 <= rows <= SMALL_ROWS):
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
+                or self.bias is not None or rows == 0):
             return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(rows, -1)
-        if rows == 1:
-            if torch.get_num_threads() == 1:
-                return F.linear(x, self.weight)
-            x2 = torch.cat([x2, x2])                                # two rows beat one (see above)
-        y = torch.mm(self.weight, x2.t())[:, :rows]                 # (out, rows): one pass over W
-        return y.t().contiguous().view(*x.shape[:-1], -1)
+        if rows <= SMALL_ROWS:
+            x2 = x.reshape(rows, -1)
+            if rows == 1:
+                if torch.get_num_threads() == 1:
+                    return F.linear(x, self.weight)
+                x2 = torch.cat([x2, x2])                            # two rows beat one (see above)
+            y = torch.mm(self.weight, x2.t())[:, :rows]             # (out, rows): one pass over W
+            return y.t().contiguous().view(*x.shape[:-1], -1)
+        packed = self._packed_weight() if PREPACKED else None
+        if packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def _packed_weight(self) -> torch.Tensor | None:
+        """The weight in oneDNN's blocked layout, or None when the route can't be used here."""
+        w = self.weight
+        if not _PREPACK_OK or w.is_inference() or (torch.is_grad_enabled() and w.requires_grad):
+            return None
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        cached = _PACKED.get(self)
+        if cached is None or cached[0] != key:
+            cached = _PACKED[self] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT))
+        return cached[1]
 
 
 @contextmanager
-def skinny_route(on: bool):
-    """Turn `Linear`'s skinny CPU route on (up to 16 rows, or SMALL_ROWS if larger) or off for a
-    block of code, e.g. to time both routes; the setting is restored afterwards."""
-    global SMALL_ROWS
-    saved = SMALL_ROWS
-    SMALL_ROWS = max(16, saved) if on else 0
+def linear_route(route: str = "auto"):
+    """Route every `Linear` on CPU fp32 through one route for a block of code, then restore the
+    setting: "auto" (skinny for 1-4 rows, prepacked beyond), "F.linear" (PyTorch's own),
+    "skinny" (up to 16 rows, then F.linear) or "prepacked" (all rows)."""
+    global SMALL_ROWS, PREPACKED
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    saved = SMALL_ROWS, PREPACKED
+    SMALL_ROWS, PREPACKED = {"auto": (4, True), "F.linear": (0, False), "skinny": (16, False),
+                             "prepacked": (0, True)}[route]
     try:
         yield
     finally:
-        SMALL_ROWS = saved
+        SMALL_ROWS, PREPACKED = saved
+
+
+def skinny_route(on: bool):
+    """`linear_route("skinny")` if on (the skinny route up to 16 rows, F.linear beyond) else
+    `linear_route("F.linear")`: kept for code written against the first CPU route."""
+    return linear_route("skinny" if on else "F.linear")
 
 
 class DenseCausalAttention:

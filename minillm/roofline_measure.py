@@ -138,11 +138,12 @@ def matmul_points(hw: Hardware, k: int, n: int, batches=(1, 4, 16, 64, 256),
 
 def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), device=None,
                         repeats: int = 3, min_weight_bytes: float = 128 * 2**20) -> dict:
-    """Seconds of (rows, k) @ W^T for a weight W (n, k) stored as nn.Linear stores it, by two
-    routes: `F.linear` (what nn.Linear calls) and minillm's `Linear` (its skinny CPU route,
-    minillm.model.SMALL_ROWS), each cycling through enough weight copies to defeat the caches.
-    Also the bandwidth bound: one read of the weight. Returns {route: [seconds per row count]}."""
-    from .model import Linear, skinny_route
+    """Seconds of (rows, k) @ W^T for a weight W (n, k) stored as nn.Linear stores it, through
+    `F.linear` (what nn.Linear calls) and through minillm's `Linear` with each of its CPU routes
+    (skinny: (W @ x^T)^T; prepacked: oneDNN on a weight laid out once), each cycling through
+    enough weight copies to defeat the caches. Also the bandwidth bound: one read of the weight.
+    Returns {route: [seconds per row count]}; "bound" last."""
+    from .model import Linear, linear_route
     device = _device(device)
     copies = max(1, math.ceil(min_weight_bytes / (k * n * 4)))
     g = torch.Generator(device=device).manual_seed(0)
@@ -151,15 +152,16 @@ def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), 
         lin = Linear(k, n, bias=False).to(device)
         lin.weight.data = torch.randn(n, k, generator=g, device=device)
         layers.append(lin)
-    out = {"F.linear": [], "minillm Linear": [], "bound": []}
+    routes = {"F.linear": "F.linear", "skinny": "skinny", "prepacked": "prepacked"}
+    out = {name: [] for name in routes} | {"bound": []}
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, k, generator=g, device=device)
-            out["F.linear"].append(time_fn(lambda: [torch.nn.functional.linear(x, lin.weight)
-                                                     for lin in layers], device, repeat=repeats) / copies)
-            with skinny_route(True):
-                out["minillm Linear"].append(time_fn(lambda: [lin(x) for lin in layers], device,
-                                                     repeat=repeats) / copies)
+            for name, route in routes.items():
+                with linear_route(route):
+                    [lin(x) for lin in layers]                      # lay the weights out first
+                    out[name].append(time_fn(lambda: [lin(x) for lin in layers], device,
+                                             repeat=repeats) / copies)
             out["bound"].append(k * n * 4 / hw.mem_bandwidth)
     return out
 

@@ -181,17 +181,17 @@ def test_import_results_copies_records_and_figures(tmp_path):
     assert (dest / "roofline_h200.png").read_bytes() == b"png" and not (dest / "summary.json").exists()
 
 
-def test_skinny_route_timers_time_both_routes_and_restore_the_setting():
-    """forward_cost and skinny_matmul_times flip minillm.model.SMALL_ROWS; it must come back."""
+def test_route_timers_time_every_route_and_restore_the_setting():
+    """forward_cost and skinny_matmul_times switch minillm.model's routes; the setting must come back."""
     import minillm.model as model_module
     from minillm.bench_decode import forward_cost
     from minillm.roofline import Hardware
     from minillm.roofline_measure import skinny_matmul_times
-    before = model_module.SMALL_ROWS
+    before = model_module.SMALL_ROWS, model_module.PREPACKED
     cost = forward_cost(tiny_model(), rows=(1, 3), context=8, rounds=1)
-    assert set(cost) == {"skinny", "F.linear"} and all(set(v) == {"1", "3"} for v in cost.values())
+    assert set(cost) == set(model_module.ROUTES) and all(set(v) == {"1", "3"} for v in cost.values())
     hw = Hardware("toy", {"fp32": 1e11}, mem_bandwidth=1e10, mem_bytes=1e9)
     t = skinny_matmul_times(hw, 16, 32, rows=(1, 2), repeats=1, min_weight_bytes=4096)
-    assert set(t) == {"F.linear", "minillm Linear", "bound"} and all(len(v) == 2 for v in t.values())
+    assert list(t) == ["F.linear", "skinny", "prepacked", "bound"] and all(len(v) == 2 for v in t.values())
     assert t["bound"][0] == pytest.approx(16 * 32 * 4 / 1e10)
-    assert model_module.SMALL_ROWS == before
+    assert (model_module.SMALL_ROWS, model_module.PREPACKED) == before

@@ -90,27 +90,54 @@ def test_bad_config(bad):
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
 @pytest.mark.parametrize("lead", [(), (1,), (2,)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_routes_match_float64(rows, lead, threads, monkeypatch):
-    """`Linear`'s skinny CPU route ((W @ x^T)^T, one row fed twice with several threads) and
-    F.linear both agree with the product computed in float64, for any rows and leading shape."""
+def test_linear_routes_match_float64(rows, lead, threads):
+    """Every CPU route of `Linear` (skinny (W @ x^T)^T with one row fed twice on several threads,
+    oneDNN prepacked, F.linear) agrees with the product computed in float64, for any rows and
+    leading shape."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_linear_routes(rows, lead, monkeypatch)
+        _check_linear_routes(rows, lead)
     finally:
         torch.set_num_threads(saved)
 
 
-def _check_linear_routes(rows, lead, monkeypatch):
+def _check_linear_routes(rows, lead):
     torch.manual_seed(rows)
     lin = minillm.model.Linear(48, 96, bias=False)
     x = torch.randn(*lead, rows, 48)
     ref = (x.double() @ lin.weight.double().t())
-    outs = {}
-    for small_rows in (0, 16):                        # 0: the skinny route is off
-        monkeypatch.setattr(minillm.model, "SMALL_ROWS", small_rows)
-        outs[small_rows] = lin(x)
-        assert outs[small_rows].shape == (*lead, rows, 96)
-        torch.testing.assert_close(outs[small_rows].double(), ref, atol=1e-5, rtol=1e-5)
-    if rows > 16:                                      # too many rows: the route is not taken
-        assert torch.equal(outs[0], outs[16])
+    for route in minillm.model.ROUTES:
+        with torch.inference_mode(), minillm.model.linear_route(route):
+            out = lin(x)
+        assert out.shape == (*lead, rows, 96)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not minillm.model._PREPACK_OK, reason="this torch has no oneDNN linear")
+def test_prepacked_route_follows_weight_changes_and_leaves_autograd_alone():
+    """The packed copy is remade after an in-place write or a new weight tensor (a stale copy
+    would silently compute with old weights), and training-style calls keep F.linear."""
+    torch.manual_seed(0)
+    lin = minillm.model.Linear(48, 96, bias=False)
+    x = torch.randn(9, 48)
+
+    def packed_out():
+        with torch.inference_mode(), minillm.model.linear_route("prepacked"):
+            y = lin(x)
+        assert lin in minillm.model._PACKED                 # the route was really taken
+        return y
+
+    torch.testing.assert_close(packed_out(), x @ lin.weight.detach().t())
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)                               # in place: same storage, new version
+    torch.testing.assert_close(packed_out(), x @ lin.weight.detach().t())
+    lin.weight = torch.nn.Parameter(torch.randn(96, 48))    # a new tensor
+    torch.testing.assert_close(packed_out(), x @ lin.weight.detach().t())
+    with minillm.model.linear_route("prepacked"):
+        y = lin(x)                                          # grad enabled: F.linear, differentiable
+    y.sum().backward()
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(96, 48))
+    with pytest.raises(ValueError, match="route must be one of"):
+        with minillm.model.linear_route("fast"):
+            pass
