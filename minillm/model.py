@@ -51,13 +51,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# CPU fp32 inference routes of `Linear` (chapter 1 and `python -m minillm.bench decode` measure them):
-SMALL_ROWS = 4     # 1..SMALL_ROWS rows (tokens): the skinny route (W @ x^T)^T; 0 turns it off
+# CPU fp32 inference routes of `Linear` (measured in chapter 1 and by `bench decode`):
+SMALL_ROWS = 4     # 1..SMALL_ROWS rows (tokens): the skinny route (W @ x^T)^T; 0: off
 PREPACKED = True   # more rows: oneDNN's prepacked weights; False: F.linear
 PACK_HINT = 64     # the row count oneDNN lays the packed weight out for (measured best, 1-256 rows)
 ROUTES = ("auto", "F.linear", "skinny", "prepacked")
 _PACKED = weakref.WeakKeyDictionary()   # Linear -> (weight key, packed weight); not in state_dict
-_PREPACK_OK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PREPACK_OK = (torch.backends.mkldnn.is_available()
+               and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class Linear(nn.Linear):
@@ -99,7 +100,8 @@ class Linear(nn.Linear):
                 x2 = torch.cat([x2, x2])                            # two rows beat one (see above)
             y = torch.mm(self.weight, x2.t())[:, :rows]             # (out, rows): one pass over W
             return y.t().contiguous().view(*x.shape[:-1], -1)
-        packed = self._packed_weight() if PREPACKED else None
+        grad_for_x = torch.is_grad_enabled() and x.requires_grad
+        packed = self._packed_weight() if PREPACKED and not grad_for_x else None
         if packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -112,7 +114,8 @@ class Linear(nn.Linear):
         key = (w.data_ptr(), w._version, tuple(w.shape))
         cached = _PACKED.get(self)
         if cached is None or cached[0] != key:
-            cached = _PACKED[self] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT))
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
+            cached = _PACKED[self] = (key, packed)
         return cached[1]
 
 

@@ -138,6 +138,11 @@ def test_prepacked_route_follows_weight_changes_and_leaves_autograd_alone():
         y = lin(x)                                          # grad enabled: F.linear, differentiable
     y.sum().backward()
     torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(96, 48))
+    lin.weight.requires_grad_(False)
+    x.requires_grad_(True)
+    with minillm.model.linear_route("prepacked"):
+        lin(x).sum().backward()                             # a gradient for the input only
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(9, 48))
     with pytest.raises(ValueError, match="route must be one of"):
         with minillm.model.linear_route("fast"):
             pass
