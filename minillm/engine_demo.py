@@ -62,7 +62,7 @@ def run_spec_demo(model, tokenizer, max_tokens: int = 48, k: int = 8) -> dict:
                                                repeat=1))
     acc = "  ".join(f"{name} {a:.2f}" for name, a in zip(PROMPTS, r["ngram"]["acceptance_per_request"])
                     if a is not None)
-    print(f"\n{'decoding':<11} {'steps':>6} {'tokens':>7} {'tok/s':>9}   acceptance per prompt")
+    print(f"\n{'decoding':<11} {'steps':>6} {'tokens':>7} {'tok/s':>9}   accepted/drafted per prompt")
     for label, name in (("plain", "plain"), ("ngram", f"n-gram K={k}")):
         x = r[label]
         print(f"{name:<11} {x['steps']:>6} {x['tokens']:>7} {x['tokens_per_s']:>9.1f}   "
