@@ -55,7 +55,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 SMALL_ROWS = 4     # 1..SMALL_ROWS rows (tokens): the skinny route (W @ x^T)^T; 0: off
 PREPACKED = True   # more rows: oneDNN's prepacked weights; False: F.linear
 PACK_HINT = 64     # the row count oneDNN lays the packed weight out for (measured best, 1-256 rows)
-ROUTES = ("auto", "F.linear", "skinny", "prepacked")
+# route -> (SMALL_ROWS, PREPACKED) while `linear_route(route)` is active; "auto" is the default
+_ROUTE_SETTINGS = {"auto": (SMALL_ROWS, PREPACKED), "F.linear": (0, False), "skinny": (16, False),
+                   "prepacked": (0, True)}
+ROUTES = tuple(_ROUTE_SETTINGS)
 _PACKED = weakref.WeakKeyDictionary()   # Linear -> (weight key, packed weight); not in state_dict
 _PREPACK_OK = (torch.backends.mkldnn.is_available()
                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -100,16 +103,17 @@ class Linear(nn.Linear):
                 x2 = torch.cat([x2, x2])                            # two rows beat one (see above)
             y = torch.mm(self.weight, x2.t())[:, :rows]             # (out, rows): one pass over W
             return y.t().contiguous().view(*x.shape[:-1], -1)
-        grad_for_x = torch.is_grad_enabled() and x.requires_grad
-        packed = self._packed_weight() if PREPACKED and not grad_for_x else None
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        packed = self._packed_weight() if PREPACKED and not needs_grad else None
         if packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     def _packed_weight(self) -> torch.Tensor | None:
-        """The weight in oneDNN's blocked layout, or None when the route can't be used here."""
+        """The weight in oneDNN's blocked layout (packed on first use, again after any change to
+        the weight), or None when this torch or this weight can't take the route."""
         w = self.weight
-        if not _PREPACK_OK or w.is_inference() or (torch.is_grad_enabled() and w.requires_grad):
+        if not _PREPACK_OK or w.is_inference():
             return None
         key = (w.data_ptr(), w._version, tuple(w.shape))
         cached = _PACKED.get(self)
@@ -128,8 +132,7 @@ def linear_route(route: str = "auto"):
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     saved = SMALL_ROWS, PREPACKED
-    SMALL_ROWS, PREPACKED = {"auto": (4, True), "F.linear": (0, False), "skinny": (16, False),
-                             "prepacked": (0, True)}[route]
+    SMALL_ROWS, PREPACKED = _ROUTE_SETTINGS[route]
     try:
         yield
     finally:

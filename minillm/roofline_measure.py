@@ -152,16 +152,16 @@ def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), 
         lin = Linear(k, n, bias=False).to(device)
         lin.weight.data = torch.randn(n, k, generator=g, device=device)
         layers.append(lin)
-    routes = {"F.linear": "F.linear", "skinny": "skinny", "prepacked": "prepacked"}
-    out = {name: [] for name in routes} | {"bound": []}
+    routes = ("F.linear", "skinny", "prepacked")
+    out = {route: [] for route in routes} | {"bound": []}
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, k, generator=g, device=device)
-            for name, route in routes.items():
+            for route in routes:
                 with linear_route(route):
                     [lin(x) for lin in layers]                      # lay the weights out first
-                    out[name].append(time_fn(lambda: [lin(x) for lin in layers], device,
-                                             repeat=repeats) / copies)
+                    out[route].append(time_fn(lambda: [lin(x) for lin in layers], device,
+                                              repeat=repeats) / copies)
             out["bound"].append(k * n * 4 / hw.mem_bandwidth)
     return out
 
