@@ -12,6 +12,7 @@ import time
 BENCHMARKS = {
     "decode": "minillm.bench_decode",       # ch 0: minillm vs transformers, batch 1 and 8
     "roofline": "minillm.bench_roofline",   # ch 1: ceilings, matmul points, decode vs batch
+    "kernels": "minillm.bench_kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
     "serving": "minillm.bench_serving",     # ch 4-5: continuous vs static, chunked-prefill stall
     "spec": "minillm.bench_spec",           # ch 6: speculative decoding speedups vs theory
     "spec_replay": "minillm.spec_replay",   # ch 6: the real n-gram schedule timed on any weights

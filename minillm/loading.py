@@ -47,12 +47,20 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtype = torch.float32):
+def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtype = torch.float32,
+               kernels: str = "auto"):
     """Return `(model, tokenizer)` for a preset name, a local HF folder or a .gguf file.
+
+    On a CPU in fp32 the projections then take the matmul routes tuned for this machine
+    (`cpu_kernels.accelerate`: timed once per machine, then read from a cache); kernels="plain"
+    keeps plain nn.Linear, and a route name ("F.linear", "x@W", ...) pins that route.
 
     >>> model, tok = load_model()                     # SmolLM2-135M-Instruct, cuda if present
     >>> model, tok = load_model("path/to/llama_folder", device="cpu", dtype=torch.bfloat16)
     """
+    from .cpu_kernels import ROUTES, accelerate
+    if kernels not in ("plain", *ROUTES):
+        raise ValueError(f"kernels must be 'plain' or one of {ROUTES}, got {kernels!r}")
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -68,7 +76,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtyp
     else:
         raise ValueError(f"name_or_path must be one of {sorted(_ALIASES)}, a folder with config.json "
                          f"+ *.safetensors, or a .gguf file; got {name!r}")
-    return model.to(device=device, dtype=dtype).eval(), tok
+    model = model.to(device=device, dtype=dtype).eval()
+    if kernels != "plain":
+        accelerate(model, route=kernels)             # a no-op on GPUs and for dtypes other than fp32
+    return model, tok
 
 
 def _from_state_dict(cfg: ModelConfig, state: dict):

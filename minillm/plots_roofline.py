@@ -63,8 +63,8 @@ def plot_decode_vs_batch(batches, predicted_s, measured_s=None, title=None):
 def plot_skinny_matmul(rows, times: dict, title=None):
     """Time of (rows, k) @ W^T per route (skinny_matmul_times) against the one-read bound."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for (label, secs), style in zip(times.items(), ["s--", "o-", "^-", "d-"]):
-        style = "k:" if label == "bound" else style
+    for i, (label, secs) in enumerate(times.items()):
+        style = "k:" if label == "bound" else "os^dvp"[i % 6] + "-"
         ax.plot(rows, np.asarray(secs) * 1e3, style, label="one weight read (bound)" if label == "bound" else label)
     ax.set(xlabel="rows (tokens) multiplied by the weight", ylabel="ms per matmul", ylim=(0, None),
            title=title or "A few rows times a big weight")

@@ -137,32 +137,22 @@ def matmul_points(hw: Hardware, k: int, n: int, batches=(1, 4, 16, 64, 256),
 
 
 def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), device=None,
-                        repeats: int = 3, min_weight_bytes: float = 128 * 2**20) -> dict:
-    """Seconds of (rows, k) @ W^T for a weight W (n, k) stored as nn.Linear stores it, through
-    `F.linear` (what nn.Linear calls) and through minillm's `Linear` with each of its CPU routes
-    (skinny: (W @ x^T)^T; prepacked: oneDNN on a weight laid out once), each cycling through
-    enough weight copies to defeat the caches. Also the bandwidth bound: one read of the weight.
-    Returns {route: [seconds per row count]}; "bound" last."""
-    from .model import Linear, linear_route
+                        repeats: int = 3, min_weight_bytes: float = 128 * 2**20,
+                        routes=None) -> dict:
+    """Seconds of (rows, k) @ W^T for a weight W (n, k), through each CPU route of
+    `minillm.cpu_kernels` (F.linear is what nn.Linear calls; see that module for the others),
+    cycling through enough weight copies to defeat the caches, plus the bandwidth bound: one read
+    of the weight. Returns {route: [seconds per row count]}; "bound" last."""
+    from .cpu_tuning import CANDIDATES, time_rows
     device = _device(device)
     copies = max(1, math.ceil(min_weight_bytes / (k * n * 4)))
     g = torch.Generator(device=device).manual_seed(0)
-    layers = []
-    for _ in range(copies):
-        lin = Linear(k, n, bias=False).to(device)
-        lin.weight.data = torch.randn(n, k, generator=g, device=device)
-        layers.append(lin)
-    routes = ("F.linear", "skinny", "prepacked")
-    out = {route: [] for route in routes} | {"bound": []}
-    with torch.inference_mode():
-        for m in rows:
-            x = torch.randn(m, k, generator=g, device=device)
-            for route in routes:
-                with linear_route(route):
-                    [lin(x) for lin in layers]                      # lay the weights out first
-                    out[route].append(time_fn(lambda: [lin(x) for lin in layers], device,
-                                              repeat=repeats) / copies)
-            out["bound"].append(k * n * 4 / hw.mem_bandwidth)
+    weights = [torch.randn(n, k, generator=g, device=device) for _ in range(copies)]
+    if device.type != "cpu":
+        routes = ("F.linear",)
+    ms = time_rows(weights, list(rows), rounds=repeats, candidates=routes or CANDIDATES)
+    out = {route: [t[m] / 1e3 / copies for m in rows] for route, t in ms.items()}
+    out["bound"] = [k * n * 4 / hw.mem_bandwidth for _ in rows]
     return out
 
 

@@ -182,16 +182,18 @@ def test_import_results_copies_records_and_figures(tmp_path):
 
 
 def test_route_timers_time_every_route_and_restore_the_setting():
-    """forward_cost and skinny_matmul_times switch minillm.model's routes; the setting must come back."""
-    import minillm.model as model_module
+    """forward_cost pins routes for a block and skinny_matmul_times times each candidate; the
+    pinned route must not outlive the call."""
+    from minillm import cpu_kernels
     from minillm.bench_decode import forward_cost
+    from minillm.cpu_tuning import CANDIDATES
     from minillm.roofline import Hardware
     from minillm.roofline_measure import skinny_matmul_times
-    before = model_module.SMALL_ROWS, model_module.PREPACKED
     cost = forward_cost(tiny_model(), rows=(1, 3), context=8, rounds=1)
-    assert set(cost) == set(model_module.ROUTES) and all(set(v) == {"1", "3"} for v in cost.values())
+    assert set(cost) == {"auto", "F.linear"} and all(set(v) == {"1", "3"} for v in cost.values())
     hw = Hardware("toy", {"fp32": 1e11}, mem_bandwidth=1e10, mem_bytes=1e9)
     t = skinny_matmul_times(hw, 16, 32, rows=(1, 2), repeats=1, min_weight_bytes=4096)
-    assert list(t) == ["F.linear", "skinny", "prepacked", "bound"] and all(len(v) == 2 for v in t.values())
+    assert list(t)[0] == "F.linear" and list(t)[-1] == "bound" and set(t) <= {*CANDIDATES, "bound"}
+    assert all(len(v) == 2 for v in t.values())
     assert t["bound"][0] == pytest.approx(16 * 32 * 4 / 1e10)
-    assert (model_module.SMALL_ROWS, model_module.PREPACKED) == before
+    assert cpu_kernels._PINNED.get() == "auto"
