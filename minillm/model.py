@@ -29,9 +29,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in float32 (or float64) for stability, as the reference implementation does
         dtype = x.dtype
-        xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        if dtype in (torch.float32, torch.float64):        # PyTorch's fused op, same formula
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # 16-bit inputs: normalize in float32 for stability, as the reference implementation does
+        xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
@@ -74,12 +76,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache):
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.qkv_proj(x)                                     # (B, T, (H + 2Hkv) D)
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)                     # (B, H, T, D)
-        k = k.view(B, T, Hkv, D).transpose(1, 2)                   # (B, Hkv, T, D)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)                   # (B, Hkv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)          # (B, T, H + 2Hkv, D)
+        qk, v = qkv.split([H + Hkv, Hkv], dim=2)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)              # (B, H + Hkv, T, D): one rotation
+        q, k = qk.split([H, Hkv], dim=1)                           # (B, H, T, D), (B, Hkv, T, D)
+        v = v.transpose(1, 2)                                      # (B, Hkv, T, D)
         y = cache.attend(self.layer_idx, q, k, v)                  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)                 # (B, T, C)
         return self.o_proj(y)
