@@ -211,3 +211,38 @@ def kernel_report(model: nn.Module) -> dict:
                                              "routes": {str(b): r for b, r in p["routes"].items()}}
                                          for k, p in plan.items()},
             "extra_bytes": extra}
+
+
+def format_plan(report: dict) -> str:
+    """`kernel_report` as a table: one row per weight group, one column per row bucket."""
+    key = report["key"]
+    lines = [f"{key['cpu']}, torch {key['torch']}, {key['threads']} threads; "
+             f"extra bytes {report['extra_bytes']}",
+             f"{'weights (out x in x count)':>27} layout  rows<=" + "".join(f"{b:>9}" for b in BUCKETS)]
+    for group, p in report["plan"].items():
+        lines.append(f"{group:>27} {p['layout']:7s}       " + "".join(f"{r:>9}" for r in p["routes"].values()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """`python -m minillm.cpu_tuning [--retune] [--threads N] [--allow-copies]`: this machine's
+    route table for the real model (timed now if the cache has none)."""
+    import argparse
+    from .loading import load_model
+    p = argparse.ArgumentParser(prog="python -m minillm.cpu_tuning")
+    p.add_argument("--retune", action="store_true", help="time again and overwrite the cache")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--allow-copies", action="store_true", help="let prepacked copies win")
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model, _ = load_model(device="cpu", kernels="plain")
+    accelerate(model, allow_copies=args.allow_copies, retune=args.retune)
+    print(format_plan(kernel_report(model)))
+    print(f"cache: {cache_path()}")
+
+
+if __name__ == "__main__":
+    main()
