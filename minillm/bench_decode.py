@@ -19,7 +19,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .benchutil import time_fn, write_result
+from .benchutil import machine_info, time_fn, write_result
 from .chat import encode_chat
 from .cpu_kernels import linear_route
 from .cpu_tuning import accelerate, kernel_report
@@ -131,6 +131,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                   batch1_fraction_of_floor=main["batch1_fraction_of_floor"])
     if device.type == "cpu":
         accelerate(model)                                   # leave the default routes behind
+    record["machine"] = machine_info(device)
     record["path"] = str(write_result("decode", record, device, out_dir))
     return record
 

@@ -10,7 +10,7 @@ GPUs have one route (F.linear): there the benchmark records that and stops.
 import torch
 
 from .bench_decode import _equal_length_prompts, _ms_per_token
-from .benchutil import write_result
+from .benchutil import machine_info, write_result
 from .cpu_kernels import ROUTES, linear_route
 from .cpu_tuning import CANDIDATES, accelerate, kernel_report
 from .generate import generate
@@ -60,6 +60,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                         "matmul_ms": "ms per (rows, k) @ W^T, weights out of cache"},
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
               "decode_ms_per_token": paths, "matmul_ms": matmuls, "kernels": kernel_report(model)}
+    record["machine"] = machine_info("cpu")
     record["path"] = str(write_result("kernels", record, "cpu", out_dir))
     return record
 
