@@ -87,7 +87,9 @@ class Sequence:
             tail = self.prompt_token_ids[start:] + self.output_token_ids
         else:
             tail = self.output_token_ids[start - p:]
-        return tail + self.draft_token_ids if self.draft_token_ids else tail
+        if not self.draft_token_ids:
+            return tail
+        return tail + self.draft_token_ids[max(0, start - self.num_tokens):]
 
     @property
     def num_uncomputed(self) -> int:
