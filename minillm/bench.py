@@ -17,6 +17,7 @@ BENCHMARKS = {
     "spec": "minillm.bench_spec",           # ch 6: speculative decoding speedups vs theory
     "spec_replay": "minillm.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "minillm.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
+    "overhead": "minillm.bench_overhead",   # ch 4: the engine's own cost per decode step
 }
 
 

@@ -244,7 +244,9 @@ class LLMEngine:
             rows += [r] * len(group)
             r += 1
         if order:
-            new_tokens += [(s, [t]) for s, t in zip(order, self.runner.sample(order, logits[rows]))]
+            if rows != list(range(len(logits))):      # forks share a row; drafts' rows went
+                logits = logits[rows]
+            new_tokens += [(s, [t]) for s, t in zip(order, self.runner.sample(order, logits))]
         now = self.clock()
         for seq, toks in new_tokens:
             self._append(seq, toks, now)

@@ -18,7 +18,7 @@ Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work, logp
 import torch
 
 from .block_manager import BlockManager
-from .paged_attention import PagedKVCache
+from .paged_attention import PagedKVCache, long_tensor
 from .sampling import logits_to_probs, sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -45,17 +45,17 @@ class ModelRunner:
             seq.swapped_kv = None
 
     def prepare(self, out: SchedulerOutput):
-        """Flatten the batch -> (input_ids (1, M), positions (M,), logits_index (K,), sampling seqs)."""
+        """Flatten the batch -> (input_ids (1, M), positions (M,), logits_index (K,), sampling seqs);
+        logits_index is None when every token samples (a step of decodes only)."""
         ids, pos, qlens, ctxs, tables, last, sampling = [], [], [], [], [], [], []
         for seq, n in out.scheduled:
             start, k = seq.num_computed_tokens, len(seq.draft_token_ids)
-            toks = seq.token_ids + seq.draft_token_ids if k else seq.token_ids
-            ids += toks[start:start + n]
+            ids += seq.token_ids_from(start)[:n]
             pos += range(start, start + n)
             qlens.append(n)
             ctxs.append(start + n)
             tables.append(self.bm.block_table(seq.seq_id))
-            if start + n == len(toks):            # the chunk reaches the end: sample after it
+            if start + n == seq.num_tokens + k:   # the chunk reaches the end: sample after it
                 last += range(len(ids) - 1 - k, len(ids))   # + every draft position to verify
                 sampling.append(seq)
         for _ in out.padding:   # static batching: a finished member's row still costs compute
@@ -65,9 +65,12 @@ class ModelRunner:
             ctxs.append(1)
             tables.append([self.cache.num_blocks - 1])   # the scratch block (see LLMEngine)
         self.cache.prepare(qlens, ctxs, tables)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)   # (1, M)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)     # (M,)
-        logits_index = torch.tensor(last or [len(ids) - 1], dtype=torch.long, device=self.device)
+        input_ids = long_tensor(ids, self.device)[None]                         # (1, M)
+        positions = long_tensor(pos, self.device)                               # (M,)
+        if len(last) == len(ids):                 # every token samples (all decodes): no gather
+            logits_index = None
+        else:
+            logits_index = long_tensor(last or [len(ids) - 1], self.device)    # (K,)
         return input_ids, positions, logits_index, sampling
 
     @torch.inference_mode()

@@ -105,8 +105,8 @@ class Scheduler:
                 seq.draft_token_ids, seq.draft_probs = [], None
             if not self._make_room(seq, out, len(seq.draft_token_ids)):
                 continue  # seq itself was preempted
-            toks = seq.token_ids + seq.draft_token_ids
-            out.copies += self.bm.append_tokens(seq.seq_id, toks[self.bm.num_tokens(seq.seq_id):])
+            new = seq.token_ids_from(self.bm.num_tokens(seq.seq_id))   # newest token + drafts
+            out.copies += self.bm.append_tokens(seq.seq_id, new)
             out.scheduled.append((seq, 1 + len(seq.draft_token_ids)))
             budget -= 1 + len(seq.draft_token_ids)
         if not out.preempted:

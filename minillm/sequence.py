@@ -79,6 +79,18 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """(prompt + output + drafts)[start:] without building the whole context first: the
+        scheduler and the runner ask every step for a decode's newest token (and its drafts)."""
+        p = len(self.prompt_token_ids)
+        if start < p:
+            tail = self.prompt_token_ids[start:] + self.output_token_ids
+        else:
+            tail = self.output_token_ids[start - p:]
+        if not self.draft_token_ids:
+            return tail
+        return tail + self.draft_token_ids[max(0, start - self.num_tokens):]
+
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens

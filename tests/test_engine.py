@@ -218,3 +218,13 @@ def test_num_blocks_from_memory_budget(model):
     engine = LLMEngine(model, EngineConfig(num_blocks=None, kv_cache_memory_bytes=10 * per_block + 5))
     assert engine.num_blocks == 10 and engine.num_free_blocks == 10
     assert engine.cache.nbytes == 10 * per_block
+
+
+def test_token_ids_from_equals_slicing_the_whole_context():
+    """The scheduler and runner read a decode's newest tokens with `token_ids_from`."""
+    from minillm.sequence import Sequence
+    seq = Sequence(0, "r", [5, 6, 7], SamplingParams(), 0.0, output_token_ids=[8, 9])
+    for drafts in ([], [1, 2]):
+        seq.draft_token_ids = drafts
+        for start in range(7):
+            assert seq.token_ids_from(start) == (seq.token_ids + drafts)[start:]

@@ -145,3 +145,77 @@ def test_real_model_paged_cache_matches_contiguous_generate():
             ids.append(int(logits[0, -1].argmax()))
             out.append(ids[-1])
     assert out == generate(model, prompt, n_new)
+
+
+# The per-step metadata takes shortcuts in common cases: no mask when every query sees every key,
+# no query gather / output scatter when one group is the whole batch. Each case is checked
+# against F.scaled_dot_product_attention run on each sequence alone, through `paged_attention`
+# and through `PagedKVCache.attend` (its precomputed per-layer views), with every slot that was
+# never written holding NaN: a padding key that read one would poison its row.
+FAST_PATHS = {   # name: (query_lens, context_lens, expected (mask is None, whole) per group)
+    "batch1_decode": ([1], [21], [(True, True)]),
+    "equal_decodes": ([1, 1, 1], [9, 9, 9], [(True, True)]),
+    "ragged_decodes": ([1, 1, 1], [3, 17, 9], [(False, True)]),
+    "one_prefill_chunk": ([6], [6], [(False, True)]),
+    "later_chunk": ([4], [13], [(False, True)]),
+    "equal_chunks": ([3, 3], [3, 8], [(False, True)]),
+    "mixed": ([1, 5, 1, 2], [7, 5, 12, 9], [(False, False), (False, False)]),
+}
+
+
+def _sdpa_reference(q, ks, vs, query_lens):
+    """Per sequence: SDPA of its T queries (at positions S - T ..) over its S keys, boolean mask."""
+    outs, start = [], 0
+    for k, v, t in zip(ks, vs, query_lens):
+        s = k.shape[0]
+        allowed = torch.arange(s) <= (s - t + torch.arange(t))[:, None]          # (T, S)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start:start + t].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=allowed, enable_gqa=True)                                  # (H, T, D)
+        outs.append(o.transpose(0, 1))
+        start += t
+    return torch.cat(outs)                                                      # (M, H, D)
+
+
+@pytest.mark.parametrize("case", sorted(FAST_PATHS))
+def test_metadata_fast_paths_match_sdpa(case):
+    qlens, ctxs, expected = FAST_PATHS[case]
+    cfg, P = _cache_config(), 4
+    H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    cache = PagedKVCache(cfg, num_blocks=24, block_size=P, dtype=torch.float64)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    ids = random.Random(len(case)).sample(range(24), 24)
+    tables, at = [], 0
+    for c in ctxs:                                   # shuffled blocks + one spare entry each
+        n = -(-c // P)
+        tables.append(ids[at:at + n] + [ids[-1]])
+        at += n
+    g = torch.Generator().manual_seed(3)
+    ks = [torch.randn(c, Hkv, D, generator=g, dtype=torch.float64) for c in ctxs]
+    vs = [torch.randn(c, Hkv, D, generator=g, dtype=torch.float64) for c in ctxs]
+    q = torch.randn(sum(qlens), H, D, generator=g, dtype=torch.float64)
+    old = [c - t for c, t in zip(ctxs, qlens)]       # the context cached before this step
+    if any(old):
+        past = PagedAttentionMetadata([o for o in old if o], [o for o in old if o],
+                                      [tab for tab, o in zip(tables, old) if o], P)
+        write_kv(cache.k[1], cache.v[1], torch.cat([k[:o] for k, o in zip(ks, old)]),
+                 torch.cat([v[:o] for v, o in zip(vs, old)]), past.slot_mapping)
+    meta = cache.prepare(qlens, ctxs, tables)
+    assert [(grp.mask is None, grp.whole) for grp in meta.groups] == expected
+    new_k = torch.cat([k[o:] for k, o in zip(ks, old)])                     # (M, Hkv, D)
+    new_v = torch.cat([v[o:] for v, o in zip(vs, old)])
+    out = cache.attend(1, q.transpose(0, 1)[None], new_k.transpose(0, 1)[None],
+                       new_v.transpose(0, 1)[None])[0].transpose(0, 1)       # (M, H, D)
+    ref = _sdpa_reference(q, ks, vs, qlens)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(paged_attention(q, cache.k[1], cache.v[1], meta), ref,
+                               rtol=0, atol=1e-12)
+    assert torch.isnan(cache.k[0]).all()             # layer 0 was never written
+
+
+def test_long_tensor():
+    from minillm.paged_attention import long_tensor
+    t = long_tensor([3, -1, 2**40])
+    assert t.dtype == torch.long and t.tolist() == [3, -1, 2**40]
+    assert long_tensor([]).shape == (0,)
