@@ -169,5 +169,3 @@ def relayout(weight: nn.Parameter, layout: str) -> None:
     elif layout != "in_out" and not weight.is_contiguous():
         weight.data = weight.data.contiguous()
 
-
-from .cpu_tuning import accelerate, kernel_report, plain, tune  # noqa: E402  (public names)

@@ -52,13 +52,14 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtyp
     """Return `(model, tokenizer)` for a preset name, a local HF folder or a .gguf file.
 
     On a CPU in fp32 the projections then take the matmul routes tuned for this machine
-    (`cpu_kernels.accelerate`: timed once per machine, then read from a cache); kernels="plain"
+    (`cpu_tuning.accelerate`: timed once per machine, then read from a cache); kernels="plain"
     keeps plain nn.Linear, and a route name ("F.linear", "x@W", ...) pins that route.
 
     >>> model, tok = load_model()                     # SmolLM2-135M-Instruct, cuda if present
     >>> model, tok = load_model("path/to/llama_folder", device="cpu", dtype=torch.bfloat16)
     """
-    from .cpu_kernels import ROUTES, accelerate
+    from .cpu_kernels import ROUTES
+    from .cpu_tuning import accelerate
     if kernels not in ("plain", *ROUTES):
         raise ValueError(f"kernels must be 'plain' or one of {ROUTES}, got {kernels!r}")
     if not isinstance(name_or_path, (str, os.PathLike)):
