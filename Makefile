@@ -1,11 +1,12 @@
-# Two commands: `make demo` and `make test`. Both create .venv in the repo root if missing.
+# Two commands: `make demo` and `make test`. Both create .venv in the repo root if missing, and
+# neither changes a committed file (figures go to build/figures/; `make figures` refreshes figures/).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench notebooks clean
+.PHONY: setup demo test bench figures notebooks clean
 
 setup: $(STAMP)
 
@@ -28,6 +29,13 @@ test: setup
 
 bench: setup
 	$(PY) -m minillm.bench all
+
+# The committed figures/: every notebook and the demo re-run with save_figure pointed there. The
+# executed notebooks land in build/notebooks/, so the committed ones (and their outputs) stay as they are.
+figures: setup
+	MINILLM_FIGURES_DIR=$(CURDIR)/figures $(VENV)/bin/jupyter nbconvert --to notebook --execute \
+		--ExecutePreprocessor.timeout=1200 --output-dir build/notebooks notebooks/*.ipynb
+	MINILLM_FIGURES_DIR=$(CURDIR)/figures $(PY) -m minillm demo
 
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks

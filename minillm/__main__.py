@@ -1,7 +1,8 @@
 """`python -m minillm demo`: the main job. Loads the real model, generates for a few prompts
-with a progress bar, prints a summary table, writes figures/demo_decode.png, then serves a
-mixed workload through the engine (continuous batching, chunked prefill) and prints its table,
-and serves input-grounded prompts with and without n-gram speculative decoding.
+with a progress bar, prints a summary table, writes demo_decode.png (to build/figures/, or to
+$MINILLM_FIGURES_DIR, which `make figures` sets to figures/), then serves a mixed workload
+through the engine (continuous batching, chunked prefill) and prints its table, and serves
+input-grounded prompts with and without n-gram speculative decoding.
 """
 import argparse
 import time
