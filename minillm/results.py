@@ -38,6 +38,11 @@ HEADLINES = [
     Headline("decode", "batch8.minillm_tok_per_s", "decode, batch 8", "tok/s"),
     Headline("decode", "batch1.speedup_vs_transformers", "batch-1 decode vs transformers", "x"),
     Headline("decode", "batch1_fraction_of_floor", "batch-1 decode / bandwidth floor", "%", 100),
+    Headline("decode", "batch8.minillm_engine_ms_per_step", "decode, batch 8 through the engine", "ms"),
+    Headline("kernels", "decode_ms_per_token.auto", "batch-1 decode, minillm's default CPU routes", "ms"),
+    Headline("kernels", "decode_ms_per_token.floor", "batch-1 decode floor (weights / read bandwidth)", "ms"),
+    Headline("overhead", "batch1.engine_ms", "engine step, 30-layer d_model-64 model, batch 1", "ms"),
+    Headline("overhead", "batch32.engine_ms", "engine step, 30-layer d_model-64 model, batch 32", "ms"),
     Headline("roofline", "hardware.mem_bandwidth", "memory bandwidth (measured)", "GB/s", 1e-9),
     Headline("roofline", "hardware.peak_flops.fp32", "fp32 matmul peak (measured)", "TFLOP/s", 1e-12),
     Headline("roofline", "decode.measured_s.0", "decode step, batch 1, S=128", "ms", 1e3),
@@ -119,7 +124,7 @@ def results_table(records: list[dict], headlines: list[Headline] = HEADLINES) ->
             shown = format_value(value * h.scale) + (f" {h.unit}" if h.unit else "")
             rows.append(f"| {h.benchmark} | {h.label} | {shown}{_notes(r)} | "
                         f"{m.get('device_name', m.get('device', '?'))} | "
-                        f"{str(m.get('date', '?'))[:10]} | {m.get('git_commit', '?')} |")
+                        f"{str(m.get('date', '?'))[:10]} | {str(m.get('git_commit', '?')).split('+')[0]} |")
     if len(rows) == 2:
         rows.append("| - | no results committed yet | - | - | - | - |")
     return "\n".join(rows)
