@@ -14,19 +14,10 @@ from pathlib import Path
 
 import torch
 
+from .cpu_kernels import cpu_name
 from .plotting import REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_commit() -> str:
@@ -45,7 +36,7 @@ def git_commit() -> str:
 def machine_info(device=None) -> dict:
     """What the numbers were measured on."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    info = {"device": device.type, "cpu": _cpu_name(), "cpu_cores": os.cpu_count(),
+    info = {"device": device.type, "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "git_commit": git_commit(),
