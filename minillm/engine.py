@@ -116,6 +116,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.__post_init__()                 # again: a frozen dataclass can still be altered
         ids = self._check_prompt(prompt, params)
         rid = str(self._next_request_id) if request_id is None else str(request_id)
         if rid in self.requests:

@@ -16,6 +16,8 @@ Left out on purpose: beam search, logprobs, detokenization of streamed text, LoR
 import enum
 from dataclasses import dataclass, field
 
+from .sampling import check_sampling_args
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,12 +34,9 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if self.top_k is None or self.top_p is None:
+            raise TypeError("top_k and top_p must be numbers here (top_k -1 and top_p 1.0 are off), got None")
+        check_sampling_args(self.temperature, self.top_k, self.top_p)   # NaN, inf, types too
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or self.n < 1:

@@ -28,6 +28,43 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be finite"),
+    (dict(top_p=float("nan")), ValueError, "top_p must be finite"),
+    (dict(temperature="hot"), TypeError, "temperature must be a real number"),
+    (dict(temperature=True), TypeError, "temperature"),
+    (dict(top_p=None), TypeError, "top_p"),
+    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(top_k=None), TypeError, "top_k"),
+])
+def test_nan_inf_and_wrong_types_are_rejected_at_the_door(kwargs, error, match):
+    """Bug B1 of the review: NaN passed `temperature < 0`, reached the sampler after the engine
+    had advanced the request, and broke every later step for everyone."""
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_a_nan_request_harms_nobody(model):
+    """Even a SamplingParams altered after construction is stopped at add_request (before the fix
+    it was queued, and the first step that sampled it broke the engine); the neighbour gets
+    exactly its answer."""
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=20, max_num_batched_tokens=16))
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6))
+    engine.step()
+    bad = SamplingParams(temperature=1.0, max_tokens=6)
+    object.__setattr__(bad, "temperature", float("nan"))
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        engine.add_request([8, 9], bad)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert done == {rid: generate(model, [5, 6, 7], 6)}
+    assert engine.num_free_blocks == engine.num_blocks
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(block_size=0), "block_size"),
     (dict(num_blocks=0), "num_blocks"),
