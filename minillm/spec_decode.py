@@ -70,7 +70,9 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
                          f"{target.config.vocab_size}; speculative decoding needs one vocabulary")
     stats = stats if stats is not None else SpecStats()
     stop, dev = set(stop_token_ids or []), target.device
-    cache = KVCache(target.config, 1, len(prompt) + max_new_tokens + K + 1, dev, target.dtype)
+    # k is capped below at max_new_tokens - len(out) - 1, so a verify never writes past position
+    # len(prompt) + max_new_tokens - 2: the same room `generate` needs, within the context
+    cache = KVCache(target.config, 1, len(prompt) + max_new_tokens, dev, target.dtype)
     if len(prompt) > 1:
         target(torch.tensor([prompt[:-1]], device=dev), cache=cache,
                logits_index=torch.tensor([len(prompt) - 2]))                  # prefill, (1, 1, V)

@@ -115,7 +115,8 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
     sync(dev)
     t_plain = time.perf_counter() - t0
 
-    cache = KVCache(model.config, 1, len(prompt) + N + k + 1, dev, model.dtype)
+    cache = KVCache(model.config, 1, min(len(prompt) + N + k + 1, model.config.max_seq_len), dev,
+                    model.dtype)
     num_proposed, num_accepted = [], []
     sync(dev)
     t0 = time.perf_counter()

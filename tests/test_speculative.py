@@ -302,3 +302,12 @@ def test_adaptive_k_tracks_best_k():
     assert h.k == 7
     h.update(2, 7)
     assert h.k == 6
+
+
+def test_speculation_runs_up_to_the_context_limit():
+    """Review bug B3: the cache was sized prompt + new + K + 1 and a request that fit the context
+    exactly (its input check passed) crashed; now it gives exactly generate's tokens."""
+    m = tiny_model(vocab_size=32, max_seq_len=64)
+    prompt = [1, 2, 3] * 16 + [1, 2]                                    # 50 + 14 = 64 tokens
+    for K in (1, 4, 8):
+        assert speculative_generate(m, NgramProposer(), prompt, 14, K) == generate(m, prompt, 14)
