@@ -70,15 +70,20 @@ def forward_cost(model, rows=COST_ROWS, context: int = 128, rounds: int = 5,
     return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows} for r in routes}
 
 
+def transformers_run(hf, prompts: list[list[int]]):
+    """n -> transformers' greedy `generate` of exactly n new tokens for equal-length prompts."""
+    x = torch.tensor(prompts, device=hf.device)
+    return lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
 def _decode_rows(model, tok, hf, n_new, repeat) -> dict:
     """ms per decode step at batch 1 and 8: minillm (generate, the engine, generate_batch) and
     transformers."""
     device, out = model.device, {}
     for batch in (1, 8):
         prompts = _equal_length_prompts(tok, batch)
-        x = torch.tensor(prompts, device=device)
-        theirs = lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+        theirs = transformers_run(hf, prompts)
         if batch == 1:
             ours = {"generate": lambda n: generate(model, prompts[0], n)}
         else:

@@ -7,9 +7,7 @@ lm_head shapes at 1-8 rows per route; and the tuned plan itself. Written to
 benchmarks/results/kernels_<device>.json, so chapter 1 can set two CPUs' tables side by side.
 GPUs have one route (F.linear): there the benchmark records that and stops.
 """
-import torch
-
-from .bench_decode import _equal_length_prompts, _ms_per_token
+from .bench_decode import _equal_length_prompts, _ms_per_token, transformers_run
 from .benchutil import machine_info, write_result
 from .cpu_kernels import ROUTES, linear_route
 from .cpu_tuning import CANDIDATES, accelerate, kernel_report
@@ -37,12 +35,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
         with linear_route(route):
             paths[route] = round(_ms_per_token(lambda n: generate(model, prompt, n), n_new, "cpu",
                                                repeat), 2)
-    hf = to_hf_model(model)
-    x = torch.tensor([prompt])
-    paths["transformers"] = round(_ms_per_token(
-        lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, pad_token_id=0),
-        n_new, "cpu", repeat), 2)
+    theirs = transformers_run(to_hf_model(model), [prompt])
+    paths["transformers"] = round(_ms_per_token(theirs, n_new, "cpu", repeat), 2)
     paths["floor"] = round(1e3 * weight_bytes / bandwidth, 2)
     hw = Hardware("this CPU", {"fp32": 1e11}, mem_bandwidth=bandwidth, mem_bytes=1e9)
     rows = (1, 2) if quick else (1, 2, 4, 8)

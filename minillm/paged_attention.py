@@ -56,7 +56,8 @@ class _Group:
         rows = [tables[i][:nb] for i in seqs]
         table = long_tensor([b for r in rows for b in r + r[:1] * (nb - len(r))]).view(B, nb)
         s = long_tensor(ctxs)[:, None]                                         # (B, 1)
-        j = torch.arange(Sg)                                                   # (Sg,)
+        j, t = torch.arange(Sg), torch.arange(Tg)                              # (Sg,), (Tg,)
+        q = long_tensor(qlens)[:, None]                                        # (B, 1)
         slots = (table[:, :, None] * P + torch.arange(P)).view(B, nb * P)[:, :Sg]  # (B, Sg)
         # padding keys read the row's own first token (always written, so never NaN garbage)
         slots = torch.where(j < s, slots, slots[:, :1])
@@ -64,7 +65,6 @@ class _Group:
         if Tg == 1:                               # decodes: the one query sees its S keys
             mask = (j < s)[:, None, None]                                      # (B, 1, 1, Sg)
         else:  # query t of a row sits at position S - T + t; padded rows repeat the last one
-            q, t = long_tensor(qlens)[:, None], torch.arange(Tg)
             qpos = torch.minimum(s - q + t, s - 1)                             # (B, Tg)
             mask = (j <= qpos[..., None])[:, None]                             # (B, 1, Tg, Sg)
         # every query sees every key (batch-1 decode, equal lengths): SDPA needs no mask at all
@@ -74,7 +74,6 @@ class _Group:
         # view of q and the output is a view of the result, so no index tensors are needed
         self.whole = whole
         if not whole:
-            q, t = long_tensor(qlens)[:, None], torch.arange(Tg)
             start = long_tensor([starts[i] for i in seqs])[:, None]            # (B, 1)
             self.q_index = (start + torch.minimum(t, q - 1)).to(device)        # (B, Tg)
             valid = t < q                                                      # (B, Tg)
