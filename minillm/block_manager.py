@@ -221,6 +221,11 @@ class BlockManager:
             parent_hash, parent_id = h, (b, self._gen[b])
         return hits
 
+    def num_cached_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
+        it changes no block, no LRU order and no statistic."""
+        return len(self._lookup(_check_tokens(token_ids))) * self.block_size
+
     # ---- operations -------------------------------------------------------------------
     def can_allocate(self, token_ids: list[int]) -> bool:
         """Whether `allocate` would succeed now (prefix-cache hits need no new block).

@@ -37,7 +37,7 @@ class EngineConfig:
 
     block_size: int = 16
     num_blocks: int | None = None
-    max_num_seqs: int = 32
+    max_num_seqs: int | None = None                # None: min(32, what the token budget allows)
     max_num_batched_tokens: int = 256
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
@@ -49,9 +49,18 @@ class EngineConfig:
     prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
     prompt_lookup_max: int = 3
     seed: int = 0                                 # for requests without their own seed
+    retain_finished: int = 4096                   # finished requests kept for inspection
+    max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(
+                self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
+            object.__setattr__(self, "max_num_seqs", max(1, min(32, self.max_num_batched_tokens)))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "retain_finished", "max_trace_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
@@ -67,8 +76,12 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        # otherwise decodes that miss the budget are skipped and newer requests starve
+        if self.max_num_batched_tokens < max(self.max_num_seqs, 1 + self.num_speculative_tokens):
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
+                             f"each step) and >= 1 + num_speculative_tokens="
+                             f"{1 + self.num_speculative_tokens} (one verify step)")
 
 
 class LLMEngine:
@@ -80,7 +93,8 @@ class LLMEngine:
         if cfg.num_speculative_tokens > 0:
             self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
                                     draft_model, mc.max_seq_len,
-                                    ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+                                    ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
+                                    max_num_seqs=cfg.max_num_seqs)
         param = next(model.parameters())
         per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
@@ -97,6 +111,7 @@ class LLMEngine:
         self.step_count = 0
         self._next_seq_id = 0
         self._next_request_id = 0
+        self._pinned: set[str] = set()           # requests a generate() call will return
 
     # ---- public API ----------------------------------------------------------------------------
     @property
@@ -117,6 +132,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.__post_init__()                 # again: a frozen dataclass can still be altered
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} completions can never run together with "
+                             f"max_num_seqs={self.config.max_num_seqs}; use n <= max_num_seqs")
         ids = self._check_prompt(prompt, params)
         rid = str(self._next_request_id) if request_id is None else str(request_id)
         if rid in self.requests:
@@ -143,7 +161,11 @@ class LLMEngine:
         t0 = self.clock()
         self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
-        seqs, logits = self.runner.execute(out)
+        try:
+            seqs, logits = self.runner.execute(out)
+        except Exception:
+            self.scheduler.undo(out)   # nothing was committed: recompute these next time
+            raise
         return self._update(out, seqs, logits, t0)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -156,11 +178,13 @@ class LLMEngine:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        self._pinned.update(rids)
         from tqdm.auto import tqdm
         bar = tqdm(total=len(rids), disable=not use_tqdm, desc="requests")
         while any(not self.requests[r].finished for r in rids):
             bar.update(sum(o.finished for o in self.step() if o.request_id in rids))
         bar.close()
+        self._pinned.difference_update(rids)
         return [self._output(self.requests[r]) for r in rids]
 
     def export_trace(self, path=None) -> dict:
@@ -177,7 +201,7 @@ class LLMEngine:
         """Propose drafts for decoding sequences before the scheduler books their blocks."""
         if self.spec is not None:
             self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1
-                               and s.output_token_ids], self.cache.k.device)
+                               and s.output_token_ids], self.cache.k.device, self.runner.generator)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -209,7 +233,47 @@ class LLMEngine:
         return list(prompt)
 
     def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
-        bm, advanced = self.block_manager, {}
+        """Apply one forward pass's results, in named phases. Sampling is per sequence: a row
+        that fails to sample (say, NaN logits) aborts its own request and nobody else's."""
+        num_decode, prefill_ids = self._commit_computed(out)
+        rows = self._rows(seqs)                      # before verification clears the drafts
+        drafting = [(s, r) for s, r in zip(seqs, rows) if s.draft_token_ids]
+        plain = [(s, r) for s, r in zip(seqs, rows) if not s.draft_token_ids]
+        new_tokens, failed = self._verify_drafts(drafting, logits)
+        more, failed_plain = self._fork_and_sample(plain, logits)
+        new_tokens += more
+        now = self.clock()
+        advanced = {}
+        for seq, toks in new_tokens:
+            self._append(seq, toks, now)
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        for seq in failed + failed_plain:
+            self._fail(seq, now)
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        for seq in out.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        self._record(out, t0, now, num_decode, prefill_ids)
+        self.step_count += 1
+        outputs = [self._output(r) for r in advanced.values()]
+        self._prune()
+        return outputs
+
+    def _prune(self) -> None:
+        """Bounded memory for a long-running engine: keep the newest `retain_finished` finished
+        requests (those a running `generate` call still has to return are kept too) and the
+        newest `max_trace_steps` trace rows."""
+        cfg = self.config
+        if len(self.trace) > cfg.max_trace_steps:
+            del self.trace[:len(self.trace) - cfg.max_trace_steps]
+        extra = len(self.requests) - cfg.retain_finished - self.scheduler.num_unfinished
+        if extra <= 0:
+            return
+        for rid in [r for r, req in self.requests.items() if req.finished and r not in self._pinned][:extra]:
+            del self.requests[rid]
+
+    def _commit_computed(self, out) -> tuple[int, list[str]]:
+        """The scheduled tokens' KV is written: advance each sequence and register full blocks
+        in the prefix cache (not while drafts are pending: their KV may be rolled back)."""
         num_decode, prefill_ids = 0, []
         for seq, n in out.scheduled:
             if seq.num_computed_tokens >= len(seq.prompt_token_ids) and (n == 1 or seq.draft_token_ids):
@@ -221,42 +285,66 @@ class LLMEngine:
                 m.num_cached_tokens = seq.num_cached_tokens
             seq.num_computed_tokens += n
             if not seq.draft_token_ids:
-                bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        rows, order, new_tokens, r = [], [], [], 0
+                self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        return num_decode, prefill_ids
+
+    @staticmethod
+    def _rows(seqs) -> list[int]:
+        """First logits row of each sampling sequence (a sequence with K drafts has K + 1)."""
+        rows, r = [], 0
         for seq in seqs:
-            req = self.requests[seq.request_id]
-            if seq.draft_token_ids:                     # verify K drafts with K + 1 logits rows
-                k = len(seq.draft_token_ids)
+            rows.append(r)
+            r += 1 + len(seq.draft_token_ids)
+        return rows
+
+    def _verify_drafts(self, drafting, logits):
+        """Verify each (sequence, first row) with K drafts against its K + 1 logits rows; keep
+        the accepted drafts and the bonus token, roll the rejected drafts' KV back."""
+        new_tokens, failed = [], []
+        for seq, r in drafting:
+            k = len(seq.draft_token_ids)
+            try:
                 toks = self.spec.verify(seq, logits[r:r + k + 1], self.runner.generator)
-                req.metrics.num_spec_steps += 1
-                req.metrics.num_draft_tokens += k
-                req.metrics.num_accepted_tokens += len(toks) - 1
-                seq.num_computed_tokens -= k + 1 - len(toks)   # rejected drafts' KV is void
-                bm.truncate(seq.seq_id, seq.num_computed_tokens)
-                bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
-                seq.draft_token_ids, seq.draft_probs = [], None
-                new_tokens.append((seq, toks))
-                r += k + 1
+            except (ValueError, RuntimeError) as e:
+                seq.error = f"{type(e).__name__}: {e}"
+                failed.append(seq)
                 continue
-            group = [seq]
-            if req.params.n > 1 and not req.forked:
-                group += self._fork(req, seq)
+            m = self.requests[seq.request_id].metrics
+            m.num_spec_steps += 1
+            m.num_draft_tokens += k
+            m.num_accepted_tokens += len(toks) - 1
+            seq.num_computed_tokens -= k + 1 - len(toks)   # rejected drafts' KV is void
+            self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+            self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            seq.draft_token_ids, seq.draft_probs = [], None
+            new_tokens.append((seq, toks))
+        return new_tokens, failed
+
+    def _fork_and_sample(self, plain, logits):
+        """One token for every (sequence, row) without drafts. A request with n > 1 forks after
+        its prompt; the children sample from their parent's logits row."""
+        order, rows = [], []
+        for seq, r in plain:
+            req = self.requests[seq.request_id]
+            group = [seq] + (self._fork(req, seq) if req.params.n > 1 and not req.forked else [])
             order += group
             rows += [r] * len(group)
-            r += 1
-        if order:
-            if rows != list(range(len(logits))):      # forks share a row; drafts' rows went
-                logits = logits[rows]
-            new_tokens += [(s, [t]) for s, t in zip(order, self.runner.sample(order, logits))]
-        now = self.clock()
-        for seq, toks in new_tokens:
-            self._append(seq, toks, now)
-            advanced[seq.request_id] = self.requests[seq.request_id]
-        for seq in out.preempted:
-            self.requests[seq.request_id].metrics.num_preemptions += 1
-        self._record(out, t0, now, num_decode, prefill_ids)
-        self.step_count += 1
-        return [self._output(r) for r in advanced.values()]
+        if not order:
+            return [], []
+        if rows != list(range(len(logits))):           # forks share a row; drafts' rows went
+            logits = logits[rows]
+        toks = self.runner.sample(order, logits)       # None where a row could not be drawn
+        ok = [(s, [t]) for s, t in zip(order, toks) if t is not None]
+        return ok, [s for s, t in zip(order, toks) if t is None]
+
+    def _fail(self, seq: Sequence, now: float) -> None:
+        """A sequence whose token could not be drawn ends with finish_reason "abort"; its blocks
+        go back to the pool at once. `seq.error` says why."""
+        req = self.requests[seq.request_id]
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if req.finished:
+            req.metrics.finish_time, req.metrics.finish_step = now, self.step_count
 
     def _append(self, seq: Sequence, toks: list[int], now: float) -> None:
         """Append sampled tokens up to the first that finishes the sequence."""

@@ -12,8 +12,9 @@ One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=
    rejected drafts' slots back with `BlockManager.truncate`.
 A sequence whose drafts do not fit the step's token budget simply decodes one token.
 
-Left out on purpose: a batched/paged draft-model cache (the draft model recomputes its context
-per sequence through `DraftModelProposer`'s batch-1 cache), tree drafts, per-request K.
+Left out on purpose: a batched/paged draft-model cache (the draft model runs batch 1, one
+sequence after another, each with its own contiguous cache keyed by seq_id), tree drafts,
+per-request K.
 """
 import torch
 
@@ -26,14 +27,14 @@ from .speculative import greedy_verify, rejection_sample
 
 class SpecDecoder:
     def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None,
-                 ngram: tuple[int, int] = (1, 3)):
+                 ngram: tuple[int, int] = (1, 3), max_num_seqs: int = 32):
         if method not in ("ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {method!r}")
         if method == "draft" and draft_model is None:
             raise ValueError("speculative_method='draft' needs LLMEngine(..., draft_model=...)")
         self.k, self.method, self.max_seq_len = k, method, max_seq_len
         self.proposer = (NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1]) if method == "ngram"
-                         else DraftModelProposer(draft_model))
+                         else DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs))
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verify_steps = 0
@@ -45,8 +46,9 @@ class SpecDecoder:
         return g.manual_seed(request_generator_seed(seq.params.seed, seq.index,
                                                     len(seq.output_token_ids) + salt))
 
-    def propose(self, seqs: list[Sequence], device) -> None:
-        """Fill `draft_token_ids` (and `draft_probs` for a sampling draft model) of decoding seqs."""
+    def propose(self, seqs: list[Sequence], device, generator=None) -> None:
+        """Fill `draft_token_ids` (and `draft_probs` for a sampling draft model) of decoding seqs.
+        Unseeded requests draw from `generator` (the engine's), never from the global RNG."""
         for seq in seqs:
             p = seq.params
             room = min(p.max_tokens - len(seq.output_token_ids) - 1,
@@ -55,9 +57,13 @@ class SpecDecoder:
             k = min(self.k, room)
             if k < 1:
                 continue
-            prop = self.proposer.propose([seq.token_ids], k, temperature=p.temperature,
-                                         top_k=p.top_k, top_p=p.top_p,
-                                         generator=self._generator(seq, device, 10**6))
+            gen = self._generator(seq, device, 10**6) or generator
+            if self.method == "draft":       # each sequence keeps its own draft cache
+                prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
+                                             generator=gen, key=seq.seq_id)
+            else:
+                prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
+                                             generator=gen)
             n = k if prop.num_proposed is None else int(prop.num_proposed[0])
             seq.draft_token_ids = prop.token_ids[0, :n].tolist()
             if prop.probs is not None:

@@ -86,8 +86,10 @@ class ModelRunner:
         return sampling, (logits[0] if sampling else None)
 
     @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One new token per sequence from its logits row (K, V); greedy rows in one argmax."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """One new token per sequence from its logits row (K, V); greedy rows in one argmax.
+        A row that cannot be drawn (non-finite logits, say) gives None and sets `seq.error`,
+        so one broken request never stops the others."""
         tokens = logits.argmax(dim=-1).tolist()                              # (K,)
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -98,7 +100,10 @@ class ModelRunner:
                     request_generator_seed(p.seed, seq.index, len(seq.output_token_ids)))
             else:
                 gen = self.generator
-            probs = logits_to_probs(logits[i:i + 1].float(), temperature=p.temperature,
-                                    top_k=p.top_k, top_p=p.top_p)               # (1, V)
-            tokens[i] = int(sample(probs, generator=gen)[0])
+            try:
+                probs = logits_to_probs(logits[i:i + 1].float(), temperature=p.temperature,
+                                        top_k=p.top_k, top_p=p.top_p)           # (1, V)
+                tokens[i] = int(sample(probs, generator=gen)[0])
+            except (ValueError, RuntimeError) as e:
+                tokens[i], seq.error = None, f"{type(e).__name__}: {e}"
         return tokens

@@ -99,7 +99,7 @@ class DraftModelProposer:
         return self.model.config.vocab_size
 
     def reset(self) -> None:
-        self._slots: list[list] = []               # [KVCache, tokens it holds], most recent last
+        self._slots: list[list] = []        # [KVCache, tokens it holds, key], most recent last
 
     @property
     def _cache(self):
@@ -114,14 +114,20 @@ class DraftModelProposer:
             m += 1
         return m
 
-    def _slot_for(self, context: list[int]) -> list:
-        """The cache sharing the longest prefix with `context` (several sequences, e.g. from the
-        engine, each keep theirs); a new one while fewer than max_cached_seqs exist, else the
-        least recently used one is recycled."""
-        best = max(self._slots, key=lambda sl: self._common(sl[1], context), default=None)
-        if best is None or self._common(best[1], context) == 0:
+    def _slot_for(self, context: list[int], key=None) -> list:
+        """The cache for this context. With a `key` (the engine passes each sequence's id) the
+        slot of that key; without one, the slot sharing the longest prefix with the context. A
+        new slot while fewer than max_cached_seqs exist, else the least recently used is recycled."""
+        if key is not None:
+            best = next((sl for sl in self._slots if sl[2] == key), None)
+        else:
+            best = max(self._slots, key=lambda sl: self._common(sl[1], context), default=None)
+            if best is not None and self._common(best[1], context) == 0:
+                best = None
+        if best is None:
             fresh = len(self._slots) < self.max_cached_seqs
-            best = [None, []] if fresh else self._slots[0]   # else recycle the least recent
+            best = [None, [], key] if fresh else self._slots[0]   # else recycle the least recent
+            best[2] = key
         if best in self._slots:
             self._slots.remove(best)
         self._slots.append(best)
@@ -132,9 +138,9 @@ class DraftModelProposer:
             best[1] = []
         return best
 
-    def _logits_batch1(self, context: list[int]) -> torch.Tensor:
+    def _logits_batch1(self, context: list[int], key=None) -> torch.Tensor:
         """Next-token logits (1, V) after `context`, reusing the cached common prefix."""
-        slot = self._slot_for(context)
+        slot = self._slot_for(context, key)
         cache = slot[0]
         m = min(self._common(slot[1], context), len(context) - 1)   # feed >= 1 token
         cache.truncate(m)                          # roll back rejected drafts
@@ -143,14 +149,16 @@ class DraftModelProposer:
         slot[1] = list(context)
         return logits[:, -1]                                                      # (1, V)
 
-    def _step_logits(self, ids: torch.Tensor, batch1: bool) -> torch.Tensor:
+    def _step_logits(self, ids: torch.Tensor, batch1: bool, key=None) -> torch.Tensor:
         if batch1:
-            return self._logits_batch1(ids[0].tolist())
+            return self._logits_batch1(ids[0].tolist(), key)
         return self.model(ids)[:, -1]                                             # (B, V)
 
     @torch.inference_mode()
     def propose(self, contexts, k: int, temperature: float = 0.0, top_k=None, top_p=None,
-                generator=None) -> Proposal:
+                generator=None, key=None) -> Proposal:
+        """(B,) contexts -> K sampled drafts and their q. `key` names the sequence of a batch-1
+        call, so that each sequence keeps its own draft cache (the engine passes its seq_id)."""
         contexts, _ = _contexts(contexts), _check_k(k)
         check_sampling_args(temperature, top_k, top_p)
         if len({len(c) for c in contexts}) != 1:
@@ -159,7 +167,7 @@ class DraftModelProposer:
         ids = torch.tensor(contexts, device=self.model.device)                    # (B, S)
         toks, qs = [], []
         for _ in range(k):
-            logits = self._step_logits(ids, batch1)                               # (B, V)
+            logits = self._step_logits(ids, batch1, key)                          # (B, V)
             if temperature == 0:
                 tok = logits.argmax(-1)                                           # (B,)
             else:

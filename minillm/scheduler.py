@@ -68,6 +68,10 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -82,6 +86,22 @@ class Scheduler:
         if self.scheduling == "static" and not any(
                 s.request_id == seq.request_id for s in (*self.waiting, *self.running, *self.swapped)):
             self.static_batch.discard(seq.request_id)
+
+    def undo(self, out: SchedulerOutput) -> None:
+        """The step `out` described failed before its results came back: every sequence it
+        scheduled (and any swap-out whose copy was not made) goes back to the front of the
+        waiting queue with its blocks freed, to be recomputed from its tokens."""
+        lost = [s for s, _ in out.scheduled] + [s for s, _ in out.swap_out if s.swapped_kv is None]
+        for seq in sorted(set(lost), key=lambda s: (s.arrival_time, s.seq_id), reverse=True):
+            for q in (self.running, self.swapped):
+                if seq in q:
+                    q.remove(seq)
+            if seq.seq_id in self.bm.seq_ids():
+                self.bm.free(seq.seq_id)
+            seq.draft_token_ids, seq.draft_probs, seq.swapped_kv = [], None, None
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -101,9 +121,11 @@ class Scheduler:
                 continue
             if budget < 1:
                 continue
-            if 1 + len(seq.draft_token_ids) > budget:   # speculative drafts that do not fit: drop
+            if seq.draft_token_ids and (1 + len(seq.draft_token_ids) > budget or not
+                                        self.bm.can_append(seq.seq_id, self._growth(seq))):
+                # drafts are optional: drop them rather than exceed the budget or preempt anyone
                 seq.draft_token_ids, seq.draft_probs = [], None
-            if not self._make_room(seq, out, len(seq.draft_token_ids)):
+            if not self._make_room(seq, out):
                 continue  # seq itself was preempted
             new = seq.token_ids_from(self.bm.num_tokens(seq.seq_id))   # newest token + drafts
             out.copies += self.bm.append_tokens(seq.seq_id, new)
@@ -122,10 +144,13 @@ class Scheduler:
             return min(need, budget)
         return need if need <= budget or not prefill_seen else 0
 
-    def _make_room(self, seq: Sequence, out: SchedulerOutput, extra: int = 0) -> bool:
+    def _growth(self, seq: Sequence) -> int:
+        """Tokens seq adds to its block table this step: the newest token and its drafts."""
+        return seq.num_tokens + len(seq.draft_token_ids) - self.bm.num_tokens(seq.seq_id)
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Preempt latest-arrived running sequences until seq can append; False if seq went."""
-        grow = seq.num_tokens + extra - self.bm.num_tokens(seq.seq_id)
-        while not self.bm.can_append(seq.seq_id, grow):
+        while not self.bm.can_append(seq.seq_id, self._growth(seq)):
             victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING),
                          key=lambda s: (s.arrival_time, s.seq_id))
             self._preempt(victim, out)
@@ -176,6 +201,12 @@ class Scheduler:
             prefill_seen |= n > 1
         return budget, prefill_seen
 
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence takes: a request with n > 1 forks into n sequences after
+        its prompt, so until it has sampled its first token it books all n of them."""
+        return seq.params.n if seq.index == 0 and not seq.output_token_ids else 1
+
     def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> None:
         static = self.scheduling == "static"
         if static and not self.static_batch:   # form the next static batch
@@ -184,22 +215,22 @@ class Scheduler:
                 if s.request_id not in ids and len(ids) < self.max_num_seqs:
                     ids.append(s.request_id)
             self.static_batch, self.static_members = set(ids), ids
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if static and seq.request_id not in self.static_batch:
                 break
-            if not self.bm.can_allocate(seq.token_ids):
+            if sum(map(self._seats, self.running)) + self._seats(seq) > self.max_num_seqs:
                 break
-            cached = self.bm.allocate(seq.seq_id, seq.token_ids)
-            seq.num_computed_tokens = cached
-            n = self._prefill_size(seq.num_uncomputed, budget, prefill_seen)
-            if n == 0:
-                self.bm.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+            tokens = seq.token_ids
+            # probe first, allocate only what runs: a failed probe must not evict cached blocks
+            cached = self.bm.num_cached_tokens(tokens)
+            n = self._prefill_size(len(tokens) - cached, budget, prefill_seen)
+            if n == 0 or not self.bm.can_allocate(tokens):
                 break
+            seq.num_computed_tokens = self.bm.allocate(seq.seq_id, tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.num_cached_tokens = cached
+            seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n

@@ -52,7 +52,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # identity, not field equality: each sequence is one object
 class Sequence:
     seq_id: int
     request_id: str
@@ -69,6 +69,7 @@ class Sequence:
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
     draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
+    error: str | None = None             # why it was aborted, when a token could not be drawn
 
     @property
     def num_tokens(self) -> int:

@@ -36,11 +36,11 @@ CONFIGS = {
                                 max_num_batched_tokens=64, enable_chunked_prefill=False),
     # 64 + 24 tokens need 6 blocks of 16 (88 / 16): the pool holds one request and a bit
     "preempt_recompute": dict(block_size=16, num_blocks=7, max_num_seqs=64, max_num_batched_tokens=64),
-    "preempt_swap": dict(block_size=3, num_blocks=23, max_num_seqs=64, max_num_batched_tokens=32,
+    "preempt_swap": dict(block_size=3, num_blocks=23, max_num_seqs=32, max_num_batched_tokens=32,
                          preemption_mode="swap"),
     "prefix_cache": dict(block_size=3, num_blocks=60, max_num_seqs=8, max_num_batched_tokens=16,
                          enable_prefix_caching=True),
-    "prefix_cache_swap": dict(block_size=3, num_blocks=23, max_num_seqs=64,
+    "prefix_cache_swap": dict(block_size=3, num_blocks=23, max_num_seqs=32,
                               max_num_batched_tokens=32, enable_prefix_caching=True,
                               preemption_mode="swap"),
     "static": dict(block_size=3, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=64,

@@ -136,7 +136,7 @@ def test_no_block_leaks_random_schedules(model, data):
         block_size=data.draw(st.sampled_from([1, 3, 4])),
         num_blocks=data.draw(st.integers(14, 40)),
         max_num_seqs=data.draw(st.sampled_from([1, 2, 8])),
-        max_num_batched_tokens=data.draw(st.sampled_from([4, 16])),
+        max_num_batched_tokens=data.draw(st.sampled_from([8, 16])),
         enable_prefix_caching=data.draw(st.booleans()),
         preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
     engine = LLMEngine(model, cfg)
@@ -147,6 +147,10 @@ def test_no_block_leaks_random_schedules(model, data):
             prompt = data.draw(st.lists(st.integers(0, 15), min_size=1, max_size=12))
             params = SamplingParams(max_tokens=data.draw(st.integers(1, 8)),
                                     n=data.draw(st.sampled_from([1, 1, 2])))
+            if params.n > cfg.max_num_seqs:
+                with pytest.raises(ValueError, match="max_num_seqs"):
+                    engine.add_request(prompt, params)
+                continue
             if len(prompt) + params.max_tokens > cfg.num_blocks * cfg.block_size:
                 with pytest.raises(ValueError, match="whole pool"):
                     engine.add_request(prompt, params)
