@@ -11,10 +11,12 @@ Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no ten
 per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
 
 With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
-`draft_model`) that one forward pass verifies (engine_spec.py).
+`draft_model`) that one forward pass verifies (engine_spec.py); vLLM's `speculative_config` dict
+and `gpu_memory_utilization` map onto these fields in engine_args.py. With a tokenizer, each
+sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
+`llm.py` wraps the engine in vLLM's offline front door, `LLM`.
 
-Left out on purpose: async serving / streaming over HTTP, detokenized stop strings, multiple
-devices.
+Left out on purpose: async serving / streaming over HTTP, multiple devices.
 """
 import json
 import time
@@ -23,6 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .block_manager import BlockManager
+from .detokenizer import Detokenizer
+from .engine_args import apply_speculative_config, pool_num_blocks
 from .engine_spec import SpecDecoder
 from .model_runner import ModelRunner
 from .paged_attention import PagedKVCache
@@ -33,7 +37,8 @@ from .sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, S
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`."""
+    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`,
+    or on a GPU from `gpu_memory_utilization` when set (engine_args.py; ignored on a CPU)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -49,6 +54,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
     prompt_lookup_max: int = 3
     seed: int = 0                                 # for requests without their own seed
+    gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
@@ -69,11 +75,18 @@ class EngineConfig:
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be None or a float in (0, 1], got {u!r}")
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None):
-        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None,
+                 speculative_config: dict | None = None):
+        config = config or EngineConfig()
+        if speculative_config is not None:            # vLLM's dict -> the flat fields
+            config, draft_model = apply_speculative_config(config, speculative_config, draft_model)
+        self.model, self.config, self.tokenizer = model, config, tokenizer
         self.draft_model = draft_model
         mc, cfg = model.config, self.config
         self.spec = None
@@ -82,8 +95,7 @@ class LLMEngine:
                                     draft_model, mc.max_seq_len,
                                     ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
         param = next(model.parameters())
-        per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
+        num_blocks = pool_num_blocks(model, cfg, draft_model)
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
         self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -118,20 +130,27 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.__post_init__()                 # again: a frozen dataclass can still be altered
         ids = self._check_prompt(prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs LLMEngine(..., tokenizer=...) to see text; "
+                             "use stop_token_ids with token ids")
         rid = str(self._next_request_id) if request_id is None else str(request_id)
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         self._next_request_id += 1
         now = self.clock() if arrival_time is None else arrival_time
         seq = Sequence(self._new_seq_id(), rid, ids, params, now)
-        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count))
+        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count),
+                                     prompt=prompt if isinstance(prompt, str) else None)
         self.scheduler.add(seq)
         return rid
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request; a finished one is left as it is (a client may leave as it completes)."""
         req = self.requests.get(str(request_id))
-        if req is None or req.finished:
-            raise ValueError(f"unknown or finished request_id {request_id!r}")
+        if req is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        if req.finished:
+            return
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -146,8 +165,13 @@ class LLMEngine:
         seqs, logits = self.runner.execute(out)
         return self._update(out, seqs, logits, t0)
 
-    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Serve a list of prompts to completion; one RequestOutput per prompt, in input order."""
+    def generate(self, prompts, params=None, use_tqdm: bool = False, *,
+                 sampling_params=None) -> list[RequestOutput]:
+        """Serve a list of prompts to completion; one RequestOutput per prompt, in input order.
+        `params` or (vLLM's name) `sampling_params`: one SamplingParams or one per prompt."""
+        if params is not None and sampling_params is not None:
+            raise TypeError("pass params or sampling_params, not both")
+        params = sampling_params if params is None else params
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of str or of token-id lists")
         if isinstance(prompts[0], int):
@@ -155,12 +179,21 @@ class LLMEngine:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(rids), disable=not use_tqdm, desc="requests")
+        rids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                rids.append(self.add_request(p, sp))
+        except (TypeError, ValueError):
+            for r in rids:                       # all or nothing: no half-queued batch
+                self.abort_request(r)
+            raise
+        bar = _progress_bar(len(rids)) if use_tqdm else None
         while any(not self.requests[r].finished for r in rids):
-            bar.update(sum(o.finished for o in self.step() if o.request_id in rids))
-        bar.close()
+            done = sum(o.finished for o in self.step() if o.request_id in rids)
+            if bar is not None:
+                bar.update(done)
+        if bar is not None:
+            bar.close()
         return [self._output(self.requests[r]) for r in rids]
 
     def export_trace(self, path=None) -> dict:
@@ -264,6 +297,10 @@ class LLMEngine:
         m = req.metrics
         for tok in toks:
             seq.output_token_ids.append(tok)
+            if self.tokenizer is not None:          # the text, and whether it reached a stop string
+                if seq.detok is None:
+                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+                seq.detok.append(tok)
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, self.step_count
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
@@ -272,6 +309,8 @@ class LLMEngine:
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 seq.finish_reason = reason
+                if seq.detok is not None:
+                    seq.detok.flush()
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 if req.finished:
@@ -293,7 +332,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if (p.stop_token_ids and tok in p.stop_token_ids) or (
+        text_stop = seq.detok is not None and seq.detok.stopped      # a stop string
+        if text_stop or (p.stop_token_ids and tok in p.stop_token_ids) or (
                 not p.ignore_eos and tok == self.eos_token_id):
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.model.config.max_seq_len:
@@ -302,8 +342,10 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         o = req.output()
-        if self.tokenizer is not None:
-            o.text = self.tokenizer.decode(o.token_ids)
+        if self.tokenizer is not None:                 # "" before a sequence's first token
+            for c in o.outputs:
+                c.text = c.text or ""
+            o.text = o.outputs[0].text
         return o
 
     def _record(self, out, t0, t1, num_decode, prefill_ids) -> None:
@@ -317,3 +359,12 @@ class LLMEngine:
             "request_ids": [seq.request_id for seq, _ in out.scheduled],
             "padding_request_ids": list(out.padding),
             "prefill_request_ids": prefill_ids})
+
+
+def _progress_bar(total: int):
+    """A tqdm bar of finished requests, or None when tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests")
