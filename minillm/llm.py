@@ -50,7 +50,8 @@ class LLM:
         unknown = sorted(set(engine_options) - fields)
         if unknown:
             raise TypeError(f"LLM got unknown options {unknown}; engine options are the EngineConfig "
-                            f"fields {sorted(fields)} and dtype, device, draft_model, speculative_config")
+                            f"fields {sorted(fields)} and dtype, device, draft_model, "
+                            f"speculative_config")
         dtype = _dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
         if isinstance(model, Transformer):
@@ -63,9 +64,12 @@ class LLM:
         else:
             raise TypeError(f"model must be a model name, a path or a Transformer, "
                             f"got {type(model).__name__}")
-        if isinstance(tokenizer, (str, os.PathLike)):
+        if isinstance(tokenizer, (str, os.PathLike)):                 # a local folder, never the hub
+            if not os.path.isdir(tokenizer):
+                raise ValueError(f"tokenizer must be a tokenizer object or a local folder, "
+                                 f"got {tokenizer!r}")
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)      # a local folder only
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         if isinstance(draft_model, (str, os.PathLike)):
             draft_model = self._load_draft(draft_model, model)
         if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):

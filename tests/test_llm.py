@@ -71,6 +71,8 @@ def test_bad_input_names_the_argument(tiny):
         LLM("no-such-model")
     with pytest.raises(ValueError, match="block_size"):
         LLM(tiny, block_size=0)
+    with pytest.raises(ValueError, match="local folder"):
+        LLM(tiny, tokenizer="no/such/folder")
     assert not llm.llm_engine.has_unfinished_requests()      # nothing half-queued
 
 
@@ -230,18 +232,18 @@ def test_greedy_text_matches_generate_and_transformers(llm):
     from minillm.hf_convert import to_hf_model
     model, tok = llm.model, llm.get_tokenizer()
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     hf = to_hf_model(model)
     for p, o in zip(prompts, outs):
         ids = tok.encode(p)
-        ref = generate(model, ids, 12)
+        ref = generate(model, ids, 8)
         x = torch.tensor([ids])
-        theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12,
+        theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
                              do_sample=False, eos_token_id=None)[0, len(ids):].tolist()
         assert o.token_ids == ref == theirs
         assert o.prompt_token_ids == ids and o.prompt == p
         assert o.outputs[0].text == o.text == tok.decode(ref, skip_special_tokens=True)
-    by_ids = llm.generate([tok.encode(prompts[0])], SamplingParams(max_tokens=12, ignore_eos=True),
+    by_ids = llm.generate([tok.encode(prompts[0])], SamplingParams(max_tokens=8, ignore_eos=True),
                           use_tqdm=False)[0]
     assert by_ids.prompt is None and by_ids.text == outs[0].text
 
@@ -250,18 +252,18 @@ def test_greedy_text_matches_generate_and_transformers(llm):
 def test_stop_strings_cut_the_reference_text(llm):
     model, tok = llm.model, llm.get_tokenizer()
     prompt = "Write a short story about a dragon."
-    ref_ids = generate(model, tok.encode(prompt), 32)
+    ref_ids = generate(model, tok.encode(prompt), 24)
     ref = tok.decode(ref_ids, skip_special_tokens=True)
     words = [w for w in ref.split() if ref.find(w) > 10]
     assert words, ref
     stop = words[0]
     cut = ref[:ref.index(stop)]
-    sp = lambda **kw: SamplingParams(max_tokens=32, ignore_eos=True, **kw)   # noqa: E731
+    sp = lambda **kw: SamplingParams(max_tokens=24, ignore_eos=True, **kw)   # noqa: E731
     outs = llm.generate([prompt] * 4, [sp(stop=stop), sp(stop=["zzqx#", stop]), sp(stop="zzqx#"),
                                        sp(stop=[stop], stop_token_ids=[ref_ids[1]])], use_tqdm=False)
     for o in outs[:2]:
         assert o.text == cut and o.finish_reason == "stop"
-        assert o.token_ids == ref_ids[:len(o.token_ids)] and len(o.token_ids) < 32
+        assert o.token_ids == ref_ids[:len(o.token_ids)] and len(o.token_ids) < 24
         assert stop in tok.decode(o.token_ids, skip_special_tokens=True)   # ids keep the stop string
     assert outs[2].text == ref and outs[2].finish_reason == "length"
     first = ref_ids.index(ref_ids[1])                     # the stop token id comes first
@@ -295,13 +297,13 @@ def test_chat_matches_encode_chat_and_minillm_chat(llm):
     convs = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "system", "content": "Answer in one word."},
               {"role": "user", "content": "What color is the sky?"}]]
-    one = llm.chat(convs[0], SamplingParams(max_tokens=20), use_tqdm=False)
-    both = llm.chat(convs, SamplingParams(max_tokens=20), use_tqdm=False)
+    one = llm.chat(convs[0], SamplingParams(max_tokens=12), use_tqdm=False)
+    both = llm.chat(convs, SamplingParams(max_tokens=12), use_tqdm=False)
     assert len(one) == 1 and len(both) == 2
     for conv, o in zip(convs, both):
         ids = encode_chat(tok, conv)
         assert o.prompt_token_ids == ids and o.prompt == tok.decode(ids)
-        assert o.text == minillm.chat(model, tok, conv, max_new_tokens=20)
+        assert o.text == minillm.chat(model, tok, conv, max_new_tokens=12)
     assert one[0].text == both[0].text and "Paris" in one[0].text
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "user"}])
@@ -315,3 +317,27 @@ def test_n_completions_each_have_their_text(llm):
     assert len(o.outputs) == 2
     for c in o.outputs:
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_streamed_text_of_random_tokens(llm):
+    """A random model over the real vocabulary emits byte fragments: every streamed text is a
+    prefix of the final one, which equals the tokenizer's decode; a stop string cuts it."""
+    tok = llm.get_tokenizer()
+    noisy = tiny_model(vocab_size=len(tok), seed=0)
+    engine = LLMEngine(noisy, EngineConfig(num_blocks=64), tokenizer=tok)
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    rids = [engine.add_request([10 + i, 20], sp) for i in range(3)]
+    seen = {r: [] for r in rids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen[o.request_id].append(o.text)
+    finals = {r: engine.requests[r].output() for r in rids}
+    for r in rids:
+        final = tok.decode(finals[r].token_ids, skip_special_tokens=True)
+        assert seen[r][-1] == final and all(final.startswith(t) for t in seen[r])
+    ref = tok.decode(finals[rids[0]].token_ids, skip_special_tokens=True)
+    stop = next(ref[i:i + 3] for i in range(5, len(ref) - 3) if "\ufffd" not in ref[i:i + 3])
+    out = engine.generate([[10, 20]], SamplingParams(temperature=1.0, seed=7, max_tokens=40,
+                                                     ignore_eos=True, stop=stop))[0]
+    assert out.text == ref[:ref.index(stop)] and out.finish_reason == "stop"
