@@ -11,18 +11,23 @@ Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no ten
 per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
 
 With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
-`draft_model`) that one forward pass verifies (engine_spec.py).
+`draft_model`) that one forward pass verifies (engine_spec.py); vLLM's `speculative_config` dict
+and `gpu_memory_utilization` map onto these fields in engine_args.py. With a tokenizer, each
+sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
+`llm.py` wraps the engine in vLLM's offline front door, `LLM`.
 
-Left out on purpose: async serving / streaming over HTTP, detokenized stop strings, multiple
-devices.
+Left out on purpose: async serving / streaming over HTTP, multiple devices.
 """
 import json
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .block_manager import BlockManager
+from .detokenizer import Detokenizer
+from .engine_args import apply_speculative_config, pool_num_blocks
 from .engine_spec import SpecDecoder
 from .model_runner import ModelRunner
 from .paged_attention import PagedKVCache
@@ -33,7 +38,8 @@ from .sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, S
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`."""
+    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`,
+    or on a GPU from `gpu_memory_utilization` when set (engine_args.py; ignored on a CPU)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -51,6 +57,7 @@ class EngineConfig:
     seed: int = 0                                 # for requests without their own seed
     retain_finished: int = 4096                   # finished requests kept for inspection
     max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
+    gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
 
     def __post_init__(self):
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(
@@ -82,11 +89,18 @@ class EngineConfig:
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
                              f"each step) and >= 1 + num_speculative_tokens="
                              f"{1 + self.num_speculative_tokens} (one verify step)")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be None or a float in (0, 1], got {u!r}")
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None):
-        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None,
+                 speculative_config: dict | None = None):
+        config = config or EngineConfig()
+        if speculative_config is not None:            # vLLM's dict -> the flat fields
+            config, draft_model = apply_speculative_config(config, speculative_config, draft_model)
+        self.model, self.config, self.tokenizer = model, config, tokenizer
         self.draft_model = draft_model
         mc, cfg = model.config, self.config
         self.spec = None
@@ -96,8 +110,7 @@ class LLMEngine:
                                     ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
                                     max_num_seqs=cfg.max_num_seqs)
         param = next(model.parameters())
-        per_block = PagedKVCache.bytes_per_block(mc, cfg.block_size, param.dtype)
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_memory_bytes // per_block)
+        num_blocks = pool_num_blocks(model, cfg, draft_model)
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
         self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -112,6 +125,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._next_request_id = 0
         self._pinned: set[str] = set()           # requests a generate() call will return
+        self._forgotten: OrderedDict[str, None] = OrderedDict()   # ids of pruned finished requests
 
     # ---- public API ----------------------------------------------------------------------------
     @property
@@ -136,20 +150,29 @@ class LLMEngine:
             raise ValueError(f"n={params.n} completions can never run together with "
                              f"max_num_seqs={self.config.max_num_seqs}; use n <= max_num_seqs")
         ids = self._check_prompt(prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs LLMEngine(..., tokenizer=...) to see text; "
+                             "use stop_token_ids with token ids")
         rid = str(self._next_request_id) if request_id is None else str(request_id)
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         self._next_request_id += 1
         now = self.clock() if arrival_time is None else arrival_time
         seq = Sequence(self._new_seq_id(), rid, ids, params, now)
-        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count))
+        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count),
+                                     prompt=prompt if isinstance(prompt, str) else None)
         self.scheduler.add(seq)
         return rid
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request; a finished one is left as it is (a client may leave as it completes)."""
         req = self.requests.get(str(request_id))
-        if req is None or req.finished:
-            raise ValueError(f"unknown or finished request_id {request_id!r}")
+        if req is None and str(request_id) in self._forgotten:
+            return                               # finished long ago and no longer kept
+        if req is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        if req.finished:
+            return
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -168,8 +191,13 @@ class LLMEngine:
             raise
         return self._update(out, seqs, logits, t0)
 
-    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Serve a list of prompts to completion; one RequestOutput per prompt, in input order."""
+    def generate(self, prompts, params=None, use_tqdm: bool = False, *,
+                 sampling_params=None) -> list[RequestOutput]:
+        """Serve a list of prompts to completion; one RequestOutput per prompt, in input order.
+        `params` or (vLLM's name) `sampling_params`: one SamplingParams or one per prompt."""
+        if params is not None and sampling_params is not None:
+            raise TypeError("pass params or sampling_params, not both")
+        params = sampling_params if params is None else params
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of str or of token-id lists")
         if isinstance(prompts[0], int):
@@ -177,13 +205,22 @@ class LLMEngine:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        rids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                rids.append(self.add_request(p, sp))
+        except (TypeError, ValueError):
+            for r in rids:                       # all or nothing: no half-queued batch
+                self.abort_request(r)
+            raise
         self._pinned.update(rids)
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(rids), disable=not use_tqdm, desc="requests")
+        bar = _progress_bar(len(rids)) if use_tqdm else None
         while any(not self.requests[r].finished for r in rids):
-            bar.update(sum(o.finished for o in self.step() if o.request_id in rids))
-        bar.close()
+            done = sum(o.finished for o in self.step() if o.request_id in rids)
+            if bar is not None:
+                bar.update(done)
+        if bar is not None:
+            bar.close()
         self._pinned.difference_update(rids)
         return [self._output(self.requests[r]) for r in rids]
 
@@ -270,6 +307,9 @@ class LLMEngine:
             return
         for rid in [r for r, req in self.requests.items() if req.finished and r not in self._pinned][:extra]:
             del self.requests[rid]
+            self._forgotten[rid] = None
+        while len(self._forgotten) > 16 * cfg.retain_finished:
+            self._forgotten.popitem(last=False)
 
     def _commit_computed(self, out) -> tuple[int, list[str]]:
         """The scheduled tokens' KV is written: advance each sequence and register full blocks
@@ -352,6 +392,10 @@ class LLMEngine:
         m = req.metrics
         for tok in toks:
             seq.output_token_ids.append(tok)
+            if self.tokenizer is not None:          # the text, and whether it reached a stop string
+                if seq.detok is None:
+                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+                seq.detok.append(tok)
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, self.step_count
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
@@ -360,6 +404,8 @@ class LLMEngine:
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 seq.finish_reason = reason
+                if seq.detok is not None:
+                    seq.detok.flush()
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 if req.finished:
@@ -381,7 +427,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if (p.stop_token_ids and tok in p.stop_token_ids) or (
+        text_stop = seq.detok is not None and seq.detok.stopped      # a stop string
+        if text_stop or (p.stop_token_ids and tok in p.stop_token_ids) or (
                 not p.ignore_eos and tok == self.eos_token_id):
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.model.config.max_seq_len:
@@ -390,8 +437,10 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         o = req.output()
-        if self.tokenizer is not None:
-            o.text = self.tokenizer.decode(o.token_ids)
+        if self.tokenizer is not None:                 # "" before a sequence's first token
+            for c in o.outputs:
+                c.text = c.text or ""
+            o.text = o.outputs[0].text
         return o
 
     def _record(self, out, t0, t1, num_decode, prefill_ids) -> None:
@@ -405,3 +454,12 @@ class LLMEngine:
             "request_ids": [seq.request_id for seq, _ in out.scheduled],
             "padding_request_ids": list(out.padding),
             "prefill_request_ids": prefill_ids})
+
+
+def _progress_bar(total: int):
+    """A tqdm bar of finished requests, or None when tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests")

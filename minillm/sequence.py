@@ -11,7 +11,10 @@ next forward passes must compute. A chunk that reaches the last token yields log
 token is sampled. Preemption by recompute only resets `num_computed_tokens` to 0, so a
 resumed sequence recomputes prompt + output and then continues where it stopped.
 
-Left out on purpose: beam search, logprobs, detokenization of streamed text, LoRA.
+A sequence of an engine with a tokenizer also carries a `Detokenizer` (detokenizer.py): its text,
+grown one token at a time, and the stop-string check.
+
+Left out on purpose: beam search, logprobs, LoRA.
 """
 import enum
 from dataclasses import dataclass, field
@@ -22,7 +25,9 @@ from .sampling import check_sampling_args
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request (vLLM's names). temperature 0 = greedy; top_k -1 and top_p 1.0
-    are off; `seed` gives the request its own random stream; `n` completions share the prompt."""
+    are off; `seed` gives the request its own random stream; `n` completions share the prompt.
+    **Unlike vLLM (temperature=1.0) the default is greedy.** `stop`: a str or list of str; the
+    text is cut before the first one it contains, with finish_reason "stop" (needs a tokenizer)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -32,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    stop: list[str] | None = None
 
     def __post_init__(self):
         if self.top_k is None or self.top_p is None:
@@ -43,6 +49,13 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.stop is not None:
+            stop = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+                raise TypeError(f"stop must be None, a str or a list of str, got {self.stop!r}")
+            if "" in stop:
+                raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+            object.__setattr__(self, "stop", list(stop) or None)     # one form: list[str] | None
 
 
 class SequenceStatus(enum.Enum):
@@ -70,6 +83,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
     draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
     error: str | None = None             # why it was aborted, when a token could not be drawn
+    detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
 
     @property
     def num_tokens(self) -> int:
@@ -147,15 +161,19 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
+    """One completion. `text` is None without a tokenizer; a stop string cuts it (not the ids)."""
+
     index: int
     token_ids: list[int]
     finish_reason: str | None
+    text: str | None = None
 
 
 @dataclass
 class RequestOutput:
     """What `step()` and `generate()` return for one request. With n > 1, `outputs` holds every
-    completion and `token_ids` / `finish_reason` are those of completion 0."""
+    completion and `token_ids` / `finish_reason` / `text` are those of completion 0. `prompt` is
+    the prompt string when one was given (None for token ids)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -163,6 +181,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     text: str | None = None
+    prompt: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -183,6 +202,7 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     forked: bool = False
+    prompt: str | None = None            # the string the prompt ids came from, if any
 
     @property
     def finished(self) -> bool:
@@ -190,7 +210,8 @@ class Request:
         return done and (self.forked or self.params.n == 1 or self.seqs[0].finish_reason == "abort")
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason)
+        outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason,
+                                 None if s.detok is None else s.detok.text)
                 for s in sorted(self.seqs, key=lambda s: s.index)]
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
-                             self.finished, self.metrics)
+                             self.finished, self.metrics, outs[0].text, self.prompt)

@@ -119,8 +119,7 @@ def test_abort_mid_prefill_and_mid_decode(model):
     for _ in range(3):
         engine.step()
     engine.abort_request(b)                                   # mid-decode
-    with pytest.raises(ValueError, match="finished"):
-        engine.abort_request(b)
+    engine.abort_request(b)                                   # finished: a no-op (as in vLLM)
     outs = {}
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step()})

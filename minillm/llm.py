@@ -1,0 +1,158 @@
+"""The front door: vLLM's offline `LLM` class over minillm's `LLMEngine`.
+
+vLLM's quickstart runs with only the import and the model name changed:
+
+    from minillm import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m")                   # or an HF folder, a .gguf, a Transformer
+    outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.8, top_p=0.95))
+    outputs[0].prompt, outputs[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "Hi!"}])    # the model's chat template, then generate
+
+`LLM(model, tokenizer=None, **options)`: options are `EngineConfig` fields (block_size,
+max_num_seqs, gpu_memory_utilization, ...) plus `dtype`, `device` (how a named model is loaded),
+`draft_model` and `speculative_config` (vLLM's dict; engine_args.py). Prompts may be strings,
+token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts. A model without a
+tokenizer (`tiny_model()`) takes token ids only.
+
+Left out on purpose: vLLM's other entry points (`encode`, `embed`, `beam_search`, LoRA requests,
+multi-modal data), hub downloads, tensor parallelism, and `dtype="auto"` guessing beyond fp32.
+Unlike vLLM, `SamplingParams()` is greedy by default (temperature 0).
+"""
+import dataclasses
+import os
+
+import torch
+
+from .chat import encode_chat
+from .engine import EngineConfig, LLMEngine
+from .loading import DEFAULT_MODEL, load_model
+from .model import Transformer
+from .sequence import RequestOutput, SamplingParams
+
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be a torch.dtype or one of {list(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """An engine with a model and its tokenizer; `generate` and `chat` run prompts to completion."""
+
+    def __init__(self, model=DEFAULT_MODEL, tokenizer=None, *, dtype=None, device=None,
+                 draft_model=None, speculative_config: dict | None = None, **engine_options):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - fields)
+        if unknown:
+            raise TypeError(f"LLM got unknown options {unknown}; engine options are the EngineConfig "
+                            f"fields {sorted(fields)} and dtype, device, draft_model, "
+                            f"speculative_config")
+        dtype = _dtype(dtype)
+        config = EngineConfig(**engine_options)          # validates before any weights load
+        if isinstance(model, Transformer):
+            if dtype is not None or device is not None:
+                raise ValueError("dtype and device apply to a model given by name; move a "
+                                 "Transformer yourself (model.to(device, dtype))")
+        elif isinstance(model, (str, os.PathLike)):
+            model, own_tok = load_model(model, device=device, dtype=dtype or torch.float32)
+            tokenizer = own_tok if tokenizer is None else tokenizer
+        else:
+            raise TypeError(f"model must be a model name, a path or a Transformer, "
+                            f"got {type(model).__name__}")
+        if isinstance(tokenizer, (str, os.PathLike)):                 # a local folder, never the hub
+            if not os.path.isdir(tokenizer):
+                raise ValueError(f"tokenizer must be a tokenizer object or a local folder, "
+                                 f"got {tokenizer!r}")
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        if isinstance(draft_model, (str, os.PathLike)):
+            draft_model = self._load_draft(draft_model, model)
+        if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
+            speculative_config = {**speculative_config,
+                                  "model": self._load_draft(speculative_config["model"], model)}
+        self.llm_engine = LLMEngine(model, config, draft_model, tokenizer, speculative_config)
+
+    @staticmethod
+    def _load_draft(name, target: Transformer) -> Transformer:
+        """A draft model given by name, on the target's device and in its dtype."""
+        param = next(target.parameters())
+        return load_model(name, device=param.device, dtype=param.dtype)[0]
+
+    @property
+    def model(self) -> Transformer:
+        return self.llm_engine.model
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in prompt order.
+
+        prompts: a str, a list of str, a token-id list, a list of token-id lists, or vLLM's
+        {"prompt": str} / {"prompt_token_ids": list[int]} dicts. sampling_params: one
+        SamplingParams for all, or a list with one per prompt; None = SamplingParams().
+        """
+        prompts = self._prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        return self.llm_engine.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them: apply the
+        model's chat template (`encode_chat`), generate the assistant's turn. `prompt` of each
+        output is the templated text."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (its chat template); pass LLM(..., tokenizer=...)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "(one conversation) or a list of such lists")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        for conv in convs:
+            _check_conversation(conv)
+        ids = [encode_chat(tok, list(conv)) for conv in convs]
+        outs = self.generate(ids, sampling_params, use_tqdm)
+        for o in outs:
+            o.prompt = tok.decode(o.prompt_token_ids)
+        return outs
+
+    def _prompts(self, prompts) -> list:
+        """Normalize to a list of str / token-id lists; str needs a tokenizer."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a str, a token-id list or a non-empty list of them, "
+                             f"got {prompts!r}")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            prompts = [list(prompts)]                          # one token-id prompt
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                if set(p) not in ({"prompt"}, {"prompt_token_ids"}):
+                    raise ValueError(f"prompts[{i}]: a dict prompt needs exactly one key, 'prompt' "
+                                     f"or 'prompt_token_ids', got {sorted(p)}")
+                p = next(iter(p.values()))
+            if isinstance(p, str) and self.get_tokenizer() is None:
+                raise ValueError(f"prompts[{i}] is a str, but this model has no tokenizer; pass "
+                                 f"token ids, or LLM(..., tokenizer=...)")
+            if not isinstance(p, (str, list, tuple)):
+                raise TypeError(f"prompts[{i}] must be a str or a list of token ids, "
+                                f"got {type(p).__name__}")
+            out.append(p if isinstance(p, str) else list(p))
+        return out
+
+
+def _check_conversation(conv) -> None:
+    if not isinstance(conv, (list, tuple)) or not conv:
+        raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
+    for m in conv:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
+            raise ValueError(f"each message must be a dict with str 'role' and 'content', got {m!r}")
