@@ -21,77 +21,20 @@ Left out on purpose: async serving / streaming over HTTP, multiple devices.
 import json
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
-from .engine_args import apply_speculative_config, pool_num_blocks
+from .engine_args import apply_speculative_config, check_prompt, pool_num_blocks
+from .engine_config import EngineConfig
 from .engine_spec import SpecDecoder
 from .model_runner import ModelRunner
 from .paged_attention import PagedKVCache
 from .scheduler import Scheduler
 from .sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`,
-    or on a GPU from `gpu_memory_utilization` when set (engine_args.py; ignored on a CPU)."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    max_num_seqs: int | None = None                # None: min(32, what the token budget allows)
-    max_num_batched_tokens: int = 256
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
-    preemption_mode: str = "recompute"           # or "swap"
-    scheduling: str = "continuous"               # or "static" (the baseline)
-    kv_cache_memory_bytes: int = 512 * 2**20
-    num_speculative_tokens: int = 0
-    speculative_method: str | None = None
-    prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
-    prompt_lookup_max: int = 3
-    seed: int = 0                                 # for requests without their own seed
-    retain_finished: int = 4096                   # finished requests kept for inspection
-    max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
-    gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
-
-    def __post_init__(self):
-        if isinstance(self.num_speculative_tokens, bool) or not isinstance(
-                self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be an int >= 0, got "
-                             f"{self.num_speculative_tokens!r}")
-        if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
-            object.__setattr__(self, "max_num_seqs", max(1, min(32, self.max_num_batched_tokens)))
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "retain_finished", "max_trace_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise ValueError(f"EngineConfig.num_blocks must be None or an int >= 1, got {self.num_blocks!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got "
-                             f"{self.speculative_method!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
-        # otherwise decodes that miss the budget are skipped and newer requests starve
-        if self.max_num_batched_tokens < max(self.max_num_seqs, 1 + self.num_speculative_tokens):
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                             f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
-                             f"each step) and >= 1 + num_speculative_tokens="
-                             f"{1 + self.num_speculative_tokens} (one verify step)")
-        u = self.gpu_memory_utilization
-        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
-            raise ValueError(f"gpu_memory_utilization must be None or a float in (0, 1], got {u!r}")
 
 
 class LLMEngine:
@@ -245,29 +188,8 @@ class LLMEngine:
         return self._next_seq_id - 1
 
     def _check_prompt(self, prompt, params: SamplingParams) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TypeError("a str prompt needs LLMEngine(..., tokenizer=...); pass token ids instead")
-            prompt = self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise TypeError("prompt must be a str or a list of int token ids")
-        if not prompt:
-            raise ValueError("prompt must hold at least one token, got an empty prompt")
-        V, ctx = self.model.config.vocab_size, self.model.config.max_seq_len
-        bad = [t for t in prompt if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size), got {bad[:5]}")
-        if len(prompt) >= ctx:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
-                             f"context of max_seq_len={ctx} tokens")
-        need = min(len(prompt) + params.max_tokens, ctx)
-        pool = self.num_blocks * self.config.block_size
-        if need > pool:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
-                             f"{need} KV slots, but the whole pool holds num_blocks={self.num_blocks}"
-                             f" x block_size={self.config.block_size} = {pool}")
-        return list(prompt)
+        return check_prompt(prompt, params, self.tokenizer, self.model.config,
+                            self.num_blocks, self.config.block_size)
 
     def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
         """Apply one forward pass's results, in named phases. Sampling is per sequence: a row
@@ -276,7 +198,9 @@ class LLMEngine:
         rows = self._rows(seqs)                      # before verification clears the drafts
         drafting = [(s, r) for s, r in zip(seqs, rows) if s.draft_token_ids]
         plain = [(s, r) for s, r in zip(seqs, rows) if not s.draft_token_ids]
-        new_tokens, failed = self._verify_drafts(drafting, logits)
+        new_tokens, failed = (self.spec.verify_all(drafting, logits, self.runner.generator,
+                                                   self.block_manager, self.requests)
+                              if drafting else ([], []))
         more, failed_plain = self._fork_and_sample(plain, logits)
         new_tokens += more
         now = self.clock()
@@ -336,29 +260,6 @@ class LLMEngine:
             rows.append(r)
             r += 1 + len(seq.draft_token_ids)
         return rows
-
-    def _verify_drafts(self, drafting, logits):
-        """Verify each (sequence, first row) with K drafts against its K + 1 logits rows; keep
-        the accepted drafts and the bonus token, roll the rejected drafts' KV back."""
-        new_tokens, failed = [], []
-        for seq, r in drafting:
-            k = len(seq.draft_token_ids)
-            try:
-                toks = self.spec.verify(seq, logits[r:r + k + 1], self.runner.generator)
-            except (ValueError, RuntimeError) as e:
-                seq.error = f"{type(e).__name__}: {e}"
-                failed.append(seq)
-                continue
-            m = self.requests[seq.request_id].metrics
-            m.num_spec_steps += 1
-            m.num_draft_tokens += k
-            m.num_accepted_tokens += len(toks) - 1
-            seq.num_computed_tokens -= k + 1 - len(toks)   # rejected drafts' KV is void
-            self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
-            self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-            seq.draft_token_ids, seq.draft_probs = [], None
-            new_tokens.append((seq, toks))
-        return new_tokens, failed
 
     def _fork_and_sample(self, plain, logits):
         """One token for every (sequence, row) without drafts. A request with n > 1 forks after

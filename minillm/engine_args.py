@@ -1,5 +1,6 @@
-"""vLLM-style engine arguments mapped onto `EngineConfig`: `speculative_config` dicts and sizing
-the block pool from `gpu_memory_utilization` (chapter 2's planner, with measured numbers).
+"""What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), vLLM-style
+`speculative_config` dicts, and sizing the block pool from `gpu_memory_utilization` (chapter 2's
+planner, with measured numbers).
 
 Pool size, in order: `num_blocks` if given (vLLM's num_gpu_blocks_override); on a CUDA device with
 `gpu_memory_utilization` set, N = floor((u * total - weights - activations) / bytes per block),
@@ -119,3 +120,32 @@ def pool_num_blocks(model, config, draft_model=None) -> int:
         warnings.warn(f"gpu_memory_utilization is ignored on {param.device.type}: the pool is "
                       f"sized by kv_cache_memory_bytes={config.kv_cache_memory_bytes}")
     return max(1, config.kv_cache_memory_bytes // per_block)
+
+
+def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block_size: int) -> list[int]:
+    """A request's prompt as token ids, or a TypeError/ValueError naming what is wrong: not ids
+    (or a str without a tokenizer), empty, outside the vocabulary, no room left in the context,
+    or more KV slots than the whole pool holds."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("a str prompt needs LLMEngine(..., tokenizer=...); pass token ids instead")
+        prompt = tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+        raise TypeError("prompt must be a str or a list of int token ids")
+    if not prompt:
+        raise ValueError("prompt must hold at least one token, got an empty prompt")
+    V, ctx = model_config.vocab_size, model_config.max_seq_len
+    bad = [t for t in prompt if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size), got {bad[:5]}")
+    if len(prompt) >= ctx:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                         f"context of max_seq_len={ctx} tokens")
+    need = min(len(prompt) + params.max_tokens, ctx)
+    pool = num_blocks * block_size
+    if need > pool:
+        raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
+                         f"{need} KV slots, but the whole pool holds num_blocks={num_blocks}"
+                         f" x block_size={block_size} = {pool}")
+    return list(prompt)

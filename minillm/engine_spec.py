@@ -86,6 +86,30 @@ class SpecDecoder:
         self.num_verify_steps += 1
         return out[0, :n + 1].tolist()
 
+    def verify_all(self, drafting, logits, generator, block_manager, requests):
+        """After the forward pass: verify each (sequence, first logits row) that drafted K tokens
+        against its K + 1 rows, count the request's metrics, and roll the rejected drafts' KV
+        back. Returns ([(seq, tokens to append)], [seqs whose rows could not be sampled])."""
+        new_tokens, failed = [], []
+        for seq, r in drafting:
+            k = len(seq.draft_token_ids)
+            try:
+                toks = self.verify(seq, logits[r:r + k + 1], generator)
+            except (ValueError, RuntimeError) as e:
+                seq.error = f"{type(e).__name__}: {e}"
+                failed.append(seq)
+                continue
+            m = requests[seq.request_id].metrics
+            m.num_spec_steps += 1
+            m.num_draft_tokens += k
+            m.num_accepted_tokens += len(toks) - 1
+            seq.num_computed_tokens -= k + 1 - len(toks)   # rejected drafts' KV is void
+            block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+            block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            seq.draft_token_ids, seq.draft_probs = [], None
+            new_tokens.append((seq, toks))
+        return new_tokens, failed
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / max(1, self.num_proposed)

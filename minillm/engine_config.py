@@ -1,0 +1,68 @@
+"""`EngineConfig`: every knob of the serving engine in one frozen dataclass, with vLLM's names,
+validated when it is made (a bad value raises ValueError naming the field and its range).
+
+Pool: `num_blocks`, else `gpu_memory_utilization` on a GPU, else `kv_cache_memory_bytes`
+(engine_args.py). Batch: `max_num_seqs` (default: min(32, the token budget)) and the token budget
+`max_num_batched_tokens`, which must cover one token per running sequence and one verify step.
+Memory of a long-running engine: `retain_finished` finished requests and `max_trace_steps` trace
+rows are kept, the oldest dropped first.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`,
+    or on a GPU from `gpu_memory_utilization` when set (engine_args.py; ignored on a CPU)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int | None = None                # None: min(32, what the token budget allows)
+    max_num_batched_tokens: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"           # or "swap"
+    scheduling: str = "continuous"               # or "static" (the baseline)
+    kv_cache_memory_bytes: int = 512 * 2**20
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None
+    prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
+    prompt_lookup_max: int = 3
+    seed: int = 0                                 # for requests without their own seed
+    retain_finished: int = 4096                   # finished requests kept for inspection
+    max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
+    gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
+
+    def __post_init__(self):
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(
+                self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
+            object.__setattr__(self, "max_num_seqs", max(1, min(32, self.max_num_batched_tokens)))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "retain_finished", "max_trace_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"EngineConfig.num_blocks must be None or an int >= 1, got {self.num_blocks!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got "
+                             f"{self.speculative_method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        # otherwise decodes that miss the budget are skipped and newer requests starve
+        if self.max_num_batched_tokens < max(self.max_num_seqs, 1 + self.num_speculative_tokens):
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
+                             f"each step) and >= 1 + num_speculative_tokens="
+                             f"{1 + self.num_speculative_tokens} (one verify step)")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be None or a float in (0, 1], got {u!r}")
