@@ -190,7 +190,7 @@ def test_no_block_leaks_random_schedules(model, data):
     _random_ops(LLMEngine(model, cfg), model, data)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_no_block_leaks_with_speculation_static_batching_and_sampling(small_vocab_model, data):
     """Review T5: the same property with n-gram speculation (K = 2), static scheduling, chunking
