@@ -46,6 +46,12 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results",
     parts = decode_breakdown(cfg, hw, 1, S, measured[0], dt)
     result = {
         "quick": quick, "load_avg_1min": os.getloadavg()[0],
+        "units": {"peak_flops": "FLOP/s", "mem_bandwidth": "bytes/s", "mem_bytes": "bytes",
+                  "flops": "FLOPs", "bytes": "bytes", "seconds": "s", "predicted_s": "s",
+                  "measured_s": "s per decode step (median)", "ratio": "measured / predicted",
+                  "context_len": "tokens", "batches": "sequences per decode step",
+                  "decode_breakdown_b1": "s per batch-1 decode step",
+                  "load_avg_1min": "runnable processes, 1-minute average"},
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops,
                      "mem_bandwidth": hw.mem_bandwidth, "mem_bytes": hw.mem_bytes},
         "matmul_points": [{"label": p.label, "flops": p.flops, "bytes": p.bytes,

@@ -34,7 +34,7 @@ CONFIGS = {
     "bs16_seqs1": dict(block_size=16, num_blocks=20, max_num_seqs=1, max_num_batched_tokens=16),
     "bs16_seqs64_nochunk": dict(block_size=16, num_blocks=40, max_num_seqs=64,
                                 max_num_batched_tokens=64, enable_chunked_prefill=False),
-    # 64 + 24 tokens need 6 blocks of 16 (88 / 16): the pool holds one request and a bit
+    # a request holds up to 40 + 24 = 64 tokens, 4 blocks of 16: 7 blocks cannot hold them all
     "preempt_recompute": dict(block_size=16, num_blocks=7, max_num_seqs=64, max_num_batched_tokens=64),
     "preempt_swap": dict(block_size=3, num_blocks=23, max_num_seqs=32, max_num_batched_tokens=32,
                          preemption_mode="swap"),
@@ -48,6 +48,19 @@ CONFIGS = {
 }
 
 
+def _count_swaps(cache) -> dict[str, int]:
+    """Count the cache's swap_out / swap_in calls (the KV copies the runner really makes)."""
+    moved = {"out": 0, "in": 0}
+    for kind in moved:
+        real = getattr(cache, f"swap_{kind}")
+
+        def counted(*args, _real=real, _kind=kind):
+            moved[_kind] += 1
+            return _real(*args)
+        setattr(cache, f"swap_{kind}", counted)
+    return moved
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_equals_generate_alone(model, workload, name):
     prompts, max_tokens, refs = workload
@@ -55,14 +68,18 @@ def test_greedy_equals_generate_alone(model, workload, name):
         prompts = [[7, 8, 9, 10, 11, 12, 13] + p for p in prompts]
         refs = [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
     engine = LLMEngine(model, EngineConfig(**CONFIGS[name]))
+    moved = _count_swaps(engine.cache)
     outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
     for out, ref, p in zip(outs, refs, prompts):
         assert out.token_ids == ref
         assert out.prompt_token_ids == p
         assert out.finish_reason == "length" and out.finished
     assert engine.num_free_blocks == engine.num_blocks
-    if name.startswith("preempt"):
+    if "preempt" in name or "swap" in name:
         assert engine.scheduler.num_preemptions > 0
+    if "swap" in name:   # victims really went to CPU memory (no silent fallback to recompute)
+        assert max(r["num_swapped"] for r in engine.trace) > 0
+        assert 0 < moved["out"] == moved["in"]          # every saved sequence came back
     if name.startswith("prefix"):
         assert engine.block_manager.stats["hit_blocks"] > 0
 

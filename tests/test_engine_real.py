@@ -15,7 +15,8 @@ def test_real_model_engine_matches_generate():
     model, tok = load_model(device="cpu")
     ids = [tok.encode(p) for p in PROMPTS]
     refs = [generate(model, p, 10) for p in ids]
-    # 4 blocks of 8 tokens: fewer than the 4 prompts need at once, so requests get preempted
+    # 5 blocks of 8 tokens: the 4 prompts (5-11 tokens) with 10 new tokens each need 10 blocks
+    # at once, so requests get preempted
     engine = LLMEngine(model, EngineConfig(block_size=8, num_blocks=5, max_num_batched_tokens=8),
                        tokenizer=tok)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))

