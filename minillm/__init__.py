@@ -1,25 +1,36 @@
 """minillm: how LLMs are served fast, in pure PyTorch, one chapter at a time.
 
-The front door is `LLM` (llm.py: vLLM's offline API over `LLMEngine`). Chapter 0: model,
-loading, generation. 1-2: `roofline`, `kv_math`. 3: `block_manager`, `paged_attention`. 4-5:
-`engine` (scheduler, model_runner, sequence, workloads). 6: `speculative`, `proposers`,
-`spec_decode`, `spec_theory`. Benchmarks: `python -m minillm.bench all`.
+The folders are the architecture (core first; the core never imports `viz` or `bench`):
+- `model/`     chapter 0: config, the Llama layers, loading, the contiguous cache, sampling, generate
+- `paging/`    chapter 3: block manager (no tensors) and paged attention
+- `engine/`    chapters 4-5: sequence, scheduler, model runner, LLMEngine, speculative hook
+- `spec/`      chapter 6: rejection sampling, proposers, the batch-1 speculative loop
+- `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
+- `analysis/`  chapters 1, 2, 6: roofline, KV-cache math, speculation theory (pure functions)
+- `kernels/`   CPU matmul routes tuned on this machine (chapter 1)
+- `viz/`       figures and widgets; `bench/` benchmarks, the GPU script, the results ledger, the demo
+
+Earlier flat paths (`minillm.roofline`, `minillm.engine_spec`, ...) still import (`_compat`).
 """
-from .block_manager import BlockManager, NoFreeBlocksError
-from .chat import chat, encode_chat
-from .config import PRESETS, ModelConfig, get_config
-from .engine import EngineConfig, LLMEngine
-from .generate import generate, generate_batch, generate_naive
-from .kv_cache import KVCache
+from minillm.paging.block_manager import BlockManager, NoFreeBlocksError
+from minillm.model.chat import chat, encode_chat
+from minillm.model.config import PRESETS, ModelConfig, get_config
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model.generate import generate, generate_batch, generate_naive
+from minillm.model.kv_cache import KVCache
 from .llm import LLM
-from .loading import default_device, load_model, tiny_model
-from .model import Transformer
-from .paged_attention import PagedKVCache
-from .sampling import logits_to_probs, sample
-from .sequence import CompletionOutput, RequestOutput, SamplingParams
-from .spec_decode import speculative_generate
-from .proposers import DraftModelProposer, NgramProposer
-from .speculative import greedy_verify, rejection_sample
+from minillm.model.loading import default_device, load_model, tiny_model
+from minillm.model.llama import Transformer
+from minillm.paging.paged_attention import PagedKVCache
+from minillm.model.sampling import logits_to_probs, sample
+from minillm.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from minillm.spec.loop import speculative_generate
+from minillm.spec.proposers import DraftModelProposer, NgramProposer
+from minillm.spec.rejection import greedy_verify, rejection_sample
+
+from minillm import _compat
+
+_compat.install(__name__)   # the old flat paths (minillm.roofline, ...) still import
 
 __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat", "encode_chat", "PRESETS", "ModelConfig",
            "get_config", "EngineConfig", "LLMEngine", "generate", "generate_batch",

@@ -15,8 +15,8 @@ DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 
 
 def _decode_demo(model, tok, max_new_tokens: int):
-    from .chat import encode_chat
-    from .generate import generate
+    from minillm.model.chat import encode_chat
+    from minillm.model.generate import generate
     rows, step_ms = [], []
     for prompt in tqdm(DEMO_PROMPTS, desc="generating", unit="prompt"):
         ids = encode_chat(tok, prompt)
@@ -36,7 +36,7 @@ def _decode_demo(model, tok, max_new_tokens: int):
 
 def _figure(rows):
     import matplotlib.pyplot as plt
-    from .plotting import save_figure
+    from minillm.viz.plotting import save_figure
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([r[0][:32] for r in rows], [r[4] for r in rows], color="tab:blue")
     ax.set_xlabel("ms per generated token (prefill included)")
@@ -46,8 +46,8 @@ def _figure(rows):
 
 
 def demo(max_new_tokens: int = 48) -> None:
-    from .loading import load_model
-    from .plotting import use_headless_backend
+    from minillm.model.loading import load_model
+    from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     t0 = time.perf_counter()
     model, tok = load_model()
@@ -56,7 +56,7 @@ def demo(max_new_tokens: int = 48) -> None:
     rows = _decode_demo(model, tok, max_new_tokens)
     print(f"\nwrote {_figure(rows)}")
     try:
-        from .engine_demo import run_demo, run_spec_demo
+        from minillm.bench.demo import run_demo, run_spec_demo
     except ImportError:
         return
     run_demo(model, tok)

@@ -23,11 +23,11 @@ import os
 
 import torch
 
-from .chat import encode_chat
-from .engine import EngineConfig, LLMEngine
-from .loading import DEFAULT_MODEL, load_model
-from .model import Transformer
-from .sequence import RequestOutput, SamplingParams
+from minillm.model.chat import encode_chat
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model.loading import DEFAULT_MODEL, load_model
+from minillm.model.llama import Transformer
+from minillm.engine.sequence import RequestOutput, SamplingParams
 
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from minillm import bench, get_config, tiny_model
-from minillm.gpu_run import STEPS, import_results, parse_args
-from minillm.gpu_run import main as gpu_run_main
-from minillm.results import END, START, get_metric, ledger_for, results_table, update_readme
+from minillm.bench.gpu_run import STEPS, import_results, parse_args
+from minillm.bench.gpu_run import main as gpu_run_main
+from minillm.bench.results import END, START, get_metric, ledger_for, results_table, update_readme
 
 MACHINE_KEYS = {"device", "device_name", "cpu", "torch", "python", "git_commit", "date"}
 NO_UNITS_YET = {"roofline", "serving", "spec"}      # committed records written before "units"
@@ -45,8 +45,8 @@ def test_bench_all_runs_every_benchmark_once_with_the_arguments(monkeypatch, cap
 def roofline_record(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     mp = pytest.MonkeyPatch()
-    import minillm.loading
-    mp.setattr(minillm.loading, "load_model", lambda *a, device=None, dtype=torch.float32, **k:
+    import minillm.model.loading
+    mp.setattr(minillm.model.loading, "load_model", lambda *a, device=None, dtype=torch.float32, **k:
                (tiny_model(vocab_size=512, device=device), None))
     torch.set_num_threads(1)
     try:
@@ -88,7 +88,7 @@ def test_roofline_record_names_the_unit_of_every_number(roofline_record):
 
 
 def test_committed_ledger_records_say_where_they_ran():
-    from minillm.results import load_ledger
+    from minillm.bench.results import load_ledger
     for r in load_ledger():
         assert MACHINE_KEYS <= set(r["machine"]), r["_source"]
         if r["benchmark"] not in NO_UNITS_YET:
@@ -156,7 +156,7 @@ def test_update_readme_rewrites_only_between_markers(tmp_path):
 
 
 def test_bench_model_random_weights_fallback(monkeypatch):
-    from minillm.gpu_model import RANDOM_WEIGHTS, bench_model
+    from minillm.bench.gpu_model import RANDOM_WEIGHTS, bench_model
     monkeypatch.setenv("MINILLM_RANDOM_WEIGHTS", "1")
     monkeypatch.setenv("MINILLM_TOKENIZER", "/nonexistent")
     m1, tok, weights = bench_model("cpu")
@@ -215,10 +215,10 @@ def test_route_timers_time_every_route_and_restore_the_setting():
     """forward_cost pins routes for a block and skinny_matmul_times times each candidate; the
     pinned route must not outlive the call."""
     from minillm import cpu_kernels
-    from minillm.bench_decode import forward_cost
-    from minillm.cpu_tuning import CANDIDATES
-    from minillm.roofline import Hardware
-    from minillm.roofline_measure import skinny_matmul_times
+    from minillm.bench.decode import forward_cost
+    from minillm.kernels.cpu_tuning import CANDIDATES
+    from minillm.analysis.roofline import Hardware
+    from minillm.bench.measure import skinny_matmul_times
     cost = forward_cost(tiny_model(), rows=(1, 3), context=8, rounds=1)
     assert set(cost) == {"auto", "F.linear"} and all(set(v) == {"1", "3"} for v in cost.values())
     hw = Hardware("toy", {"fp32": 1e11}, mem_bandwidth=1e10, mem_bytes=1e9)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from minillm.block_manager import BlockManager, NoFreeBlocksError
+from minillm.paging.block_manager import BlockManager, NoFreeBlocksError
 
 
 class CollidingBlockManager(BlockManager):
@@ -440,7 +440,7 @@ def test_unknown_and_duplicate_sequences():
 
 # ---- the chapter's measurements, against closed forms -------------------------------------------
 def test_simulate_memory_matches_the_closed_form():
-    from minillm.paging_viz import simulate_memory
+    from minillm.viz.paging import simulate_memory
     workload, P, max_len = [(5, 3), (1, 7), (9, 1)], 4, 16
     sim = simulate_memory(workload, max_len=max_len, block_size=P, max_num_seqs=3)
     # all three start at step 0; request i holds p_i + t tokens at step t = 0..o_i
@@ -454,7 +454,7 @@ def test_simulate_memory_matches_the_closed_form():
 
 
 def test_heavy_tailed_workload_is_seeded_and_clipped():
-    from minillm.paging_viz import heavy_tailed_workload
+    from minillm.viz.paging import heavy_tailed_workload
     a = heavy_tailed_workload(num_requests=500, max_len=256, seed=3)
     assert a == heavy_tailed_workload(num_requests=500, max_len=256, seed=3)
     assert all(p >= 1 and o >= 1 and p + o <= 256 for p, o in a)
@@ -464,7 +464,7 @@ def test_heavy_tailed_workload_is_seeded_and_clipped():
 
 @pytest.mark.parametrize("prompt_len, n, gen_len, P", [(100, 4, 20, 16), (32, 3, 5, 16), (7, 2, 1, 4)])
 def test_sharing_strategies_by_hand(prompt_len, n, gen_len, P):
-    from minillm.paging_viz import sharing_strategies
+    from minillm.viz.paging import sharing_strategies
     r = sharing_strategies(prompt_len, n, gen_len, P)
     full, partial = prompt_len // P, prompt_len % P > 0
     per_seq = -(-(prompt_len + gen_len) // P)
@@ -482,7 +482,7 @@ def test_sharing_strategies_by_hand(prompt_len, n, gen_len, P):
 def test_block_table_figure_draws_every_block():
     import matplotlib
     matplotlib.use("Agg")
-    from minillm.paging_viz import plot_block_tables, snapshot
+    from minillm.viz.paging import plot_block_tables, snapshot
     bm = BlockManager(num_blocks=5, block_size=2)
     bm.allocate("a", [1, 2, 3])
     bm.fork("a", "b")

@@ -1,4 +1,4 @@
-"""The tuned CPU matmul routes (minillm.cpu_kernels, minillm.cpu_tuning).
+"""The tuned CPU matmul routes (minillm.kernels.cpu_kernels, minillm.kernels.cpu_tuning).
 
 Every route is checked against the product in float64 on both weight layouts; the tuning cache
 against corrupt, foreign and unwritable folders; accelerated models against the plain model.
@@ -187,7 +187,7 @@ def test_packed_copy_follows_weight_changes():
 
 
 def test_old_names_still_work():
-    from minillm.model import ROUTES as old_routes, Linear, linear_route, skinny_route
+    from minillm.model.llama import ROUTES as old_routes, Linear, linear_route, skinny_route
     assert "F.linear" in old_routes and "prepacked" in old_routes and "skinny" in old_routes
     lin = Linear(16, 8, bias=False)
     x = torch.randn(3, 16)

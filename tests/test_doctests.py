@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-CORE = ["minillm.block_manager", "minillm.sampling", "minillm.speculative"]
+CORE = ["minillm.paging.block_manager", "minillm.model.sampling", "minillm.spec.rejection"]
 
 
 @pytest.mark.parametrize("name", CORE)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minillm import generate, tiny_model
-from minillm.engine import EngineConfig, LLMEngine
-from minillm.sequence import SamplingParams
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.sequence import SamplingParams
 
 MAX_TOKENS = 24
 
@@ -230,7 +230,7 @@ def test_speculative_draft_model_is_target(model, workload):
 
 def test_num_blocks_from_memory_budget(model):
     """num_blocks=None: as many blocks as fit in kv_cache_memory_bytes (K and V, all layers)."""
-    from minillm.paged_attention import PagedKVCache
+    from minillm.paging.paged_attention import PagedKVCache
     per_block = PagedKVCache.bytes_per_block(model.config, 16, torch.float64)
     engine = LLMEngine(model, EngineConfig(num_blocks=None, kv_cache_memory_bytes=10 * per_block + 5))
     assert engine.num_blocks == 10 and engine.num_free_blocks == 10
@@ -239,7 +239,7 @@ def test_num_blocks_from_memory_budget(model):
 
 def test_token_ids_from_equals_slicing_the_whole_context():
     """The scheduler and runner read a decode's newest tokens with `token_ids_from`."""
-    from minillm.sequence import Sequence
+    from minillm.engine.sequence import Sequence
     seq = Sequence(0, "r", [5, 6, 7], SamplingParams(), 0.0, output_token_ids=[8, 9])
     for drafts in ([], [1, 2]):
         seq.draft_token_ids = drafts

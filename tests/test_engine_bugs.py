@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from minillm import generate, tiny_model
-from minillm.block_manager import BlockManager
-from minillm.engine import EngineConfig, LLMEngine
-from minillm.proposers import DraftModelProposer
-from minillm.scheduler import Scheduler
-from minillm.sequence import SamplingParams, Sequence
+from minillm.paging.block_manager import BlockManager
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.spec.proposers import DraftModelProposer
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import SamplingParams, Sequence
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 

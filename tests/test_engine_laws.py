@@ -20,12 +20,12 @@ import math
 import pytest
 import torch
 
-import minillm.engine_spec as engine_spec
-import minillm.model_runner as model_runner
-import minillm.speculative as speculative
+import minillm.engine.spec_decoder as engine_spec
+import minillm.engine.model_runner as model_runner
+import minillm.spec.rejection as speculative
 from minillm import tiny_model
-from minillm.engine import EngineConfig, LLMEngine
-from minillm.sequence import SamplingParams
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.sequence import SamplingParams
 from test_spec_stats import LENGTH, PROMPT, SMALL, V, chi_square_pvalue, exact_target_law
 
 F64 = torch.float64

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm import generate, tiny_model
-from minillm.engine import EngineConfig, LLMEngine
-from minillm.sequence import SamplingParams, SequenceStatus
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.sequence import SamplingParams, SequenceStatus
 
 
 @pytest.fixture(scope="module")

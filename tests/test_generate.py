@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.sampling import logits_to_probs, sample
+from minillm.model.sampling import logits_to_probs, sample
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from minillm import KVCache, get_config, tiny_model
-from minillm.kv_math import (attention_variants, kv_bytes_per_token, kv_cache_bytes,
+from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, kv_cache_bytes,
                              plan_capacity, reservation_waste, sample_output_lengths,
                              weight_bytes)
-from minillm.paged_attention import PagedKVCache
-from minillm.roofline import get_hardware
+from minillm.paging.paged_attention import PagedKVCache
+from minillm.analysis.roofline import get_hardware
 
 MiB, GiB = 2**20, 2**30
 

@@ -11,11 +11,11 @@ import torch
 
 import minillm
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, generate, tiny_model
-from minillm.chat import encode_chat
-from minillm.detokenizer import Detokenizer
-from minillm.engine_args import num_blocks_for_memory
-from minillm.kv_math import plan_capacity, weight_bytes
-from minillm.paged_attention import PagedKVCache
+from minillm.model.chat import encode_chat
+from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.args import num_blocks_for_memory
+from minillm.analysis.kv_math import plan_capacity, weight_bytes
+from minillm.paging.paged_attention import PagedKVCache
 
 QUICKSTART = ["Hello, my name is", "The president of the United States is",
               "The capital of France is", "The future of AI is"]
@@ -229,7 +229,7 @@ def test_vllm_quickstart_runs(llm, capsys):
 
 @pytest.mark.slow
 def test_greedy_text_matches_generate_and_transformers(llm):
-    from minillm.hf_convert import to_hf_model
+    from minillm.model.hf_convert import to_hf_model
     model, tok = llm.model, llm.get_tokenizer()
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)

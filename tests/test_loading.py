@@ -6,7 +6,7 @@ import torch
 
 import minillm
 from minillm import loading
-from minillm.hf_convert import to_hf_model
+from minillm.model.hf_convert import to_hf_model
 
 
 def test_local_hf_folder_round_trip(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.hf_convert import to_hf_model
+from minillm.model.hf_convert import to_hf_model
 
 SHAPES = {
     "gqa-untied": dict(n_head=4, n_kv_head=2),

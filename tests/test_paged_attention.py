@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from minillm.config import ModelConfig
-from minillm.paged_attention import (PagedAttentionMetadata, PagedKVCache, dense_attention,
+from minillm.model.config import ModelConfig
+from minillm.paging.paged_attention import (PagedAttentionMetadata, PagedKVCache, dense_attention,
                                      paged_attention, ragged_dense_attention, write_kv)
 
 
@@ -215,7 +215,7 @@ def test_metadata_fast_paths_match_sdpa(case):
 
 
 def test_long_tensor():
-    from minillm.paged_attention import long_tensor
+    from minillm.paging.paged_attention import long_tensor
     t = long_tensor([3, -1, 2**40])
     assert t.dtype == torch.long and t.tolist() == [3, -1, 2**40]
     assert long_tensor([]).shape == (0,)

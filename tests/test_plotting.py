@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from minillm.plotting import FIGURES_ENV, figures_dir, project_root, save_figure
+from minillm.viz.plotting import FIGURES_ENV, figures_dir, project_root, save_figure
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import minillm
-from minillm.chat import encode_chat
-from minillm.loading import smollm2_gguf_path
+from minillm.model.chat import encode_chat
+from minillm.model.loading import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?",
@@ -56,7 +56,7 @@ def test_cached_equals_naive_on_real_model(models):
 
 def test_chat_answers(models):
     model, tok, _ = models
-    from minillm.chat import chat
+    from minillm.model.chat import chat
     assert "Paris" in chat(model, tok, "What is the capital of France?", max_new_tokens=20)
 
 

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from minillm import KVCache, get_config, tiny_model
-from minillm.config import PRESETS
-from minillm.roofline import (HARDWARE_PRESETS, Hardware, OpCost, decode_compute_bound_batch,
+from minillm.model.config import PRESETS
+from minillm.analysis.roofline import (HARDWARE_PRESETS, Hardware, OpCost, decode_compute_bound_batch,
                               decode_costs, dtype_bytes, get_hardware, prefill_costs, step_costs,
                               step_time, total_cost)
-from minillm.roofline_measure import (decode_breakdown, decode_weight_bytes,
+from minillm.bench.measure import (decode_breakdown, decode_weight_bytes,
                                       measure_bandwidth, measure_decode_steps,
                                       measure_matmul_flops, time_matmul)
 
@@ -195,7 +195,7 @@ def test_bad_step_inputs(kwargs, match):
 def fake_clock(monkeypatch):
     """time_fn that runs the timed function twice (a warmup and one repeat, as the real one
     does at least) and reports 0.25 s: the formulas around the clock become exact."""
-    import minillm.roofline_measure as rm
+    import minillm.bench.measure as rm
     calls = []
 
     def time_fn(fn, device="cpu", warmup=1, repeat=3):
@@ -253,7 +253,7 @@ def test_presets_match_the_datasheets(name, bf16_tflops, tb_per_s, gb):
 def test_widget_views_are_static_figures():
     import matplotlib
     matplotlib.use("Agg")
-    from minillm.widgets import kv_view, roofline_view
+    from minillm.viz.widgets import kv_view, roofline_view
     fig, text = roofline_view(get_hardware("a100-80gb-sxm"), "llama-2-70b", "bf16", 1, 0)
     assert fig.axes and "intensity 1.00 FLOP/byte" in text and "from B = 158" in text
     fig, text = kv_view("llama-2-70b", "fp16", 2048, 1, kv_heads=8)

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from minillm import generate, tiny_model
-from minillm.block_manager import BlockManager
-from minillm.engine import EngineConfig, LLMEngine
-from minillm.scheduler import Scheduler
-from minillm.sequence import SamplingParams, Sequence, SequenceStatus
+from minillm.paging.block_manager import BlockManager
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import itertools
 import pytest
 import torch
 
-import minillm.speculative as spec
+import minillm.spec.rejection as spec
 from minillm import logits_to_probs, tiny_model
-from minillm.proposers import DraftModelProposer, NgramProposer, Proposal
-from minillm.spec_decode import speculative_generate
+from minillm.spec.proposers import DraftModelProposer, NgramProposer, Proposal
+from minillm.spec.loop import speculative_generate
 
 F64 = torch.float64
 V, LENGTH, K, N = 5, 3, 2, 6_000

@@ -7,10 +7,10 @@ import torch
 
 from minillm import generate, generate_naive, tiny_model
 from minillm import spec_theory as th
-from minillm.proposers import (DraftModelProposer, NgramProposer, early_exit_model,
+from minillm.spec.proposers import (DraftModelProposer, NgramProposer, early_exit_model,
                                layer_skip_model)
-from minillm.spec_decode import SpecStats, replay_greedy, speculative_generate
-from minillm.speculative import greedy_verify, rejection_sample
+from minillm.spec.loop import SpecStats, replay_greedy, speculative_generate
+from minillm.spec.rejection import greedy_verify, rejection_sample
 
 F64 = torch.float64
 
@@ -178,7 +178,7 @@ def test_timing_replay_runs_the_real_schedule(tiny_pair):
     """spec_replay with the weights that produced the output: the logits accept exactly what the
     schedule says at every step (check=True), and the steps are those of the real loop. With
     another model's output the check fails: the replay is not free to invent its schedule."""
-    from minillm.spec_replay import ceiling, replay, schedule
+    from minillm.bench.spec_replay import ceiling, replay, schedule
     target, draft = tiny_pair
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
     out = generate(target, prompt, 30)
@@ -248,7 +248,7 @@ def test_ngram_lookup():
 @pytest.mark.slow
 def test_greedy_spec_equals_plain_greedy_real_model():
     from minillm import load_model
-    from minillm.chat import encode_chat
+    from minillm.model.chat import encode_chat
     model, tok = load_model(device="cpu")
     prompt = encode_chat(tok, "Repeat exactly: the quick brown fox jumps over the lazy dog.")
     reference = generate(model, prompt, 32)

@@ -1,0 +1,148 @@
+"""Chapter 2: how much memory the KV cache takes, how many sequences fit, and what reserving wastes.
+
+Every token a sequence holds keeps one K and one V vector per layer and KV head:
+    KV bytes per token = 2 * n_layer * Hkv * D * bytes_per_element
+Grouped-query attention (GQA) shrinks it by n_head / Hkv against multi-head attention (MHA);
+multi-query attention (MQA) keeps a single KV head.
+
+Letters: B batch (sequences), S tokens a sequence holds, H query heads, Hkv KV heads, D head
+dim, L layers, N blocks, P block size (tokens per block).
+
+The capacity planner follows vLLM's arithmetic: of `gpu_memory_utilization * memory`, the
+weights and an activation reserve come off, and the rest is cut into blocks of P tokens.
+Left out on purpose: the CUDA context, allocator fragmentation and CUDA-graph memory (vLLM
+measures them with a profiling run; pass them in as `activation_bytes`), and tensor parallelism.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from minillm.model.config import ModelConfig
+from minillm.analysis.roofline import Hardware, _check_pos_int, dtype_bytes
+
+
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype="bf16") -> float:
+    """2 (K and V) * n_layer * Hkv * D * bytes."""
+    _check_cfg(cfg)
+    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * dtype_bytes(dtype)
+
+
+def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, batch_size: int = 1, dtype="bf16") -> float:
+    """KV bytes of B sequences holding S tokens each."""
+    _check_pos_int("num_tokens", num_tokens, allow_zero=True)
+    _check_pos_int("batch_size", batch_size)
+    return kv_bytes_per_token(cfg, dtype) * num_tokens * batch_size
+
+
+def weight_bytes(cfg: ModelConfig, dtype="bf16") -> float:
+    """Parameter bytes (int4 = half a byte per weight; scales and zero points left out)."""
+    _check_cfg(cfg)
+    return cfg.num_params * dtype_bytes(dtype)
+
+
+def attention_variants(cfg: ModelConfig) -> dict[str, ModelConfig]:
+    """The same model shape with MHA (Hkv = H), its own GQA setting, and MQA (Hkv = 1)."""
+    _check_cfg(cfg)
+    return {"MHA": cfg.with_(n_kv_head=cfg.n_head), "GQA": cfg, "MQA": cfg.with_(n_kv_head=1)}
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What fits: the numbers behind vLLM's gpu_memory_utilization, block_size, max_num_seqs."""
+
+    memory_bytes: float       # device memory
+    budget_bytes: float       # gpu_memory_utilization * memory
+    weight_bytes: float
+    activation_bytes: float   # reserve for activations / workspace
+    kv_budget_bytes: float    # budget - weights - activations
+    block_size: int           # P tokens per block
+    bytes_per_block: float    # P * KV bytes per token
+    num_blocks: int           # N = floor(kv_budget / bytes_per_block)
+    num_tokens: int           # N * P tokens of KV in the pool
+    max_model_len: int        # longest sequence planned for
+    blocks_per_seq: int       # ceil(max_model_len / P)
+    max_num_seqs: int         # sequences of max_model_len that fit at once
+
+
+def plan_capacity(cfg: ModelConfig, memory, gpu_memory_utilization: float = 0.9,
+                  block_size: int = 16, max_model_len: int | None = None, dtype="bf16",
+                  kv_dtype=None, activation_bytes: float = 0.0) -> CapacityPlan:
+    """How many KV blocks, tokens and full-length sequences fit in `memory` (bytes or Hardware).
+
+    Example: Llama-3-8B in bf16 on an 80 GB card at 0.9 keeps 72e9 - 16.06e9 bytes for KV,
+    at 131072 bytes per token: 26,674 blocks of 16 = 426,784 tokens = 52 sequences of 8192.
+    """
+    _check_cfg(cfg)
+    memory_bytes = memory.mem_bytes if isinstance(memory, Hardware) else memory
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) \
+            or memory_bytes <= 0:
+        raise ValueError(f"memory must be a Hardware or a byte count > 0, got {memory!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    _check_pos_int("block_size", block_size)
+    max_model_len = cfg.max_seq_len if max_model_len is None else max_model_len
+    _check_pos_int("max_model_len", max_model_len)
+    if activation_bytes < 0:
+        raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes}")
+    budget = gpu_memory_utilization * memory_bytes
+    weights = weight_bytes(cfg, dtype)
+    kv_budget = budget - weights - activation_bytes
+    if kv_budget <= 0:
+        raise ValueError(f"{cfg.name}: weights ({weights / 2**30:.2f} GiB) and activations leave "
+                         f"no KV memory in a budget of {budget / 2**30:.2f} GiB")
+    per_block = block_size * kv_bytes_per_token(cfg, kv_dtype if kv_dtype is not None else dtype)
+    num_blocks = int(kv_budget // per_block)
+    blocks_per_seq = math.ceil(max_model_len / block_size)
+    return CapacityPlan(memory_bytes, budget, weights, activation_bytes, kv_budget, block_size,
+                        per_block, num_blocks, num_blocks * block_size, max_model_len,
+                        blocks_per_seq, num_blocks // blocks_per_seq)
+
+
+def sample_output_lengths(n: int, max_len: int = 2048, median: float = 128.0,
+                          sigma: float = 1.2, seed: int = 0) -> list[int]:
+    """n seeded lognormal output lengths in [1, max_len]: most short, a few very long."""
+    _check_pos_int("n", n)
+    _check_pos_int("max_len", max_len)
+    if median <= 0 or sigma <= 0:
+        raise ValueError(f"median and sigma must be > 0, got {median}, {sigma}")
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, generator=g, dtype=torch.float64)
+    lengths = torch.exp(math.log(median) + sigma * z).ceil().clamp(1, max_len)
+    return [int(x) for x in lengths.tolist()]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """KV tokens held by a scheme vs tokens actually used; waste = 1 - used / reserved."""
+
+    scheme: str
+    used_tokens: int
+    reserved_tokens: int
+
+    @property
+    def waste(self) -> float:
+        return 1.0 - self.used_tokens / self.reserved_tokens
+
+
+def reservation_waste(lengths: list[int], max_len: int,
+                      block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[Reservation]:
+    """Static reservation (every request holds max_len slots) vs blocks of P (ceil(len/P)*P)."""
+    _check_pos_int("max_len", max_len)
+    if not lengths:
+        raise ValueError("lengths must be a non-empty list of ints")
+    for x in lengths:
+        _check_pos_int("each length", x)
+        if x > max_len:
+            raise ValueError(f"length {x} exceeds max_len {max_len}")
+    used = sum(lengths)
+    out = [Reservation("static", used, max_len * len(lengths))]
+    for p in block_sizes:
+        _check_pos_int("block_size", p)
+        out.append(Reservation(f"block {p}", used, sum(math.ceil(x / p) * p for x in lengths)))
+    return out

@@ -1,0 +1,52 @@
+"""`python -m minillm.bench <name|all> [--quick] [--device cpu|cuda] [--out DIR]`.
+
+Each benchmark lives in its own module with `run(quick, device, out_dir) -> dict`, writes a JSON
+record (machine metadata included) to benchmarks/results/ and its figures, and prints the ratios
+it measured in that one run. `all` runs every one of them in turn.
+"""
+import argparse
+import importlib
+import json
+import time
+
+BENCHMARKS = {
+    "decode": "minillm.bench.decode",       # ch 0: minillm vs transformers, batch 1 and 8
+    "roofline": "minillm.bench.roofline",   # ch 1: ceilings, matmul points, decode vs batch
+    "kernels": "minillm.bench.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
+    "serving": "minillm.bench.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
+    "spec": "minillm.bench.spec",           # ch 6: speculative decoding speedups vs theory
+    "spec_replay": "minillm.bench.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
+    "cuda_graphs": "minillm.bench.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
+    "overhead": "minillm.bench.overhead",   # ch 4: the engine's own cost per decode step
+}
+
+
+def run_one(name: str, quick: bool, device, out_dir) -> dict:
+    module = importlib.import_module(BENCHMARKS[name])
+    t0 = time.perf_counter()
+    kwargs = {"out_dir": out_dir} if out_dir is not None else {}
+    record = module.run(quick=quick, device=device, **kwargs)
+    if hasattr(module, "report"):
+        print(module.report(record))
+    else:
+        print(json.dumps({k: v for k, v in record.items() if k != "machine"}, indent=1, default=str)[:3000])
+    print(f"[{name}] done in {time.perf_counter() - t0:.0f}s\n")
+    return record
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minillm.bench")
+    parser.add_argument("name", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    from minillm.viz.plotting import use_headless_backend
+    use_headless_backend()
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    for name in names:
+        run_one(name, args.quick, args.device, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,4 @@
+"""`python -m minillm.bench NAME ...`: see minillm.bench."""
+from minillm.bench import main
+
+main()

@@ -1,0 +1,168 @@
+"""Decode benchmark (chapters 0-1): minillm vs transformers' `generate` on the real model.
+
+Same weights (transformers' LlamaForCausalLM is built from minillm's model), same prompts,
+greedy, in one run: batch 1 through `generate`, batch 8 through `LLMEngine` (and
+`generate_batch`), against transformers with 1 and 8 rows. Decode time per token is taken as
+(t(N new tokens) - t(1 new token)) / (N - 1), so the prompt's prefill is not counted.
+The bandwidth floor is the weight bytes one decode step must read divided by the read bandwidth
+measured in the same process: no batch-1 decode can beat it.
+
+On a CPU the model runs the matmul routes tuned for this machine (`cpu_kernels`, weights stored
+once), then again with the routes that may keep a second, prepacked copy of a weight
+(`allow_copies=True`), whose extra bytes the record lists. `forward_cost` times one forward of
+1..64 new tokens after a 128-token context: the cost curve a decode batch, a speculative verify
+step and a prefill chunk pay.
+"""
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from minillm.bench.common import machine_info, time_fn, write_result
+from minillm.model.chat import encode_chat
+from minillm.kernels.cpu_kernels import linear_route
+from minillm.kernels.cpu_tuning import accelerate, kernel_report
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model.generate import generate, generate_batch
+from minillm.model.hf_convert import to_hf_model
+from minillm.model.kv_cache import KVCache
+from minillm.model.loading import load_model
+from minillm.bench.measure import measure_bandwidth
+from minillm.engine.sequence import SamplingParams
+
+PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the sea.",
+           "What is the capital of France?", "Give three tips for learning to cook.",
+           "Why is the sky blue?", "Summarize the plot of Hamlet.",
+           "How do vaccines work?", "Describe a cat to someone who has never seen one."]
+COST_ROWS = (1, 2, 4, 9, 17, 33, 64)
+
+
+def _equal_length_prompts(tok, n: int) -> list[list[int]]:
+    ids = [encode_chat(tok, p) for p in PROMPTS[:n]]
+    T = min(len(x) for x in ids)
+    return [x[-T:] for x in ids]                       # keep the assistant header at the end
+
+
+@torch.inference_mode()
+def _ms_per_token(run, n_new: int, device, repeat: int) -> float:
+    t_n = time_fn(lambda: run(n_new), device, warmup=1, repeat=repeat)
+    t_1 = time_fn(lambda: run(1), device, warmup=1, repeat=repeat)
+    return 1e3 * (t_n - t_1) / (n_new - 1)
+
+
+@torch.inference_mode()
+def forward_cost(model, rows=COST_ROWS, context: int = 128, rounds: int = 5,
+                 routes=("auto", "F.linear")) -> dict:
+    """Median ms of one forward over `rows` new tokens with `context` cached, per `Linear` route
+    ("auto": the model's tuned table); rounds interleave every case so drift spreads evenly."""
+    cache = KVCache(model.config, 1, context + max(rows), model.device, model.dtype)
+    model(torch.ones(1, context, dtype=torch.long, device=model.device), cache=cache)
+    samples = {(r, n): [] for r in routes for n in rows}
+    for _ in range(rounds):
+        for (route, n), times in samples.items():
+            cache.truncate(context)
+            x = torch.ones(1, n, dtype=torch.long, device=model.device)
+            with linear_route(route):
+                t0 = time.perf_counter()
+                model(x, cache=cache)
+                times.append(1e3 * (time.perf_counter() - t0))
+    return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows} for r in routes}
+
+
+def transformers_run(hf, prompts: list[list[int]]):
+    """n -> transformers' greedy `generate` of exactly n new tokens for equal-length prompts."""
+    x = torch.tensor(prompts, device=hf.device)
+    return lambda n: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def _decode_rows(model, tok, hf, n_new, repeat) -> dict:
+    """ms per decode step at batch 1 and 8: minillm (generate, the engine, generate_batch) and
+    transformers."""
+    device, out = model.device, {}
+    for batch in (1, 8):
+        prompts = _equal_length_prompts(tok, batch)
+        theirs = transformers_run(hf, prompts)
+        if batch == 1:
+            ours = {"generate": lambda n: generate(model, prompts[0], n)}
+        else:
+            engine = LLMEngine(model, EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20))
+            ours = {"engine": lambda n: engine.generate(
+                        prompts, SamplingParams(max_tokens=n, ignore_eos=True)),
+                    "generate_batch": lambda n: generate_batch(model, prompts, n)}
+        row = {f"minillm_{k}_ms_per_step": round(_ms_per_token(f, n_new, device, repeat), 3)
+               for k, f in ours.items()}
+        ms_hf = _ms_per_token(theirs, n_new, device, repeat)
+        best = row[f"minillm_{next(iter(ours))}_ms_per_step"]
+        row.update(minillm_ms_per_step=best, transformers_ms_per_step=round(ms_hf, 3),
+                   minillm_tok_per_s=round(1e3 * batch / best, 2),
+                   transformers_tok_per_s=round(1e3 * batch / ms_hf, 2),
+                   speedup_vs_transformers=round(ms_hf / best, 3))
+        out[f"batch{batch}"] = row
+    return out
+
+
+def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) -> dict:
+    """Measure and write benchmarks/results/decode_<device>.json; return the record."""
+    if model is None:
+        model, tok = load_model(device=device)
+    device = model.device
+    hf = to_hf_model(model)
+    n_new, repeat = (8, 1) if quick else (64, 3)
+    rows = COST_ROWS[:3] if quick else COST_ROWS
+    bandwidth = measure_bandwidth(device)
+    weight_bytes = model.config.num_params * model.dtype.itemsize
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    record = {"model": model.config.name, "dtype": str(model.dtype).replace("torch.", ""),
+              "quick": quick, "new_tokens": n_new,
+              "units": {"ms_per_step": "ms per decode step", "tok_per_s": "generated tokens/s",
+                        "bandwidth": "GB/s", "bandwidth_floor_ms": "ms",
+                        "forward_cost": "ms per forward of N new tokens (128 cached)"},
+              "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
+              "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3)}
+    configs = {"stored_once": False, "with_copies": True} if device.type == "cpu" else {"cuda": None}
+    for name, copies in tqdm(configs.items(), desc="decode benchmark"):
+        if copies is not None:
+            accelerate(model, allow_copies=copies)
+        part = _decode_rows(model, tok, hf, n_new, repeat)
+        part["forward_cost"] = forward_cost(model, rows=rows, rounds=1 if quick else 5,
+                                            routes=("auto", "F.linear") if copies is False else ("auto",))
+        part["batch1_fraction_of_floor"] = round(floor_ms / part["batch1"]["minillm_ms_per_step"], 3)
+        part["kernels"] = kernel_report(model) if copies is not None else {}
+        record[name] = part
+    main = record[next(iter(configs))]
+    record.update(batch1=main["batch1"], batch8=main["batch8"], forward_cost=main["forward_cost"],
+                  batch1_fraction_of_floor=main["batch1_fraction_of_floor"])
+    if device.type == "cpu":
+        accelerate(model)                                   # leave the default routes behind
+    record["machine"] = machine_info(device)
+    record["path"] = str(write_result("decode", record, device, out_dir))
+    return record
+
+
+def report(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"decode benchmark on {m.get('device_name', m['device'])} ({m['torch_threads']} threads): "
+             f"{r['model']} {r['dtype']}, read bandwidth {r['measured_bandwidth_GBps']} GB/s, "
+             f"floor {r['bandwidth_floor_ms']:.1f} ms/token"]
+    for name in ("stored_once", "with_copies", "cuda"):
+        if name not in r:
+            continue
+        part = r[name]
+        extra = part.get("kernels", {}).get("extra_bytes", 0)
+        lines.append(f" {name} (extra weight bytes: {extra / 1e6:.0f} MB):")
+        for b in ("batch1", "batch8"):
+            x = part[b]
+            lines.append(f"  {b}: minillm {x['minillm_ms_per_step']:.1f} ms/step "
+                         f"({x['minillm_tok_per_s']:.1f} tok/s), transformers "
+                         f"{x['transformers_ms_per_step']:.1f} ms/step -> "
+                         f"{x['speedup_vs_transformers']:.2f}x")
+        lines.append(f"  batch-1 decode step = {100 * part['batch1_fraction_of_floor']:.0f}% of the "
+                     f"floor's speed (the floor is {part['batch1_fraction_of_floor']:.2f}x the step time)")
+        for route, cost in part["forward_cost"].items():
+            one = cost["1"]
+            lines.append(f"  forward of N tokens / of 1 token, {route:>8}: "
+                         + " ".join(f"{n}:{ms / one:.2f}" for n, ms in cost.items())
+                         + f" (1 token {one:.0f} ms)")
+    return "\n".join(lines)

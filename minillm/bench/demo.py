@@ -1,0 +1,71 @@
+"""`make demo`'s serving part: a mixed workload through `LLMEngine` on the real model, then a
+summary table (per-request TTFT / TPOT / end-to-end, and throughput), static vs continuous; then
+input-grounded prompts with and without n-gram speculative decoding (chapter 6).
+
+    from minillm.bench.demo import run_demo, run_spec_demo
+    run_demo(model, tokenizer); run_spec_demo(model, tokenizer)
+"""
+import numpy as np
+
+from minillm.model.chat import encode_chat
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.sequence import SamplingParams
+from minillm.bench.workloads import poisson_workload, replay
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Give three tips for learning to cook.", "Why is the sky blue?"]
+
+
+def _summary(label: str, outs, seconds: float) -> str:
+    ms = lambda xs: 1e3 * float(np.mean([x for x in xs if x is not None] or [0.0]))
+    tokens = sum(len(o.token_ids) for o in outs)
+    return (f"{label:<11} {len(outs):>4} {tokens:>7} {tokens / seconds:>9.1f} "
+            f"{ms([o.metrics.ttft for o in outs]):>9.0f} {ms([o.metrics.tpot for o in outs]):>9.1f} "
+            f"{ms([o.metrics.e2e for o in outs]):>9.0f}")
+
+
+def run_demo(model, tokenizer, num_requests: int = 12, max_num_seqs: int = 4, seed: int = 0) -> dict:
+    """Chat answers through the engine, then a synthetic heavy-tailed workload served with static
+    and with continuous batching; prints a table and returns the numbers."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs), tokenizer=tokenizer)
+    prompts = [encode_chat(tokenizer, q) for q in QUESTIONS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32))
+    for q, o in zip(QUESTIONS, outs):
+        answer = tokenizer.decode(o.token_ids, skip_special_tokens=True).strip().replace("\n", " ")
+        print(f"Q: {q}\nA: {answer[:160]}\n")
+    workload = poisson_workload(num_requests, rate=float("inf"), vocab_size=model.config.vocab_size,
+                                seed=seed, prompt_len=(8, 64), output_len=(4, 64))
+    print(f"{'scheduling':<11} {'reqs':>4} {'tokens':>7} {'tok/s':>9} {'TTFT ms':>9} "
+          f"{'TPOT ms':>9} {'e2e ms':>9}")
+    result = {}
+    for scheduling in ("static", "continuous"):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, scheduling=scheduling))
+        t0 = engine.clock()
+        outs = replay(engine, workload)
+        seconds = engine.clock() - t0
+        print(_summary(scheduling, outs, seconds))
+        result[scheduling] = {"seconds": seconds, "steps": len(engine.trace),
+                              "tokens": sum(len(o.token_ids) for o in outs)}
+    ratio = result["static"]["seconds"] / result["continuous"]["seconds"]
+    print(f"continuous / static throughput: {ratio:.2f}x "
+          f"({result['static']['steps']} vs {result['continuous']['steps']} engine steps)")
+    return result
+
+
+def run_spec_demo(model, tokenizer, max_tokens: int = 48, k: int = 8) -> dict:
+    """Chapter 6 in the engine: the benchmark's input-grounded prompts served together, plain and
+    with n-gram drafts (greedy, so the outputs must be identical); prints a table."""
+    from minillm.bench.spec import PROMPTS, small_batch
+    prompts = [encode_chat(tokenizer, t) for t in PROMPTS.values()]
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    r = small_batch(model, prompts, stop, dict(max_new_tokens=max_tokens, k_ngram=k, min_ngram=2,
+                                               repeat=1))
+    acc = "  ".join(f"{name} {a:.2f}" for name, a in zip(PROMPTS, r["ngram"]["acceptance_per_request"])
+                    if a is not None)
+    print(f"\n{'decoding':<11} {'steps':>6} {'tokens':>7} {'tok/s':>9}   accepted/drafted per prompt")
+    for label, name in (("plain", "plain"), ("ngram", f"n-gram K={k}")):
+        x = r[label]
+        print(f"{name:<11} {x['steps']:>6} {x['tokens']:>7} {x['tokens_per_s']:>9.1f}   "
+              f"{acc if label == 'ngram' else ''}")
+    print(f"speculative / plain throughput: {r['speedup']:.2f}x, identical outputs: {r['same_as_plain']}")
+    return r

@@ -1,0 +1,219 @@
+"""Chapter 1, measured: this machine's ceilings and real operating points on its roofline.
+
+`measure_hardware` times a large-buffer read (bandwidth) and square matmuls (peak FLOP/s per
+dtype) and returns a `Hardware` like the datasheet presets. `matmul_points` times the
+(B, d) @ (d, n) matmuls a decode step issues at batch B (and prefill-sized ones), and
+`decode_breakdown` splits a measured decode step into weight reads, KV reads and the rest.
+
+Letters: B batch, S context, d model width, n output width.
+Timings are medians after a warm-up; on CUDA the device is synchronized around them.
+Left out on purpose: clock/power control and cache flushing. Instead, memory-bound points
+cycle through enough distinct weight copies that they cannot sit in the CPU's last-level cache,
+as a real step's hundreds of MB of weights cannot.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from minillm.bench.common import time_fn
+from minillm.model.config import ModelConfig
+from minillm.analysis.roofline import (Hardware, OpCost, decode_costs, dtype_bytes, dtype_name,
+                              op_time, step_time, total_cost)
+
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: sum a fp32 buffer far larger than any cache."""
+    device = _device(device)
+    x = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=device)
+    return x.numel() * 4 / time_fn(lambda: x.sum(), device, repeat=repeats)
+
+
+def measure_matmul_flops(device=None, dtype="fp32", n: int = 1024, repeats: int = 3) -> float:
+    """Achieved FLOP/s of an (n, n) @ (n, n) matmul: 2 n^3 FLOPs."""
+    device = _device(device)
+    a = torch.randn(n, n, device=device).to(_TORCH[dtype_name(dtype)])
+    b = torch.randn(n, n, device=device).to(a.dtype)
+    return 2.0 * n**3 / time_fn(lambda: a @ b, device, repeat=repeats)
+
+
+def _memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def measure_hardware(device=None, quick: bool = False, dtypes=None,
+                     progress: bool = True) -> Hardware:
+    """This machine's roofline: measured bandwidth and matmul FLOP/s per dtype.
+
+    quick=True uses small buffers/matmuls (about a second on a laptop CPU; lower numbers).
+    """
+    device = _device(device)
+    if dtypes is None:
+        dtypes = ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
+    big = device.type == "cuda"
+    nbytes = (2**30 if big else 256 * 2**20) // (2 if quick else 1)
+    steps = tqdm(["bandwidth", *dtypes], desc="measuring", disable=not progress)
+    peak, bw = {}, 0.0
+    for step in steps:
+        steps.set_postfix_str(step)
+        if step == "bandwidth":
+            bw = measure_bandwidth(device, nbytes, repeats=3 if quick else 7)
+            continue
+        # CPUs without bf16/fp16 matmul units run them tens of times slower: smaller n.
+        n = 8192 if big else (1536 if dtype_name(step) in ("fp32", "fp64") else 512)
+        peak[dtype_name(step)] = measure_matmul_flops(device, step, n // (2 if quick else 1),
+                                                      2 if quick else 4)
+    name = torch.cuda.get_device_name(device) if big else "this CPU"
+    return Hardware(f"{name} (measured)", peak, bw, _memory_bytes(device))
+
+
+@dataclass(frozen=True)
+class MeasuredPoint:
+    """One timed op beside its roofline prediction."""
+
+    label: str
+    flops: float
+    bytes: float
+    seconds: float
+    predicted_s: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def achieved(self) -> float:
+        """Achieved FLOP/s."""
+        return self.flops / self.seconds
+
+    @property
+    def ratio(self) -> float:
+        """Measured time / roofline lower bound (>= 1 when the roofline holds)."""
+        return self.seconds / self.predicted_s
+
+
+def time_matmul(hw: Hardware, m: int, k: int, n: int, dtype="fp32", device=None,
+                repeats: int = 3, min_weight_bytes: float = 128 * 2**20,
+                max_flops: float = 2e9, label: str | None = None) -> MeasuredPoint:
+    """Time (m, k) @ (k, n), cycling through enough weight copies to defeat the caches."""
+    device = _device(device)
+    tdt, w = _TORCH[dtype_name(dtype)], dtype_bytes(dtype)
+    cost = OpCost(label or f"{m}x{k}x{n}", 2.0 * m * k * n, (k * n + m * k + m * n) * w)
+    copies = max(1, min(math.ceil(min_weight_bytes / (k * n * w)), int(max_flops // cost.flops)))
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, generator=g, device=device).to(tdt)              # (m, k)
+    ws = [torch.randn(k, n, generator=g, device=device).to(tdt) for _ in range(copies)]
+
+    def run():
+        for wt in ws:
+            x @ wt                                                          # (m, k) @ (k, n)
+    seconds = time_fn(run, device, repeat=repeats) / copies
+    return MeasuredPoint(cost.name, cost.flops, cost.bytes, seconds, op_time(cost, hw, dtype))
+
+
+def matmul_points(hw: Hardware, k: int, n: int, batches=(1, 4, 16, 64, 256),
+                  prefill_tokens=(1024,), dtype="fp32", device=None, quick: bool = False,
+                  progress: bool = True) -> list[MeasuredPoint]:
+    """Decode-shaped (B, k) @ (k, n) for each B, then prefill-shaped (T, k) @ (k, n)."""
+    shapes = [(b, f"matmul B={b}") for b in batches] + [(t, f"matmul T={t}")
+                                                        for t in prefill_tokens]
+    mb = (32 if quick else 128) * 2**20
+    return [time_matmul(hw, m, k, n, dtype, device, repeats=2 if quick else 3,
+                        min_weight_bytes=mb, max_flops=(5e8 if quick else 2e9), label=lab)
+            for m, lab in tqdm(shapes, desc="matmuls", disable=not progress)]
+
+
+def skinny_matmul_times(hw: Hardware, k: int, n: int, rows=(1, 2, 3, 4, 8, 16), device=None,
+                        repeats: int = 3, min_weight_bytes: float = 128 * 2**20,
+                        routes=None) -> dict:
+    """Seconds of (rows, k) @ W^T for a weight W (n, k), through each CPU route of
+    `minillm.kernels.cpu_kernels` (F.linear is what nn.Linear calls; see that module for the others),
+    cycling through enough weight copies to defeat the caches, plus the bandwidth bound: one read
+    of the weight. Returns {route: [seconds per row count]}; "bound" last."""
+    from minillm.kernels.cpu_tuning import CANDIDATES, time_rows
+    device = _device(device)
+    copies = max(1, math.ceil(min_weight_bytes / (k * n * 4)))
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = [torch.randn(n, k, generator=g, device=device) for _ in range(copies)]
+    if device.type != "cpu":
+        routes = ("F.linear",)
+    ms = time_rows(weights, list(rows), rounds=repeats, candidates=routes or CANDIDATES)
+    out = {route: [t[m] / 1e3 / copies for m in rows] for route, t in ms.items()}
+    out["bound"] = [k * n * 4 / hw.mem_bandwidth for _ in rows]
+    return out
+
+
+def decode_weight_bytes(cfg: ModelConfig, dtype="fp32") -> float:
+    """Bytes of the weights a decode step streams: every linear layer and lm_head."""
+    d, D, L = cfg.d_model, cfg.head_dim, cfg.n_layer
+    per_layer = d * (cfg.n_head + 2 * cfg.n_kv_head) * D + cfg.n_head * D * d + 3 * d * cfg.d_ff
+    return (L * per_layer + d * cfg.vocab_size) * dtype_bytes(dtype)
+
+
+def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_len: int,
+                     measured_s: float, dtype="fp32") -> dict[str, float]:
+    """Split a measured decode step: weight reads, KV reads, activations, and the rest.
+
+    The first three are bytes / bandwidth (the step is memory-bound, so its compute hides
+    under them); "overhead" is what the roofline does not explain: kernel launches, Python,
+    the elementwise ops left out of the count, and bandwidth not reached.
+    """
+    if measured_s <= 0:
+        raise ValueError(f"measured_s must be > 0, got {measured_s}")
+    costs = decode_costs(cfg, batch_size, context_len, dtype)
+    total = total_cost(costs)
+    weights = decode_weight_bytes(cfg, dtype)
+    kv = 2 * cfg.n_layer * batch_size * (context_len + 1) * cfg.n_kv_head * cfg.head_dim \
+        * dtype_bytes(dtype)
+    bw = hw.mem_bandwidth
+    out = {"weights_s": weights / bw, "kv_s": kv / bw,
+           "activations_s": (total.bytes - weights - kv) / bw,
+           "compute_s": total.flops / hw.peak(dtype),
+           "predicted_s": step_time(costs, hw, dtype), "measured_s": measured_s}
+    out["overhead_s"] = max(0.0, measured_s - out["weights_s"] - out["kv_s"]
+                            - out["activations_s"])
+    return out
+
+
+def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 128,
+                         repeats: int = 3, seed: int = 0, progress: bool = True) -> list[float]:
+    """Median seconds of one real decode step of `model`: input (B, 1) with S cached tokens.
+
+    The cache is filled with random K/V instead of a prefill (the step's time does not depend
+    on the values), and rolled back after each step so every repeat sees the same S.
+    """
+    from minillm.model.kv_cache import KVCache
+    cfg = model.config
+    _check = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if _check or context_len < 1:
+        raise ValueError(f"batch_sizes must be ints >= 1 and context_len >= 1, got "
+                         f"{batch_sizes}, {context_len}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in tqdm(batch_sizes, desc="decode steps", disable=not progress):
+        cache = KVCache(cfg, b, context_len + 1, device=model.device, dtype=model.dtype)
+        cache.k.normal_(generator=None)   # stand-in for a prefilled context
+        cache.v.normal_(generator=None)
+        cache.seq_len = context_len
+        ids = torch.randint(0, cfg.vocab_size, (b, 1), generator=g).to(model.device)  # (B, 1)
+
+        def step():
+            model(ids, cache=cache)                                   # (B, 1, V)
+            cache.truncate(context_len)
+        with torch.inference_mode():
+            out.append(time_fn(step, model.device, repeat=repeats))
+        del cache
+    return out

@@ -1,0 +1,149 @@
+"""Engine overhead benchmark: what `LLMEngine.step()` costs beyond the model's own arithmetic.
+
+A tiny model with many layers (30 layers like SmolLM2-135M, but d_model 64) makes the arithmetic
+negligible, so a decode step of the engine over it is almost all overhead: Python per step
+(scheduler, bookkeeping, sampling) and per layer (paged KV writes, gathers, masks, small ops).
+Three numbers per batch size B (1, 8, 32; every request decoding, steady state):
+- `engine_ms`: median ms of one `engine.step()` with the tiny model, prompts of ragged lengths
+  (8..15 tokens, so attention needs its padding mask as in real serving);
+- `bare_ms`: median ms of the same model's bare forward of one token per row over a contiguous
+  `KVCache` at the engine's mean context (what the model costs with the least machinery);
+- `overhead_ms` = engine_ms - bare_ms: the engine's own cost.
+The engine and the bare forward are timed in turn, step by step, with wall-clock medians: on a
+shared machine the absolute numbers move from run to run, their difference much less.
+Beside them (not in quick mode, or when `model` is given) the real model's bare decode step at the
+same batch sizes, so the reader sees what fraction of a real step the overhead is.
+
+Left out on purpose: prefill steps and mixed batches (their overhead is paid once per prompt, the
+decode step's on every token), and GPUs' launch overhead (cuda_graphs.py measures that).
+"""
+import statistics
+import time
+
+import torch
+
+from minillm.bench.common import write_result
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.model.kv_cache import KVCache
+from minillm.model.loading import tiny_model
+from minillm.engine.sequence import SamplingParams
+
+BATCHES = (1, 8, 32)
+PROMPT_LEN = 8             # tokens of the shortest prompt (the others up to 7 more)
+BLOCK_SIZE = 16
+
+
+def overhead_model(n_layer: int = 30, device=None):
+    """The many-layer tiny model: 30 layers of d_model 64 (arithmetic negligible)."""
+    return tiny_model(vocab_size=256, n_layer=n_layer, device=device)
+
+
+def _medians_ms(fns: dict, warmup: int, steps: int) -> dict:
+    """Median ms of each function, called in turn (round-robin) so that a noisy neighbour on a
+    shared machine slows them all alike."""
+    times = {name: [] for name in fns}
+    for i in range(warmup + steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def decoding_engine(model, batch: int, max_tokens: int) -> LLMEngine:
+    """An engine with `batch` requests, all decoding: ragged prompts of PROMPT_LEN..+7 tokens,
+    prefilled in the first step (done here)."""
+    per_seq = -(-(PROMPT_LEN + 8 + max_tokens) // BLOCK_SIZE)
+    engine = LLMEngine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=batch * per_seq,
+                                           max_num_seqs=batch,
+                                           max_num_batched_tokens=batch * (PROMPT_LEN + 8)))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    V = model.config.vocab_size
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % V for j in range(PROMPT_LEN + i % 8)], params)
+    engine.step()                                          # the prefill of every prompt
+    assert len(engine.scheduler.running) == batch and not engine.scheduler.waiting
+    return engine
+
+
+def bare_decoder(model, batch: int, context: int):
+    """A function running the model's bare forward of one token per row after `context` tokens
+    cached in a contiguous `KVCache` (each call forgets the token the previous call added)."""
+    cache = KVCache(model.config, batch, context + 1, model.device, model.dtype)
+    model(torch.ones(batch, context, dtype=torch.long, device=model.device), cache=cache)
+    x = torch.ones(batch, 1, dtype=torch.long, device=model.device)
+
+    def step():
+        cache.truncate(context)
+        model(x, cache=cache)
+    return step
+
+
+@torch.inference_mode()
+def step_ms(model, batch: int, warmup: int = 3, steps: int = 20) -> dict:
+    """Median ms per decode step at `batch`: {"engine": LLMEngine.step(), "bare": bare forward}
+    (the bare context is the engine's mean context half way through the timed steps)."""
+    engine = decoding_engine(model, batch, warmup + steps + 1)
+    context = PROMPT_LEN + 4 + warmup + steps // 2
+    return _medians_ms({"engine": engine.step, "bare": bare_decoder(model, batch, context)},
+                       warmup, steps)
+
+
+def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int | None = 1) -> dict:
+    """Measure and write benchmarks/results/overhead_<device>.json; return the record.
+
+    `threads`: torch threads for the tiny model (1 by default: its ops are too small to split,
+    and with more threads on a busy machine each op waits at a barrier for a descheduled thread,
+    which times the machine's scheduler, not the engine; None keeps torch's setting). The real
+    model runs with torch's setting."""
+    tiny = overhead_model(device=device)
+    warmup, steps = (2, 7) if quick else (5, 40)
+    rows, saved = {}, torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    try:
+        for b in BATCHES:
+            ms = step_ms(tiny, b, warmup, steps)
+            rows[f"batch{b}"] = {"engine_ms": round(ms["engine"], 3),
+                                 "bare_ms": round(ms["bare"], 3),
+                                 "overhead_ms": round(ms["engine"] - ms["bare"], 3)}
+    finally:
+        torch.set_num_threads(saved)
+    if model is None and not quick:
+        from minillm.model.loading import load_model
+        model, _ = load_model(device=device)
+    real = None
+    if model is not None:
+        with torch.inference_mode():
+            real = {f"batch{b}": round(_medians_ms({"bare": bare_decoder(model, b, 128)}, 2,
+                                                   5 if quick else 10)["bare"], 3)
+                    for b in BATCHES}
+    cfg = tiny.config
+    record = {"quick": quick, "tiny_model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model,
+                                             "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head},
+              "prompt_len": PROMPT_LEN, "block_size": BLOCK_SIZE, "timed_steps": steps,
+              "tiny_model_threads": threads or saved,
+              "units": {"engine_ms": "ms per engine.step() (median)",
+                        "bare_ms": "ms per bare model forward, contiguous KVCache (median)",
+                        "overhead_ms": "ms", "real_model_bare_ms": "ms per decode step (median)"},
+              **rows}
+    if real is not None:
+        record["real_model"] = model.config.name
+        record["real_model_bare_ms"] = real
+    record["path"] = str(write_result("overhead", record, tiny.device, out_dir))
+    return record
+
+
+def report(r: dict) -> str:
+    real = r.get("real_model_bare_ms")
+    lines = [f"engine overhead: tiny model of {r['tiny_model']['n_layer']} layers, d_model "
+             f"{r['tiny_model']['d_model']}, {r['tiny_model_threads']} thread(s), medians of "
+             f"{r['timed_steps']} steps"]
+    for b in BATCHES:
+        x = r[f"batch{b}"]
+        line = (f"  batch {b:>2}: engine step {x['engine_ms']:.2f} ms, bare forward "
+                f"{x['bare_ms']:.2f} ms -> engine overhead {x['overhead_ms']:.2f} ms")
+        if real is not None:
+            line += f"; {r['real_model']} step {real[f'batch{b}']:.1f} ms"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""Seeded serving workloads and a replay loop that feeds them to an `LLMEngine`.
+
+A workload is a list of `WorkloadRequest(arrival, prompt_token_ids, max_tokens)`. Three shapes:
+- `poisson_workload`: Poisson arrivals (exponential gaps) with heavy-tailed (bounded Pareto)
+  prompt and output lengths: most requests are short, a few are very long, as in real traffic;
+- `long_prompt_workload`: requests decoding steadily when one very long prompt arrives mid-run
+  (the prefill stall that chunked prefill removes);
+- `shared_prefix_workload`: every prompt starts with the same system prompt (prefix caching).
+Prompts are random token ids: the engine's cost depends on lengths, not on what the words mean.
+
+`replay(engine, workload)` adds each request when its arrival comes due, on the wall clock
+(`time_unit="seconds"`; idle gaps are skipped, not slept) or on the engine's step counter
+(`time_unit="steps"`, deterministic), and steps the engine until everything has finished.
+
+Left out on purpose: real conversation traces and token-level streaming to clients.
+"""
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from minillm.engine.sequence import RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    arrival: float                  # seconds (or steps) after the start
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def heavy_tailed_lengths(rng: random.Random, n: int, low: int, high: int, alpha: float = 1.2) -> list[int]:
+    """n draws from a Pareto(alpha) scaled to start at `low`, clipped at `high` (ints)."""
+    if not 1 <= low <= high:
+        raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
+    return [min(high, int(low * (1.0 - rng.random()) ** (-1.0 / alpha))) for _ in range(n)]
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(1, vocab_size) for _ in range(n)]
+
+
+def poisson_workload(num_requests: int, rate: float, vocab_size: int, seed: int = 0,
+                     prompt_len: tuple[int, int] = (16, 256), output_len: tuple[int, int] = (8, 256),
+                     alpha: float = 1.2) -> list[WorkloadRequest]:
+    """`rate` requests per second on average (math.inf: all arrive at time 0)."""
+    if num_requests < 1 or rate <= 0:
+        raise ValueError(f"need num_requests >= 1 and rate > 0, got {num_requests}, {rate}")
+    rng = random.Random(seed)
+    plens = heavy_tailed_lengths(rng, num_requests, *prompt_len, alpha=alpha)
+    olens = heavy_tailed_lengths(rng, num_requests, *output_len, alpha=alpha)
+    t, out = 0.0, []
+    for p, o in zip(plens, olens):
+        out.append(WorkloadRequest(t, _tokens(rng, p, vocab_size), o))
+        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    return out
+
+
+def long_prompt_workload(vocab_size: int, num_running: int = 8, output_len: int = 64,
+                         short_prompt_len: int = 16, long_prompt_len: int = 1024,
+                         arrival: float = 8, seed: int = 0) -> list[WorkloadRequest]:
+    """`num_running` short requests start at 0; one `long_prompt_len` prompt arrives at `arrival`."""
+    rng = random.Random(seed)
+    reqs = [WorkloadRequest(0.0, _tokens(rng, short_prompt_len, vocab_size), output_len)
+            for _ in range(num_running)]
+    return reqs + [WorkloadRequest(float(arrival), _tokens(rng, long_prompt_len, vocab_size), 8)]
+
+
+def shared_prefix_workload(num_requests: int, vocab_size: int, system_len: int = 256,
+                           user_len: tuple[int, int] = (8, 64), output_len: int = 16,
+                           seed: int = 0) -> list[WorkloadRequest]:
+    """All prompts = one shared system prompt + a short user part; all arrive at 0."""
+    rng = random.Random(seed)
+    system = _tokens(rng, system_len, vocab_size)
+    return [WorkloadRequest(0.0, system + _tokens(rng, rng.randint(*user_len), vocab_size), output_len)
+            for _ in range(num_requests)]
+
+
+def replay(engine, workload: list[WorkloadRequest], time_unit: str = "seconds",
+           params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    """Serve the workload to completion; returns one RequestOutput per request, in workload order.
+
+    Each request uses `params` (greedy, ignore_eos by default) with its own `max_tokens`."""
+    if time_unit not in ("seconds", "steps"):
+        raise ValueError(f"time_unit must be 'seconds' or 'steps', got {time_unit!r}")
+    from tqdm.auto import tqdm
+    base = params or SamplingParams(ignore_eos=True)
+    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    offset, skipped = [0.0], 0                           # idle time jumped over (s / steps)
+    engine.clock = lambda: time.perf_counter() + offset[0]
+    t0, step0 = engine.clock(), engine.step_count
+    rids, done, nxt = {}, {}, 0
+    bar = tqdm(total=len(workload), disable=not use_tqdm, desc="requests")
+    while len(done) < len(workload):
+        now = engine.clock() - t0 if time_unit == "seconds" else engine.step_count - step0 + skipped
+        if nxt < len(order) and not engine.has_unfinished_requests():
+            gap = workload[order[nxt]].arrival - now
+            if gap > 0 and time_unit == "seconds":   # nothing to do: jump the clock ahead
+                offset[0] += gap
+                now += gap
+            elif gap > 0:
+                skipped += math.ceil(gap)
+                now += math.ceil(gap)
+        while nxt < len(order) and workload[order[nxt]].arrival <= now:
+            w = workload[order[nxt]]
+            arrival = t0 + w.arrival if time_unit == "seconds" else None
+            p = SamplingParams(**{**base.__dict__, "max_tokens": w.max_tokens})
+            rids[engine.add_request(w.prompt_token_ids, p, arrival_time=arrival)] = order[nxt]
+            nxt += 1
+        for out in engine.step():
+            if out.finished and out.request_id in rids:
+                done[rids[out.request_id]] = out
+                bar.update(1)
+    bar.close()
+    return [done[i] for i in range(len(workload))]

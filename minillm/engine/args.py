@@ -1,0 +1,151 @@
+"""What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), vLLM-style
+`speculative_config` dicts, and sizing the block pool from `gpu_memory_utilization` (chapter 2's
+planner, with measured numbers).
+
+Pool size, in order: `num_blocks` if given (vLLM's num_gpu_blocks_override); on a CUDA device with
+`gpu_memory_utilization` set, N = floor((u * total - weights - activations) / bytes per block),
+the arithmetic of `kv_math.plan_capacity`, but with the weights and the activation peak measured
+on the device; otherwise `kv_cache_memory_bytes` // bytes per block. On a CPU
+`gpu_memory_utilization` is ignored with a warning, so one script runs on a laptop and a GPU.
+
+Left out on purpose: memory held by other processes (vLLM checks free memory at start-up),
+CUDA-graph memory, and vLLM's other speculative methods (eagle, medusa, mtp, suffix).
+"""
+import dataclasses
+import math
+import warnings
+
+import torch
+
+from minillm.paging.paged_attention import PagedKVCache
+
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}   # vLLM's -> ours
+
+
+def apply_speculative_config(config, spec: dict, draft_model=None):
+    """(EngineConfig, vLLM speculative_config dict, draft_model) -> (EngineConfig, draft_model).
+
+    The dict fills the flat fields; a flat field already set to something else raises ValueError.
+    "model" is a Transformer here (`LLM` loads one given by name first).
+    """
+    if not isinstance(spec, dict):
+        raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; allowed: {list(SPEC_KEYS)}")
+    method = spec.get("method", "draft_model" if "model" in spec else None)
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {list(SPEC_METHODS)}, "
+                         f"got {method!r}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config needs 'num_speculative_tokens'")
+    fields = {"speculative_method": SPEC_METHODS[method]}
+    fields.update({k: spec[k] for k in SPEC_KEYS[1:4] if k in spec})
+    defaults = type(config)()
+    for name, value in fields.items():
+        flat = getattr(config, name)
+        if flat != getattr(defaults, name) and flat != value:
+            raise ValueError(f"speculative_config sets {name}={value!r} but EngineConfig has "
+                             f"{name}={flat!r}; set it in one place")
+    if "model" in spec:
+        if fields["speculative_method"] != "draft":
+            raise ValueError("speculative_config['model'] needs method 'draft_model'")
+        draft = spec["model"]
+        if isinstance(draft, str):
+            raise ValueError("a draft model given by name needs LLM(...); LLMEngine takes a Transformer")
+        if draft_model is not None and draft_model is not draft:
+            raise ValueError("the draft model is given twice (draft_model= and speculative_config"
+                             "['model']); set it in one place")
+        draft_model = draft
+    return dataclasses.replace(config, **fields), draft_model
+
+
+def num_blocks_for_memory(total_bytes: float, utilization: float, weight_bytes: float,
+                          activation_bytes: float, cfg, block_size: int,
+                          dtype=torch.float32) -> int:
+    """N = floor((utilization * total - weights - activations) / (P * KV bytes per token)).
+
+    The same arithmetic as `kv_math.plan_capacity`, for measured weight and activation bytes.
+    """
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
+            or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    kv_budget = utilization * total_bytes - weight_bytes - activation_bytes
+    per_block = PagedKVCache.bytes_per_block(cfg, block_size, dtype)
+    if kv_budget < per_block:
+        raise ValueError(f"gpu_memory_utilization={utilization} of {total_bytes / 2**30:.2f} GiB "
+                         f"leaves no KV block after weights ({weight_bytes / 2**30:.2f} GiB) and "
+                         f"activations ({activation_bytes / 2**30:.2f} GiB)")
+    return int(math.floor(kv_budget / per_block))
+
+
+def param_bytes(*models) -> int:
+    """Bytes of the models' parameters (a tied embedding counted once)."""
+    seen, total = set(), 0
+    for m in models:
+        for p in (m.parameters() if m is not None else ()):
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+    return total
+
+
+@torch.no_grad()
+def measure_activation_bytes(model, num_tokens: int) -> int:
+    """Peak CUDA memory above the weights during one forward of `num_tokens` tokens."""
+    device = next(model.parameters()).device
+    num_tokens = min(num_tokens, model.config.max_seq_len)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    model(torch.zeros(1, num_tokens, dtype=torch.long, device=device))
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def pool_num_blocks(model, config, draft_model=None) -> int:
+    """How many KV blocks the engine's pool gets (the order is in the module docstring)."""
+    param = next(model.parameters())
+    per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, param.dtype)
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.gpu_memory_utilization is not None:
+        if param.device.type == "cuda":
+            total = torch.cuda.mem_get_info(param.device)[1]
+            act = measure_activation_bytes(model, config.max_num_batched_tokens)
+            return num_blocks_for_memory(total, config.gpu_memory_utilization,
+                                         param_bytes(model, draft_model), act, model.config,
+                                         config.block_size, param.dtype)
+        warnings.warn(f"gpu_memory_utilization is ignored on {param.device.type}: the pool is "
+                      f"sized by kv_cache_memory_bytes={config.kv_cache_memory_bytes}")
+    return max(1, config.kv_cache_memory_bytes // per_block)
+
+
+def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block_size: int) -> list[int]:
+    """A request's prompt as token ids, or a TypeError/ValueError naming what is wrong: not ids
+    (or a str without a tokenizer), empty, outside the vocabulary, no room left in the context,
+    or more KV slots than the whole pool holds."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("a str prompt needs LLMEngine(..., tokenizer=...); pass token ids instead")
+        prompt = tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+        raise TypeError("prompt must be a str or a list of int token ids")
+    if not prompt:
+        raise ValueError("prompt must hold at least one token, got an empty prompt")
+    V, ctx = model_config.vocab_size, model_config.max_seq_len
+    bad = [t for t in prompt if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size), got {bad[:5]}")
+    if len(prompt) >= ctx:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                         f"context of max_seq_len={ctx} tokens")
+    need = min(len(prompt) + params.max_tokens, ctx)
+    pool = num_blocks * block_size
+    if need > pool:
+        raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
+                         f"{need} KV slots, but the whole pool holds num_blocks={num_blocks}"
+                         f" x block_size={block_size} = {pool}")
+    return list(prompt)

@@ -1,0 +1,366 @@
+"""The serving engine: `LLMEngine.step()` = schedule -> run -> update, over a paged KV cache.
+
+    engine = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=32))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32))      # list[RequestOutput]
+    rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort_request(rid)
+
+Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no tensors),
+`Scheduler` (decides), `ModelRunner` (runs tensors). The engine owns them, validates requests
+(bad input never reaches the scheduler), applies sampled tokens, stops finished sequences at once
+(their blocks go back to the pool), forks n > 1 completions after the prompt's prefill, and keeps
+per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
+
+With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
+`draft_model`) that one forward pass verifies (engine_spec.py); vLLM's `speculative_config` dict
+and `gpu_memory_utilization` map onto these fields in engine_args.py. With a tokenizer, each
+sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
+`llm.py` wraps the engine in vLLM's offline front door, `LLM`.
+
+Left out on purpose: async serving / streaming over HTTP, multiple devices.
+"""
+import json
+import time
+from collections import OrderedDict
+from dataclasses import asdict
+
+import torch
+
+from minillm.paging.block_manager import BlockManager
+from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.args import apply_speculative_config, check_prompt, pool_num_blocks
+from minillm.engine.config import EngineConfig
+from minillm.engine.spec_decoder import SpecDecoder
+from minillm.engine.model_runner import ModelRunner
+from minillm.paging.paged_attention import PagedKVCache
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
+                       SequenceStatus)
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None,
+                 speculative_config: dict | None = None):
+        config = config or EngineConfig()
+        if speculative_config is not None:            # vLLM's dict -> the flat fields
+            config, draft_model = apply_speculative_config(config, speculative_config, draft_model)
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.draft_model = draft_model
+        mc, cfg = model.config, self.config
+        self.spec = None
+        if cfg.num_speculative_tokens > 0:
+            self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
+                                    draft_model, mc.max_seq_len,
+                                    ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
+                                    max_num_seqs=cfg.max_num_seqs)
+        param = next(model.parameters())
+        num_blocks = pool_num_blocks(model, cfg, draft_model)
+        scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
+        self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill, cfg.preemption_mode, cfg.scheduling)
+        self.runner = ModelRunner(model, self.cache, self.block_manager, cfg.seed)
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.requests: dict[str, Request] = {}
+        self.trace: list[dict] = []
+        self.clock = time.perf_counter
+        self.step_count = 0
+        self._next_seq_id = 0
+        self._next_request_id = 0
+        self._pinned: set[str] = set()           # requests a generate() call will return
+        self._forgotten: OrderedDict[str, None] = OrderedDict()   # ids of pruned finished requests
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request (token ids, or a str with a tokenizer); returns its request id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.__post_init__()                 # again: a frozen dataclass can still be altered
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} completions can never run together with "
+                             f"max_num_seqs={self.config.max_num_seqs}; use n <= max_num_seqs")
+        ids = self._check_prompt(prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs LLMEngine(..., tokenizer=...) to see text; "
+                             "use stop_token_ids with token ids")
+        rid = str(self._next_request_id) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self._next_request_id += 1
+        now = self.clock() if arrival_time is None else arrival_time
+        seq = Sequence(self._new_seq_id(), rid, ids, params, now)
+        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count),
+                                     prompt=prompt if isinstance(prompt, str) else None)
+        self.scheduler.add(seq)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; a finished one is left as it is (a client may leave as it completes)."""
+        req = self.requests.get(str(request_id))
+        if req is None and str(request_id) in self._forgotten:
+            return                               # finished long ago and no longer kept
+        if req is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        if req.finished:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        req.metrics.finish_time, req.metrics.finish_step = self.clock(), self.step_count
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run -> update. Returns the requests it advanced."""
+        t0 = self.clock()
+        self._draft()                  # speculative decoding only; a no-op otherwise
+        out = self.scheduler.schedule()
+        try:
+            seqs, logits = self.runner.execute(out)
+        except Exception:
+            self.scheduler.undo(out)   # nothing was committed: recompute these next time
+            raise
+        return self._update(out, seqs, logits, t0)
+
+    def generate(self, prompts, params=None, use_tqdm: bool = False, *,
+                 sampling_params=None) -> list[RequestOutput]:
+        """Serve a list of prompts to completion; one RequestOutput per prompt, in input order.
+        `params` or (vLLM's name) `sampling_params`: one SamplingParams or one per prompt."""
+        if params is not None and sampling_params is not None:
+            raise TypeError("pass params or sampling_params, not both")
+        params = sampling_params if params is None else params
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of str or of token-id lists")
+        if isinstance(prompts[0], int):
+            prompts = [prompts]
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        rids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                rids.append(self.add_request(p, sp))
+        except (TypeError, ValueError):
+            for r in rids:                       # all or nothing: no half-queued batch
+                self.abort_request(r)
+            raise
+        self._pinned.update(rids)
+        bar = _progress_bar(len(rids)) if use_tqdm else None
+        while any(not self.requests[r].finished for r in rids):
+            done = sum(o.finished for o in self.step() if o.request_id in rids)
+            if bar is not None:
+                bar.update(done)
+        if bar is not None:
+            bar.close()
+        self._pinned.difference_update(rids)
+        return [self._output(self.requests[r]) for r in rids]
+
+    def export_trace(self, path=None) -> dict:
+        """Per-step trace and per-request metrics as a JSON-ready dict (written to `path` if given)."""
+        data = {"config": asdict(self.config), "num_blocks": self.num_blocks, "steps": self.trace,
+                "requests": {rid: r.metrics.as_dict() for rid, r in self.requests.items()}}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(data, f, indent=1)
+        return data
+
+    # ---- internals --------------------------------------------------------------------------
+    def _draft(self) -> None:
+        """Propose drafts for decoding sequences before the scheduler books their blocks."""
+        if self.spec is not None:
+            self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1
+                               and s.output_token_ids], self.cache.k.device, self.runner.generator)
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _check_prompt(self, prompt, params: SamplingParams) -> list[int]:
+        return check_prompt(prompt, params, self.tokenizer, self.model.config,
+                            self.num_blocks, self.config.block_size)
+
+    def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
+        """Apply one forward pass's results, in named phases. Sampling is per sequence: a row
+        that fails to sample (say, NaN logits) aborts its own request and nobody else's."""
+        num_decode, prefill_ids = self._commit_computed(out)
+        rows = self._rows(seqs)                      # before verification clears the drafts
+        drafting = [(s, r) for s, r in zip(seqs, rows) if s.draft_token_ids]
+        plain = [(s, r) for s, r in zip(seqs, rows) if not s.draft_token_ids]
+        new_tokens, failed = (self.spec.verify_all(drafting, logits, self.runner.generator,
+                                                   self.block_manager, self.requests)
+                              if drafting else ([], []))
+        more, failed_plain = self._fork_and_sample(plain, logits)
+        new_tokens += more
+        now = self.clock()
+        advanced = {}
+        for seq, toks in new_tokens:
+            self._append(seq, toks, now)
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        for seq in failed + failed_plain:
+            self._fail(seq, now)
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        for seq in out.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        self._record(out, t0, now, num_decode, prefill_ids)
+        self.step_count += 1
+        outputs = [self._output(r) for r in advanced.values()]
+        self._prune()
+        return outputs
+
+    def _prune(self) -> None:
+        """Bounded memory for a long-running engine: keep the newest `retain_finished` finished
+        requests (those a running `generate` call still has to return are kept too) and the
+        newest `max_trace_steps` trace rows."""
+        cfg = self.config
+        if len(self.trace) > cfg.max_trace_steps:
+            del self.trace[:len(self.trace) - cfg.max_trace_steps]
+        extra = len(self.requests) - cfg.retain_finished - self.scheduler.num_unfinished
+        if extra <= 0:
+            return
+        for rid in [r for r, req in self.requests.items() if req.finished and r not in self._pinned][:extra]:
+            del self.requests[rid]
+            self._forgotten[rid] = None
+        while len(self._forgotten) > 16 * cfg.retain_finished:
+            self._forgotten.popitem(last=False)
+
+    def _commit_computed(self, out) -> tuple[int, list[str]]:
+        """The scheduled tokens' KV is written: advance each sequence and register full blocks
+        in the prefix cache (not while drafts are pending: their KV may be rolled back)."""
+        num_decode, prefill_ids = 0, []
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens >= len(seq.prompt_token_ids) and (n == 1 or seq.draft_token_ids):
+                num_decode += n
+            else:
+                prefill_ids.append(seq.request_id)
+            m = self.requests[seq.request_id].metrics
+            if seq.index == 0 and m.first_token_time is None:
+                m.num_cached_tokens = seq.num_cached_tokens
+            seq.num_computed_tokens += n
+            if not seq.draft_token_ids:
+                self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        return num_decode, prefill_ids
+
+    @staticmethod
+    def _rows(seqs) -> list[int]:
+        """First logits row of each sampling sequence (a sequence with K drafts has K + 1)."""
+        rows, r = [], 0
+        for seq in seqs:
+            rows.append(r)
+            r += 1 + len(seq.draft_token_ids)
+        return rows
+
+    def _fork_and_sample(self, plain, logits):
+        """One token for every (sequence, row) without drafts. A request with n > 1 forks after
+        its prompt; the children sample from their parent's logits row."""
+        order, rows = [], []
+        for seq, r in plain:
+            req = self.requests[seq.request_id]
+            group = [seq] + (self._fork(req, seq) if req.params.n > 1 and not req.forked else [])
+            order += group
+            rows += [r] * len(group)
+        if not order:
+            return [], []
+        if rows != list(range(len(logits))):           # forks share a row; drafts' rows went
+            logits = logits[rows]
+        toks = self.runner.sample(order, logits)       # None where a row could not be drawn
+        ok = [(s, [t]) for s, t in zip(order, toks) if t is not None]
+        return ok, [s for s, t in zip(order, toks) if t is None]
+
+    def _fail(self, seq: Sequence, now: float) -> None:
+        """A sequence whose token could not be drawn ends with finish_reason "abort"; its blocks
+        go back to the pool at once. `seq.error` says why."""
+        req = self.requests[seq.request_id]
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if req.finished:
+            req.metrics.finish_time, req.metrics.finish_step = now, self.step_count
+
+    def _append(self, seq: Sequence, toks: list[int], now: float) -> None:
+        """Append sampled tokens up to the first that finishes the sequence."""
+        req = self.requests[seq.request_id]
+        m = req.metrics
+        for tok in toks:
+            seq.output_token_ids.append(tok)
+            if self.tokenizer is not None:          # the text, and whether it reached a stop string
+                if seq.detok is None:
+                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+                seq.detok.append(tok)
+            if m.first_token_time is None:
+                m.first_token_time, m.first_token_step = now, self.step_count
+            m.num_generated = max(m.num_generated, len(seq.output_token_ids))
+            if seq.index == 0:
+                m.token_times.append(now)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                seq.finish_reason = reason
+                if seq.detok is not None:
+                    seq.detok.flush()
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                if req.finished:
+                    m.finish_time, m.finish_step = now, self.step_count
+                return
+
+    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
+        children = []
+        for i in range(1, req.params.n):
+            child = Sequence(self._new_seq_id(), req.request_id, parent.prompt_token_ids,
+                             req.params, parent.arrival_time, index=i,
+                             num_computed_tokens=parent.num_computed_tokens)
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            children.append(child)
+        req.seqs += children
+        req.forked = True
+        return children
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        text_stop = seq.detok is not None and seq.detok.stopped      # a stop string
+        if text_stop or (p.stop_token_ids and tok in p.stop_token_ids) or (
+                not p.ignore_eos and tok == self.eos_token_id):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.model.config.max_seq_len:
+            return "length"
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        o = req.output()
+        if self.tokenizer is not None:                 # "" before a sequence's first token
+            for c in o.outputs:
+                c.text = c.text or ""
+            o.text = o.outputs[0].text
+        return o
+
+    def _record(self, out, t0, t1, num_decode, prefill_ids) -> None:
+        s = self.scheduler
+        self.trace.append({
+            "step": self.step_count, "t_start": t0, "t_end": t1,
+            "num_decode_tokens": int(num_decode), "num_prefill_tokens": out.num_tokens - int(num_decode),
+            "num_seqs": len(out.scheduled), "num_running": len(s.running),
+            "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
+            "blocks_used": self.block_manager.num_used_blocks, "num_preempted": len(out.preempted),
+            "request_ids": [seq.request_id for seq, _ in out.scheduled],
+            "padding_request_ids": list(out.padding),
+            "prefill_request_ids": prefill_ids})
+
+
+def _progress_bar(total: int):
+    """A tqdm bar of finished requests, or None when tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests")

@@ -1,0 +1,109 @@
+"""The model runner: turns one scheduler decision into tensors, runs the model, samples.
+
+It only runs. Given a `SchedulerOutput` it
+1. moves blocks first: swap-outs to CPU, copy-on-write copies, swap-ins back (in that order,
+   since a block freed by a swap-out may be the destination of a copy or a swap-in this step);
+2. flattens every scheduled sequence's new tokens (prefill chunks and decode tokens mixed) into
+   input_ids (1, M), positions (M,) and attention metadata (slot mapping, block tables, lengths),
+   built once per step and shared by all layers;
+3. runs `model(input_ids, positions, cache, logits_index)` with `logits_index` at the last token
+   of each sequence whose chunk reaches its end (only those sample a new token);
+4. samples each row with its request's parameters. A request with a `seed` draws its k-th token
+   from a generator seeded with hash((seed, completion index, k)), so its output does not depend
+   on the batch, on chunking or on preemption (a resumed sequence draws token k afresh).
+
+Letters: M tokens in the flattened batch, K sequences that sample this step, V vocab.
+Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work, logprobs.
+"""
+import torch
+
+from minillm.paging.block_manager import BlockManager
+from minillm.paging.paged_attention import PagedKVCache, long_tensor
+from minillm.model.sampling import logits_to_probs, sample
+from minillm.engine.scheduler import SchedulerOutput
+from minillm.engine.sequence import Sequence
+
+
+def request_generator_seed(seed: int, index: int, k: int) -> int:
+    """Seed of the generator that draws token k of completion `index` of a seeded request."""
+    return hash((seed, index, k)) & (2**63 - 1)
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager, seed: int = 0):
+        self.model, self.cache, self.bm = model, cache, block_manager
+        self.device = cache.k.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests
+        self._seeded = torch.Generator(device=self.device)
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        for seq, blocks in out.swap_out:
+            seq.swapped_kv = self.cache.swap_out(blocks)           # (2, L, nb, P, Hkv, D) on CPU
+        self.cache.copy_blocks(out.copies)
+        for seq, blocks, first in out.swap_in:
+            self.cache.swap_in(seq.swapped_kv[:, :, first:], blocks)
+            seq.swapped_kv = None
+
+    def prepare(self, out: SchedulerOutput):
+        """Flatten the batch -> (input_ids (1, M), positions (M,), logits_index (K,), sampling seqs);
+        logits_index is None when every token samples (a step of decodes only)."""
+        ids, pos, qlens, ctxs, tables, last, sampling = [], [], [], [], [], [], []
+        for seq, n in out.scheduled:
+            start, k = seq.num_computed_tokens, len(seq.draft_token_ids)
+            ids += seq.token_ids_from(start)[:n]
+            pos += range(start, start + n)
+            qlens.append(n)
+            ctxs.append(start + n)
+            tables.append(self.bm.block_table(seq.seq_id))
+            if start + n == seq.num_tokens + k:   # the chunk reaches the end: sample after it
+                last += range(len(ids) - 1 - k, len(ids))   # + every draft position to verify
+                sampling.append(seq)
+        for _ in out.padding:   # static batching: a finished member's row still costs compute
+            ids.append(0)
+            pos.append(0)
+            qlens.append(1)
+            ctxs.append(1)
+            tables.append([self.cache.num_blocks - 1])   # the scratch block (see LLMEngine)
+        self.cache.prepare(qlens, ctxs, tables)
+        input_ids = long_tensor(ids, self.device)[None]                         # (1, M)
+        positions = long_tensor(pos, self.device)                               # (M,)
+        if len(last) == len(ids):                 # every token samples (all decodes): no gather
+            logits_index = None
+        else:
+            logits_index = long_tensor(last or [len(ids) - 1], self.device)    # (K,)
+        return input_ids, positions, logits_index, sampling
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Move blocks, run the forward pass; return the sequences that sample and their logits
+        (one row each, K + 1 rows for a sequence with K speculative drafts)."""
+        self.move_blocks(out)
+        if out.is_empty:
+            return [], None
+        input_ids, positions, logits_index, sampling = self.prepare(out)
+        logits = self.model(input_ids, positions=positions, cache=self.cache,
+                            logits_index=logits_index)                      # (1, K, V)
+        return sampling, (logits[0] if sampling else None)
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """One new token per sequence from its logits row (K, V); greedy rows in one argmax.
+        A row that cannot be drawn (non-finite logits, say) gives None and sets `seq.error`,
+        so one broken request never stops the others."""
+        tokens = logits.argmax(dim=-1).tolist()                              # (K,)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.temperature == 0:
+                continue
+            if p.seed is not None:
+                gen = self._seeded.manual_seed(
+                    request_generator_seed(p.seed, seq.index, len(seq.output_token_ids)))
+            else:
+                gen = self.generator
+            try:
+                probs = logits_to_probs(logits[i:i + 1].float(), temperature=p.temperature,
+                                        top_k=p.top_k, top_p=p.top_p)           # (1, V)
+                tokens[i] = int(sample(probs, generator=gen)[0])
+            except (ValueError, RuntimeError) as e:
+                tokens[i], seq.error = None, f"{type(e).__name__}: {e}"
+        return tokens

@@ -1,0 +1,237 @@
+"""The scheduler: each step, decide which sequences run and how many of their tokens.
+
+It only decides. It keeps the waiting / running / swapped queues and books blocks in the
+`BlockManager` (pure Python); the runner later moves the tensors it asks for (swap, copy-on-write)
+and runs the forward pass.
+
+One step (`schedule()`), with a token budget of `max_num_batched_tokens`:
+1. running sequences, oldest first, decodes before prefill chunks: each needs blocks for its
+   new token(s); when the pool is empty the latest-arrived running sequence is preempted
+   (recompute: blocks freed, back to the front of the waiting queue; swap: KV copied to CPU);
+2. swapped sequences come back while blocks allow;
+3. waiting sequences are admitted while `max_num_seqs`, the budget and free blocks allow.
+With chunked prefill a prompt takes whatever budget is left (a chunk); without it a prompt runs
+whole, and only if it fits or is the step's first prefill. `scheduling="static"` admits a batch
+only when the previous batch has completely finished, and its finished members stay in the batch
+as padding rows (`padding`: the runner feeds them a dummy token each step, as a padded batch
+tensor would) until the longest member ends: the baseline that continuous batching beats.
+
+Left out on purpose: priorities, fairness across users, and lookahead scheduling.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from minillm.paging.block_manager import BlockManager
+from minillm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
+    copies: list[tuple[int, int]] = field(default_factory=list)          # copy-on-write (src, dst)
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (seq, its blocks)
+    swap_in: list[tuple[Sequence, list[int], int]] = field(default_factory=list)
+    # (seq, dst blocks, index of the first saved block they receive; earlier ones hit the cache)
+    preempted: list[Sequence] = field(default_factory=list)
+    padding: list[str] = field(default_factory=list)   # static batching: finished members' rows
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
+                 scheduling: str = "continuous"):
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.chunked, self.preemption_mode, self.scheduling = (
+            enable_chunked_prefill, preemption_mode, scheduling)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # kept in arrival order
+        self.swapped: deque[Sequence] = deque()
+        self.static_batch: set[str] = set()   # request ids of the current static batch, unfinished
+        self.static_members: list[str] = []   # all request ids of the current static batch
+        self.num_preemptions = 0
+
+    # ---- queues ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child joins the running queue right after its parent."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of whatever queue holds it and free its blocks (finish or abort)."""
+        for q in (self.waiting, self.running, self.swapped):
+            if seq in q:
+                q.remove(seq)
+        if seq.seq_id in self.bm.seq_ids():
+            self.bm.free(seq.seq_id)
+        seq.swapped_kv = None
+        if self.scheduling == "static" and not any(
+                s.request_id == seq.request_id for s in (*self.waiting, *self.running, *self.swapped)):
+            self.static_batch.discard(seq.request_id)
+
+    def undo(self, out: SchedulerOutput) -> None:
+        """The step `out` described failed before its results came back: every sequence it
+        scheduled (and any swap-out whose copy was not made) goes back to the front of the
+        waiting queue with its blocks freed, to be recomputed from its tokens."""
+        lost = [s for s, _ in out.scheduled] + [s for s, _ in out.swap_out if s.swapped_kv is None]
+        for seq in sorted(set(lost), key=lambda s: (s.arrival_time, s.seq_id), reverse=True):
+            for q in (self.running, self.swapped):
+                if seq in q:
+                    q.remove(seq)
+            if seq.seq_id in self.bm.seq_ids():
+                self.bm.free(seq.seq_id)
+            seq.draft_token_ids, seq.draft_probs, seq.swapped_kv = [], None, None
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.arrival_time, s.seq_id))
+        prefill_seen = False
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            need = seq.num_uncomputed
+            if need > 1:  # a prompt (or recompute) partly done: its blocks are already booked
+                n = self._prefill_size(need, budget, prefill_seen)
+                if n:
+                    out.scheduled.append((seq, n))
+                    budget -= n
+                    prefill_seen = True
+                continue
+            if budget < 1:
+                continue
+            if seq.draft_token_ids and (1 + len(seq.draft_token_ids) > budget or not
+                                        self.bm.can_append(seq.seq_id, self._growth(seq))):
+                # drafts are optional: drop them rather than exceed the budget or preempt anyone
+                seq.draft_token_ids, seq.draft_probs = [], None
+            if not self._make_room(seq, out):
+                continue  # seq itself was preempted
+            new = seq.token_ids_from(self.bm.num_tokens(seq.seq_id))   # newest token + drafts
+            out.copies += self.bm.append_tokens(seq.seq_id, new)
+            out.scheduled.append((seq, 1 + len(seq.draft_token_ids)))
+            budget -= 1 + len(seq.draft_token_ids)
+        if not out.preempted:
+            budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
+            if not self.swapped:
+                self._admit(out, budget, prefill_seen)
+        if self.scheduling == "static" and out.scheduled:
+            out.padding = [r for r in self.static_members if r not in self.static_batch]
+        return out
+
+    def _prefill_size(self, need: int, budget: int, prefill_seen: bool) -> int:
+        if self.chunked:
+            return min(need, budget)
+        return need if need <= budget or not prefill_seen else 0
+
+    def _growth(self, seq: Sequence) -> int:
+        """Tokens seq adds to its block table this step: the newest token and its drafts."""
+        return seq.num_tokens + len(seq.draft_token_ids) - self.bm.num_tokens(seq.seq_id)
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt latest-arrived running sequences until seq can append; False if seq went."""
+        while not self.bm.can_append(seq.seq_id, self._growth(seq)):
+            victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING),
+                         key=lambda s: (s.arrival_time, s.seq_id))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
+        out.preempted.append(seq)
+        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.preemption_mode == "swap" and seq.num_computed_tokens > 0:
+            table = self.bm.block_table(seq.seq_id)
+            keep = self.bm.blocks_needed(seq.num_computed_tokens)
+            out.swap_out.append((seq, table[:keep]))
+            self.bm.free(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)   # victims go latest-first, so earlier ones end in front
+        else:
+            self.bm.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, prefill_seen: bool):
+        while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.swapped[0]
+            if self.bm.num_free_blocks < self.bm.blocks_needed(seq.num_tokens):
+                break
+            n = (self._prefill_size(seq.num_uncomputed, budget, prefill_seen)
+                 if seq.num_uncomputed > 1 else 1)
+            if n == 0:
+                break
+            self.swapped.popleft()
+            done = seq.token_ids[:seq.num_computed_tokens]
+            first = self.bm.allocate(seq.seq_id, done) // self.bm.block_size  # cached blocks
+            self.bm.mark_computed(seq.seq_id, len(done))
+            out.swap_in.append((seq, self.bm.block_table(seq.seq_id)[first:], first))
+            out.copies += self.bm.append_tokens(seq.seq_id, seq.token_ids[len(done):])
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.running.sort(key=lambda s: (s.arrival_time, s.seq_id))
+            out.scheduled.append((seq, n))
+            budget -= n
+            prefill_seen |= n > 1
+        return budget, prefill_seen
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence takes: a request with n > 1 forks into n sequences after
+        its prompt, so until it has sampled its first token it books all n of them."""
+        return seq.params.n if seq.index == 0 and not seq.output_token_ids else 1
+
+    def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> None:
+        static = self.scheduling == "static"
+        if static and not self.static_batch:   # form the next static batch
+            ids = []
+            for s in self.waiting:
+                if s.request_id not in ids and len(ids) < self.max_num_seqs:
+                    ids.append(s.request_id)
+            self.static_batch, self.static_members = set(ids), ids
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if static and seq.request_id not in self.static_batch:
+                break
+            if sum(map(self._seats, self.running)) + self._seats(seq) > self.max_num_seqs:
+                break
+            tokens = seq.token_ids
+            # probe first, allocate only what runs: a failed probe must not evict cached blocks
+            cached = self.bm.num_cached_tokens(tokens)
+            n = self._prefill_size(len(tokens) - cached, budget, prefill_seen)
+            if n == 0 or not self.bm.can_allocate(tokens):
+                break
+            seq.num_computed_tokens = self.bm.allocate(seq.seq_id, tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+            prefill_seen = True

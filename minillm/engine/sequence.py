@@ -1,0 +1,217 @@
+"""Request and sequence state of the serving engine: what each request asked for (`SamplingParams`),
+where each of its sequences stands (`Sequence`), and what the engine hands back (`RequestOutput`).
+
+No tensors and no policy here: the scheduler decides, the runner runs, these classes only
+remember. One request holds `n` sequences (parallel sampling); it starts with one, which is
+forked into n after its prompt is prefilled.
+
+A sequence's tokens are prompt + output. `num_computed_tokens` of them have their KV in the
+cache; the rest (the whole prompt at first, then the one newest sampled token) are what the
+next forward passes must compute. A chunk that reaches the last token yields logits, and a new
+token is sampled. Preemption by recompute only resets `num_computed_tokens` to 0, so a
+resumed sequence recomputes prompt + output and then continues where it stopped.
+
+A sequence of an engine with a tokenizer also carries a `Detokenizer` (detokenizer.py): its text,
+grown one token at a time, and the stop-string check.
+
+Left out on purpose: beam search, logprobs, LoRA.
+"""
+import enum
+from dataclasses import dataclass, field
+
+from minillm.model.sampling import check_sampling_args
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (vLLM's names). temperature 0 = greedy; top_k -1 and top_p 1.0
+    are off; `seed` gives the request its own random stream; `n` completions share the prompt.
+    **Unlike vLLM (temperature=1.0) the default is greedy.** `stop`: a str or list of str; the
+    text is cut before the first one it contains, with finish_reason "stop" (needs a tokenizer)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stop: list[str] | None = None
+
+    def __post_init__(self):
+        if self.top_k is None or self.top_p is None:
+            raise TypeError("top_k and top_p must be numbers here (top_k -1 and top_p 1.0 are off), got None")
+        check_sampling_args(self.temperature, self.top_k, self.top_p)   # NaN, inf, types too
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.stop is not None:
+            stop = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+                raise TypeError(f"stop must be None, a str or a list of str, got {self.stop!r}")
+            if "" in stop:
+                raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+            object.__setattr__(self, "stop", list(stop) or None)     # one form: list[str] | None
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not in the cache: new, or preempted by recompute
+    RUNNING = "running"      # has blocks; scheduled every step
+    SWAPPED = "swapped"      # preempted by swap: its KV waits in CPU memory
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)   # identity, not field equality: each sequence is one object
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    index: int = 0                       # which of the request's n completions
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    swapped_kv: object = None            # CPU copy of its blocks while SWAPPED
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
+    draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
+    draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
+    error: str | None = None             # why it was aborted, when a token could not be drawn
+    detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_from(self, start: int) -> list[int]:
+        """(prompt + output + drafts)[start:] without building the whole context first: the
+        scheduler and the runner ask every step for a decode's newest token (and its drafts)."""
+        p = len(self.prompt_token_ids)
+        if start < p:
+            tail = self.prompt_token_ids[start:] + self.output_token_ids
+        else:
+            tail = self.output_token_ids[start - p:]
+        if not self.draft_token_ids:
+            return tail
+        return tail + self.draft_token_ids[max(0, start - self.num_tokens):]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (seconds on the engine's clock) and engine steps of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    arrival_step: int = 0
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    num_generated: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache
+    num_spec_steps: int = 0                    # speculative decoding: verify steps,
+    num_draft_tokens: int = 0                  # draft tokens proposed,
+    num_accepted_tokens: int = 0               # and those accepted
+    token_times: list[float] = field(default_factory=list)   # when each token of completion 0 came
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None or self.num_generated < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated - 1)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None without speculative decoding)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, acceptance_rate=self.acceptance_rate)
+        return d
+
+
+@dataclass
+class CompletionOutput:
+    """One completion. `text` is None without a tokenizer; a stop string cuts it (not the ids)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `step()` and `generate()` return for one request. With n > 1, `outputs` holds every
+    completion and `token_ids` / `finish_reason` / `text` are those of completion 0. `prompt` is
+    the prompt string when one was given (None for token ids)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    text: str | None = None
+    prompt: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class Request:
+    """One request: its sequences (1 before the prompt is prefilled, then n) and its metrics."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    forked: bool = False
+    prompt: str | None = None            # the string the prompt ids came from, if any
+
+    @property
+    def finished(self) -> bool:
+        done = all(s.is_finished for s in self.seqs)
+        return done and (self.forked or self.params.n == 1 or self.seqs[0].finish_reason == "abort")
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason,
+                                 None if s.detok is None else s.detok.text)
+                for s in sorted(self.seqs, key=lambda s: s.index)]
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
+                             self.finished, self.metrics, outs[0].text, self.prompt)

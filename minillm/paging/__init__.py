@@ -1,0 +1,3 @@
+"""The paged KV cache (chapter 3): `block_manager` (block tables, reference counts,
+copy-on-write, prefix caching; pure Python, no tensors) and `paged_attention` (the KV pool,
+writes through the slot mapping, attention over block tables, and the dense references)."""

@@ -1,0 +1,352 @@
+"""Paged KV-cache bookkeeping: which physical block holds which tokens of which sequence.
+
+Letters: N physical blocks in the pool, P block size (token slots per block).
+
+The KV tensors live elsewhere (minillm.paging.paged_attention); this module never touches a tensor,
+it only hands out block ids. Each sequence owns a *block table*: logical block i (token
+positions i*P .. i*P+P-1) -> physical block id, so the physical slot of position `pos` is
+`table[pos // P] * P + pos % P`. Blocks are handed out on demand, one at a time, and come
+back to the pool when the sequence is freed.
+
+Blocks are shared by reference count:
+- `fork(parent, child)`: the child points at every block of the parent (refcounts + 1).
+  Full blocks stay shared for good. The first write into a shared, partly filled last block
+  copies it first (copy-on-write): `append_tokens` returns `(src, dst)` pairs that the runner
+  must copy before it writes the new tokens' KV.
+- prefix caching: once the KV of a full block is written (`mark_computed`), the block is
+  registered under a hash chained over its parent block's hash and its own tokens. A new
+  prompt whose leading blocks hash the same reuses them and skips their prefill. A hit also
+  checks the block's tokens and the identity of its parent block, so even a hash collision
+  can never hand out the wrong KV. Freed cached blocks keep their KV and stay findable until
+  the pool runs short; then the least recently freed one is evicted first. At most
+  `len(prompt) - 1` tokens are reported cached, so the prefill always has a query to run.
+
+Left out on purpose: swapping blocks to CPU memory, sliding-window or per-layer tables, extra
+hash inputs (LoRA id, images, cache salt), and any scheduling policy: the manager only
+answers "can I?" and raises `NoFreeBlocksError` (before changing anything) when it cannot.
+"""
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool cannot supply the blocks asked for. Raised before any state changes."""
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    table: list[int]                      # logical block -> physical block id
+    num_computed: int = 0                 # tokens whose KV is written
+    chain: list = field(default_factory=list)  # per full computed block: (hash, identity or None)
+
+
+@dataclass(frozen=True)
+class _CacheEntry:
+    hash: int
+    tokens: tuple[int, ...]
+    parent: tuple[int, int] | None        # identity (block id, generation) of the parent block
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _check_tokens(token_ids, allow_empty: bool = False) -> list[int]:
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    if not token_ids and not allow_empty:
+        raise ValueError("token_ids must hold at least one token, got an empty list")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
+        raise TypeError("token_ids must be a list of ints")
+    return list(token_ids)
+
+
+class BlockManager:
+    """A pool of `num_blocks` blocks of `block_size` tokens, with block tables, reference
+    counts, fork + copy-on-write and (optionally) prefix caching.
+
+    >>> bm = BlockManager(num_blocks=8, block_size=4)
+    >>> bm.allocate("a", [1, 2, 3, 4, 5, 6])       # 6 tokens -> 2 blocks; nothing cached
+    0
+    >>> bm.block_table("a"), bm.num_free_blocks
+    ([0, 1], 6)
+    >>> bm.fork("a", "b"); bm.ref_count(1)
+    2
+    >>> bm.append_tokens("b", [7])                  # b writes into shared block 1: copy first
+    [(1, 2)]
+    >>> bm.block_table("b"), bm.ref_count(1)
+    ([0, 2], 1)
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.num_blocks = _check_int("num_blocks", num_blocks, 1)
+        self.block_size = _check_int("block_size", block_size, 1)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._ref = [0] * num_blocks
+        self._gen = [0] * num_blocks          # bumped when a block's cached identity is dropped
+        self._free = deque(range(num_blocks))  # refcount 0, nothing cached in it
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; LRU first
+        self._entry: dict[int, _CacheEntry] = {}   # block id -> what it caches
+        self._by_hash: dict[int, int] = {}         # chained hash -> block id
+        self._seqs: dict = {}
+        # queried_blocks: prompt blocks that could have hit ((len - 1) // P per prompt, with caching)
+        self.stats = {"queried_blocks": 0, "hit_blocks": 0, "evicted_blocks": 0, "cow_copies": 0}
+
+    # ---- pool state -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new request could get: free ones plus evictable cached ones (refcount 0)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or evictable)."""
+        return len(self._entry)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """ceil(num_tokens / P)."""
+        return -(-_check_int("num_tokens", num_tokens, 0) // self.block_size)
+
+    def block_hash(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+        """Chained hash of a full block: depends on every token before it through parent_hash
+        (None for the first block). A tuple of ints hashes the same in every process."""
+        return hash((-1 if parent_hash is None else parent_hash, tokens))
+
+    def ref_count(self, block_id: int) -> int:
+        _check_int("block_id", block_id, 0)
+        if block_id >= self.num_blocks:
+            raise ValueError(f"block_id must be < num_blocks={self.num_blocks}, got {block_id}")
+        return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """True when the block is registered in the prefix cache."""
+        return block_id in self._entry
+
+    def free_block_ids(self) -> list[int]:
+        """Ids of blocks with refcount 0: the plain free list, then evictable cached blocks (LRU first)."""
+        return list(self._free) + list(self._evictable)
+
+    # ---- per-sequence queries -----------------------------------------------------------
+    def _get(self, seq_id) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown seq_id {seq_id!r}: never allocated or already freed") from None
+
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).table)
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._get(seq_id).tokens)
+
+    def token_ids(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).tokens)
+
+    def num_computed_tokens(self, seq_id) -> int:
+        return self._get(seq_id).num_computed
+
+    def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
+        """Physical slots of token positions start..end-1 (where their KV is written/read)."""
+        seq, P = self._get(seq_id), self.block_size
+        if not 0 <= start <= end <= len(seq.tokens):
+            raise ValueError(f"need 0 <= start <= end <= num_tokens={len(seq.tokens)}, "
+                             f"got start={start}, end={end}")
+        return [seq.table[p // P] * P + p % P for p in range(start, end)]
+
+    # ---- block pool internals -------------------------------------------------------------
+    def _take_free(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:  # evict the least recently freed cached block
+            b, _ = self._evictable.popitem(last=False)
+            self._uncache(b)
+            self.stats["evicted_blocks"] += 1
+        self._ref[b] = 1
+        return b
+
+    def _incref(self, b: int) -> None:
+        if self._ref[b] == 0:
+            del self._evictable[b]  # only cached blocks are found with refcount 0
+        self._ref[b] += 1
+
+    def _decref(self, b: int) -> None:
+        self._ref[b] -= 1
+        if self._ref[b] == 0:
+            if b in self._entry:
+                self._evictable[b] = None  # newest at the end
+            else:
+                self._free.append(b)
+
+    def _uncache(self, b: int) -> None:
+        entry = self._entry.pop(b, None)
+        if entry is not None and self._by_hash.get(entry.hash) == b:
+            del self._by_hash[entry.hash]
+        self._gen[b] += 1  # blocks cached behind this one can no longer chain to it
+
+    def _check_fits(self, num_tokens: int) -> int:
+        need = self.blocks_needed(num_tokens)
+        if need > self.num_blocks:
+            raise ValueError(f"a request of {num_tokens} tokens needs {need} blocks of "
+                             f"block_size={self.block_size}, but the pool has only "
+                             f"num_blocks={self.num_blocks}")
+        return need
+
+    def _lookup(self, tokens: list[int]) -> list[tuple[int, int]]:
+        """Cached blocks the prompt can reuse, as (block id, hash); at most (len - 1) // P."""
+        hits, P = [], self.block_size
+        if not self.enable_prefix_caching:
+            return hits
+        parent_hash, parent_id = None, None
+        for i in range((len(tokens) - 1) // P):
+            toks = tuple(tokens[i * P:(i + 1) * P])
+            h = self.block_hash(parent_hash, toks)
+            entry = self._entry.get(self._by_hash.get(h, -1))
+            if entry is None or entry.tokens != toks or entry.parent != parent_id:
+                break
+            b = self._by_hash[h]
+            hits.append((b, h))
+            parent_hash, parent_id = h, (b, self._gen[b])
+        return hits
+
+    def num_cached_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
+        it changes no block, no LRU order and no statistic."""
+        return len(self._lookup(_check_tokens(token_ids))) * self.block_size
+
+    # ---- operations -------------------------------------------------------------------
+    def can_allocate(self, token_ids: list[int]) -> bool:
+        """Whether `allocate` would succeed now (prefix-cache hits need no new block).
+        A prompt that could never fit in the whole pool raises ValueError instead."""
+        tokens = _check_tokens(token_ids)
+        need = self._check_fits(len(tokens))
+        hits = self._lookup(tokens)
+        revived = sum(self._ref[b] == 0 for b, _ in hits)  # hits that leave the evictable pool
+        return self.num_free_blocks - revived >= need - len(hits)
+
+    def allocate(self, seq_id, token_ids: list[int]) -> int:
+        """Give a new sequence blocks for all its tokens; return how many leading prompt
+        tokens already have their KV in the prefix cache (a multiple of P, <= len - 1)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is already allocated")
+        tokens = _check_tokens(token_ids)
+        need = self._check_fits(len(tokens))
+        hits = self._lookup(tokens)
+        revived = sum(self._ref[b] == 0 for b, _ in hits)
+        if self.num_free_blocks - revived < need - len(hits):
+            raise NoFreeBlocksError(f"seq {seq_id!r} needs {need - len(hits)} new blocks, "
+                                    f"{self.num_free_blocks - revived} free")
+        for b, _ in hits:  # take the hits first so that _take_free cannot evict them
+            self._incref(b)
+        table = [b for b, _ in hits] + [self._take_free() for _ in range(need - len(hits))]
+        chain = [(h, (b, self._gen[b])) for b, h in hits]
+        num_cached = len(hits) * self.block_size
+        self._seqs[seq_id] = _Seq(tokens, table, num_cached, chain)
+        if self.enable_prefix_caching:
+            self.stats["queried_blocks"] += (len(tokens) - 1) // self.block_size
+            self.stats["hit_blocks"] += len(hits)
+        return num_cached
+
+    def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
+        """The KV of the first `num_computed_tokens` tokens is written. With prefix caching, the
+        full blocks among them become cache entries. A smaller number than before is ignored."""
+        seq, P = self._get(seq_id), self.block_size
+        _check_int("num_computed_tokens", num_computed_tokens, 0)
+        if num_computed_tokens > len(seq.tokens):
+            raise ValueError(f"num_computed_tokens must be <= num_tokens={len(seq.tokens)}, "
+                             f"got {num_computed_tokens}")
+        seq.num_computed = max(seq.num_computed, num_computed_tokens)
+        if not self.enable_prefix_caching:
+            return
+        for i in range(len(seq.chain), seq.num_computed // P):
+            parent_hash, parent_id = seq.chain[-1] if seq.chain else (None, None)
+            toks = tuple(seq.tokens[i * P:(i + 1) * P])
+            h, ident = self.block_hash(parent_hash, toks), None
+            if i == 0 or parent_id is not None:  # a broken chain is never registered
+                b, owner = seq.table[i], self._by_hash.get(h)
+                if owner is None:
+                    if b in self._entry:  # a stale entry from before a truncate
+                        self._uncache(b)
+                    self._entry[b] = _CacheEntry(h, toks, parent_id)
+                    self._by_hash[h] = b
+                    ident = (b, self._gen[b])
+                elif self._entry[owner].tokens == toks and self._entry[owner].parent == parent_id:
+                    ident = (owner, self._gen[owner])  # same KV already cached in another block
+            seq.chain.append((h, ident))
+
+    def _append_cost(self, seq: _Seq, num_new: int) -> tuple[int, bool]:
+        n_old, P = len(seq.tokens), self.block_size
+        cow = num_new > 0 and n_old % P != 0 and self._ref[seq.table[-1]] > 1
+        return self.blocks_needed(n_old + num_new) - len(seq.table) + cow, cow
+
+    def can_append(self, seq_id, num_new: int = 1) -> bool:
+        _check_int("num_new", num_new, 0)
+        need, _ = self._append_cost(self._get(seq_id), num_new)
+        return need <= self.num_free_blocks
+
+    def append_tokens(self, seq_id, token_ids: list[int]) -> list[tuple[int, int]]:
+        """Grow the sequence by `token_ids` (their KV is written next). Returns copy-on-write
+        instructions (src_block, dst_block) to execute BEFORE writing that KV."""
+        seq, toks = self._get(seq_id), _check_tokens(token_ids, allow_empty=True)
+        need, cow = self._append_cost(seq, len(toks))
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(f"seq {seq_id!r} needs {need} new blocks to append "
+                                    f"{len(toks)} tokens, {self.num_free_blocks} free")
+        copies = []
+        if toks and len(seq.tokens) % self.block_size:
+            last = seq.table[-1]
+            if cow:  # shared and partly filled: write into a private copy
+                dst = self._take_free()
+                self._decref(last)
+                seq.table[-1] = dst
+                copies.append((last, dst))
+                self.stats["cow_copies"] += 1
+            elif last in self._entry:  # we own it, but its cached KV is about to be overwritten
+                self._uncache(last)
+        seq.tokens.extend(toks)
+        while len(seq.table) < self.blocks_needed(len(seq.tokens)):
+            seq.table.append(self._take_free())
+        return copies
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Roll the sequence back to its first `num_tokens` tokens (rejected speculative tokens)."""
+        seq = self._get(seq_id)
+        _check_int("num_tokens", num_tokens, 0)
+        if num_tokens > len(seq.tokens):
+            raise ValueError(f"num_tokens must be <= num_tokens of the seq ({len(seq.tokens)}), "
+                             f"got {num_tokens}")
+        keep = self.blocks_needed(num_tokens)
+        for b in reversed(seq.table[keep:]):
+            self._decref(b)
+        del seq.table[keep:], seq.tokens[num_tokens:], seq.chain[num_tokens // self.block_size:]
+        seq.num_computed = min(seq.num_computed, num_tokens)
+
+    def fork(self, parent_id, child_id) -> None:
+        """The child shares every block of the parent. Fork after the parent's KV is written
+        (e.g. right after prefill) and before either side appends its own next token."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"child_id {child_id!r} is already allocated")
+        for b in parent.table:
+            self._incref(b)
+        self._seqs[child_id] = _Seq(list(parent.tokens), list(parent.table),
+                                    parent.num_computed, list(parent.chain))
+
+    def free(self, seq_id) -> None:
+        """Release a sequence's blocks; tail blocks first, so they are evicted before the prefix."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        for b in reversed(seq.table):
+            self._decref(b)

@@ -1,0 +1,137 @@
+"""Figures for chapters 1-2. Each function takes numbers and returns a matplotlib `Figure`;
+the notebooks show them inline and save them with `minillm.viz.plotting.save_figure`.
+
+Letters: B batch, S context (tokens), P block size.
+Left out on purpose: styling beyond what makes the figure readable.
+"""
+import matplotlib.pyplot as plt
+import numpy as np
+
+from minillm.model.config import ModelConfig
+from minillm.analysis.kv_math import Reservation, attention_variants, kv_cache_bytes, weight_bytes
+from minillm.analysis.roofline import Hardware, OpCost, decode_costs, total_cost
+
+GiB = 2**30
+
+
+def plot_roofline(hardware, dtype="bf16", predicted=(), measured=(), title=None):
+    """Log-log roofline of one or more `Hardware`, with points.
+
+    predicted: (label, OpCost) pairs, drawn hollow on the first hardware's roof (attainable).
+    measured: objects with .label, .intensity, .achieved (e.g. `MeasuredPoint`), drawn filled.
+    """
+    hws = [hardware] if isinstance(hardware, Hardware) else list(hardware)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    xs = np.logspace(-1, 4, 200)
+    for i, hw in enumerate(hws):
+        ys = [hw.attainable(x, dtype) for x in xs]
+        line, = ax.plot(xs, ys, lw=2, label=f"{hw.name} {dtype} (ridge {hw.ridge(dtype):.0f})")
+        ax.axvline(hw.ridge(dtype), color=line.get_color(), ls=":", lw=1)
+    colors = plt.cm.viridis(np.linspace(0.05, 0.9, max(len(predicted), len(measured), 1)))
+    for c, (label, cost) in zip(colors, predicted):
+        ax.scatter(cost.intensity, hws[0].attainable(cost.intensity, dtype), s=60,
+                   facecolors="none", edgecolors=[c], lw=1.5, zorder=3)
+        ax.annotate(label, (cost.intensity, hws[0].attainable(cost.intensity, dtype)),
+                    textcoords="offset points", xytext=(4, 6), fontsize=7)
+    for c, p in zip(colors, measured):
+        ax.scatter(p.intensity, p.achieved, s=40, color=c, marker="s", zorder=4)
+        ax.annotate(p.label, (p.intensity, p.achieved), textcoords="offset points",
+                    xytext=(4, -10), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="FLOP/s", title=title or "Roofline")
+    if predicted or measured:
+        ax.scatter([], [], facecolors="none", edgecolors="k", label="predicted (on the roof)")
+        ax.scatter([], [], color="k", marker="s", label="measured")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(True, which="both", alpha=0.2)
+    return fig
+
+
+def plot_decode_vs_batch(batches, predicted_s, measured_s=None, title=None):
+    """Decode step time vs batch: flat while weight reads dominate, then rising."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(batches, np.asarray(predicted_s) * 1e3, "o-", label="roofline lower bound")
+    if measured_s is not None:
+        ax.plot(batches, np.asarray(measured_s) * 1e3, "s--", label="measured")
+    ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="decode step time (ms)",
+           title=title or "One decode step vs batch size")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.2)
+    return fig
+
+
+def plot_skinny_matmul(rows, times: dict, title=None):
+    """Time of (rows, k) @ W^T per route (skinny_matmul_times) against the one-read bound."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (label, secs) in enumerate(times.items()):
+        style = "k:" if label == "bound" else "os^dvp"[i % 6] + "-"
+        ax.plot(rows, np.asarray(secs) * 1e3, style, label="one weight read (bound)" if label == "bound" else label)
+    ax.set(xlabel="rows (tokens) multiplied by the weight", ylabel="ms per matmul", ylim=(0, None),
+           title=title or "A few rows times a big weight")
+    ax.legend()
+    ax.grid(True, alpha=0.2)
+    return fig
+
+
+def plot_decode_breakdown(parts: dict, title=None):
+    """One horizontal bar: where a measured decode step's time goes (ms)."""
+    keys = [("weights_s", "weight reads"), ("kv_s", "KV reads"),
+            ("activations_s", "activations"), ("overhead_s", "unexplained (overhead)")]
+    fig, ax = plt.subplots(figsize=(7, 2.2))
+    left = 0.0
+    for key, label in keys:
+        width = parts[key] * 1e3
+        ax.barh([0], [width], left=left, label=f"{label}: {width:.2f} ms")
+        left += width
+    ax.set(yticks=[], xlabel="ms", title=title or "Where one decode step's time goes")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=2)
+    return fig
+
+
+def plot_kv_variants(cfg: ModelConfig, num_tokens: int, dtype="bf16"):
+    """KV bytes of one sequence of S tokens with MHA, the model's GQA, and MQA."""
+    variants = attention_variants(cfg)
+    vals = [kv_cache_bytes(c, num_tokens, 1, dtype) / GiB for c in variants.values()]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    bars = ax.bar([f"{k}\nHkv={c.n_kv_head}" for k, c in variants.items()], vals)
+    ax.bar_label(bars, labels=[f"{v:.3f} GiB" for v in vals], fontsize=8)
+    ax.set(ylabel="GiB", title=f"{cfg.name}: KV cache of {num_tokens} tokens ({dtype})")
+    return fig
+
+
+def plot_memory_vs_context(cfg: ModelConfig, contexts, batch_size=1, dtype="bf16",
+                           memory_bytes=None):
+    """Weights (flat) vs KV (linear in S) for B sequences as the context grows."""
+    contexts = np.asarray(contexts)
+    w = weight_bytes(cfg, dtype) / GiB
+    kv = np.array([kv_cache_bytes(cfg, int(s), batch_size, dtype) for s in contexts]) / GiB
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(contexts, np.full(len(contexts), w), label="weights")
+    ax.plot(contexts, kv, label=f"KV cache (B={batch_size})")
+    ax.plot(contexts, w + kv, "k--", label="total")
+    if memory_bytes:
+        ax.axhline(memory_bytes / GiB, color="r", ls=":", label="device memory")
+    ax.set(xscale="log", xlabel="context length S (tokens)", ylabel="GiB",
+           title=f"{cfg.name} ({dtype}): weights vs KV cache")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.2)
+    return fig
+
+
+def plot_reservation_waste(reservations: list[Reservation], title=None):
+    """Share of reserved KV slots left unused, per scheme (static, then block sizes)."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    names = [r.scheme.replace("block ", "P=") for r in reservations]
+    vals = [100 * r.waste for r in reservations]
+    bars = ax.bar(names, vals, color=["tab:red"] + ["tab:blue"] * (len(vals) - 1))
+    ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], fontsize=7)
+    ax.set(ylabel="reserved but unused (%)", ylim=(0, 105),
+           title=title or "KV memory wasted: reserve max length vs allocate blocks")
+    ax.tick_params(axis="x", labelsize=8)
+    return fig
+
+
+def predicted_decode_points(cfg: ModelConfig, batches, context_len: int = 0,
+                            dtype="bf16") -> list[tuple[str, OpCost]]:
+    """(label, total OpCost) of decode steps at each batch, for `plot_roofline(predicted=...)`."""
+    return [(f"B={b}", total_cost(decode_costs(cfg, b, context_len, dtype))) for b in batches]
