@@ -1,5 +1,5 @@
 """The serving engine (chapters 3-6), split as nano-vllm splits it: `sequence` (request and
-sequence state), `scheduler` (decides), `model_runner` (runs tensors), `llm_engine` (owns them:
+sequence state), `scheduler` (decides; `static_scheduler` is the static-batching baseline), `model_runner` (runs tensors), `llm_engine` (owns them:
 `LLMEngine.step()` = schedule -> run -> update) and `spec_decoder` (speculative decoding inside
 the engine). The block manager and paged attention it books and runs are in `minillm.paging`."""
 from minillm.engine.llm_engine import EngineConfig, LLMEngine  # noqa: F401

@@ -33,6 +33,7 @@ from minillm.engine.spec_decoder import SpecDecoder
 from minillm.engine.model_runner import ModelRunner
 from minillm.paging.paged_attention import PagedKVCache
 from minillm.engine.scheduler import Scheduler
+from minillm.engine.static_scheduler import StaticScheduler
 from minillm.engine.sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
 
@@ -57,8 +58,9 @@ class LLMEngine:
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
         self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill, cfg.preemption_mode, cfg.scheduling)
+        scheduler = StaticScheduler if cfg.scheduling == "static" else Scheduler
+        self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill, cfg.preemption_mode)
         self.runner = ModelRunner(model, self.cache, self.block_manager, cfg.seed)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}

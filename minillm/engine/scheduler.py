@@ -11,10 +11,8 @@ One step (`schedule()`), with a token budget of `max_num_batched_tokens`:
 2. swapped sequences come back while blocks allow;
 3. waiting sequences are admitted while `max_num_seqs`, the budget and free blocks allow.
 With chunked prefill a prompt takes whatever budget is left (a chunk); without it a prompt runs
-whole, and only if it fits or is the step's first prefill. `scheduling="static"` admits a batch
-only when the previous batch has completely finished, and its finished members stay in the batch
-as padding rows (`padding`: the runner feeds them a dummy token each step, as a padded batch
-tensor would) until the longest member ends: the baseline that continuous batching beats.
+whole, and only if it fits or is the step's first prefill. Static batching, the baseline that
+continuous batching beats, is a subclass of its own (static_scheduler.py).
 
 Left out on purpose: priorities, fairness across users, and lookahead scheduling.
 """
@@ -46,17 +44,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
-                 scheduling: str = "continuous"):
+                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute"):
         self.bm = block_manager
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.chunked, self.preemption_mode, self.scheduling = (
-            enable_chunked_prefill, preemption_mode, scheduling)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # kept in arrival order
         self.swapped: deque[Sequence] = deque()
-        self.static_batch: set[str] = set()   # request ids of the current static batch, unfinished
-        self.static_members: list[str] = []   # all request ids of the current static batch
         self.num_preemptions = 0
 
     # ---- queues ----------------------------------------------------------------------------
@@ -83,9 +79,6 @@ class Scheduler:
         if seq.seq_id in self.bm.seq_ids():
             self.bm.free(seq.seq_id)
         seq.swapped_kv = None
-        if self.scheduling == "static" and not any(
-                s.request_id == seq.request_id for s in (*self.waiting, *self.running, *self.swapped)):
-            self.static_batch.discard(seq.request_id)
 
     def undo(self, out: SchedulerOutput) -> None:
         """The step `out` described failed before its results came back: every sequence it
@@ -135,8 +128,6 @@ class Scheduler:
             budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
             if not self.swapped:
                 self._admit(out, budget, prefill_seen)
-        if self.scheduling == "static" and out.scheduled:
-            out.padding = [r for r in self.static_members if r not in self.static_batch]
         return out
 
     def _prefill_size(self, need: int, budget: int, prefill_seen: bool) -> int:
@@ -207,17 +198,14 @@ class Scheduler:
         its prompt, so until it has sampled its first token it books all n of them."""
         return seq.params.n if seq.index == 0 and not seq.output_token_ids else 1
 
+    def _may_admit(self, seq: Sequence) -> bool:
+        """Continuous batching: anyone may join at any step (StaticScheduler says otherwise)."""
+        return True
+
     def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> None:
-        static = self.scheduling == "static"
-        if static and not self.static_batch:   # form the next static batch
-            ids = []
-            for s in self.waiting:
-                if s.request_id not in ids and len(ids) < self.max_num_seqs:
-                    ids.append(s.request_id)
-            self.static_batch, self.static_members = set(ids), ids
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if static and seq.request_id not in self.static_batch:
+            if not self._may_admit(seq):
                 break
             if sum(map(self._seats, self.running)) + self._seats(seq) > self.max_num_seqs:
                 break
