@@ -91,12 +91,9 @@ def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool)
     elif name == "roofline":
         import minillm.bench.roofline as bench_roofline
         import minillm.bench.gpu_model as gpu_model
-        import minillm.model.loading as loading
-        weights = REAL_WEIGHTS if gpu_model.has_real_weights() else gpu_model.RANDOM_WEIGHTS
-        if weights != REAL_WEIGHTS:          # the roofline loads its fp32 model itself
-            loading.load_model = lambda *a, device=None, dtype=torch.float32, **k: (
-                random_smollm2(device, dtype), None)
-        bench_roofline.run(quick=quick, device=device, out_dir=work)
+        real = gpu_model.has_real_weights()    # else the same shapes with random fp32 weights
+        bench_roofline.run(quick=quick, device=device, out_dir=work,
+                           model=None if real else random_smollm2(device, torch.float32))
     elif name == "spec_replay":          # the real model's n-gram schedule, timed on these weights
         import minillm.bench.spec_replay as spec_replay
         r = spec_replay.run(quick, device, work)

@@ -22,11 +22,12 @@ from minillm.bench.measure import (decode_breakdown, matmul_points, measure_deco
 
 
 def run(quick: bool = False, device=None, out_dir="benchmarks/results",
-        num_threads: int | None = None) -> dict:
+        num_threads: int | None = None, model=None) -> dict:
     """Measure, compare with the roofline, write JSON + figures; returns the JSON dict.
 
     num_threads: CPU threads for torch (default: torch's own choice). On a machine shared with
     other jobs, 1 gives steadier numbers: OpenMP threads that wait on busy cores spin.
+    model: an fp32 model of SmolLM2's shape to time instead of the real one (random weights).
     """
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -35,7 +36,8 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results",
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     use_headless_backend()
     hw = measure_hardware(device, quick=quick)
-    model, _ = load_model(device=device)            # fp32, like every chapter
+    if model is None:                               # fp32, like every chapter
+        model, _ = load_model(device=device)
     cfg, dt, S = model.config, "fp32", 128
     points = matmul_points(hw, cfg.d_model, 2 * cfg.d_ff, batches=(1, 4, 16, 64, 256),
                            prefill_tokens=(1024,) if quick else (512, 2048), dtype=dt,
