@@ -180,15 +180,20 @@ def _random_ops(engine, model, data, sampled: bool = False, alphabet: int = 16) 
             assert all(s.output_token_ids == ref for s in req.seqs)
 
 
+def _pool_and_batch(data) -> dict:
+    """The EngineConfig fields both leak property tests draw: pool, batch limits, prefix cache."""
+    return dict(block_size=data.draw(st.sampled_from([1, 3, 4])),
+                num_blocks=data.draw(st.integers(14, 40)),
+                max_num_seqs=data.draw(st.sampled_from([1, 2, 8])),
+                max_num_batched_tokens=data.draw(st.sampled_from([8, 16])),
+                enable_prefix_caching=data.draw(st.booleans()))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_no_block_leaks_random_schedules(model, data):
     cfg = EngineConfig(
-        block_size=data.draw(st.sampled_from([1, 3, 4])),
-        num_blocks=data.draw(st.integers(14, 40)),
-        max_num_seqs=data.draw(st.sampled_from([1, 2, 8])),
-        max_num_batched_tokens=data.draw(st.sampled_from([8, 16])),
-        enable_prefix_caching=data.draw(st.booleans()),
+        **_pool_and_batch(data),
         preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
     _random_ops(LLMEngine(model, cfg), model, data)
 
@@ -200,11 +205,7 @@ def test_no_block_leaks_with_speculation_static_batching_and_sampling(small_voca
     off and sampled requests (seeded or not) in the mix, so aborts also land between verify steps
     and on sequences whose drafts were rolled back."""
     cfg = EngineConfig(
-        block_size=data.draw(st.sampled_from([1, 3, 4])),
-        num_blocks=data.draw(st.integers(14, 40)),
-        max_num_seqs=data.draw(st.sampled_from([1, 2, 8])),
-        max_num_batched_tokens=data.draw(st.sampled_from([8, 16])),
-        enable_prefix_caching=data.draw(st.booleans()),
+        **_pool_and_batch(data),
         enable_chunked_prefill=data.draw(st.booleans()),
         preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
         scheduling=data.draw(st.sampled_from(["continuous", "static"])),

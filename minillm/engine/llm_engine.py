@@ -34,6 +34,7 @@ from minillm.engine.model_runner import ModelRunner
 from minillm.paging.paged_attention import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.static_scheduler import StaticScheduler
+from minillm.engine.trace import progress_bar, trace_row
 from minillm.engine.sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
 
@@ -159,7 +160,7 @@ class LLMEngine:
                 self.abort_request(r)
             raise
         self._pinned.update(rids)
-        bar = _progress_bar(len(rids)) if use_tqdm else None
+        bar = progress_bar(len(rids)) if use_tqdm else None
         while any(not self.requests[r].finished for r in rids):
             done = sum(o.finished for o in self.step() if o.request_id in rids)
             if bar is not None:
@@ -215,7 +216,8 @@ class LLMEngine:
             advanced[seq.request_id] = self.requests[seq.request_id]
         for seq in out.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
-        self._record(out, t0, now, num_decode, prefill_ids)
+        self.trace.append(trace_row(self.step_count, out, t0, now, num_decode, prefill_ids,
+                                    self.scheduler, self.block_manager))
         self.step_count += 1
         outputs = [self._output(r) for r in advanced.values()]
         self._prune()
@@ -345,24 +347,3 @@ class LLMEngine:
                 c.text = c.text or ""
             o.text = o.outputs[0].text
         return o
-
-    def _record(self, out, t0, t1, num_decode, prefill_ids) -> None:
-        s = self.scheduler
-        self.trace.append({
-            "step": self.step_count, "t_start": t0, "t_end": t1,
-            "num_decode_tokens": int(num_decode), "num_prefill_tokens": out.num_tokens - int(num_decode),
-            "num_seqs": len(out.scheduled), "num_running": len(s.running),
-            "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
-            "blocks_used": self.block_manager.num_used_blocks, "num_preempted": len(out.preempted),
-            "request_ids": [seq.request_id for seq, _ in out.scheduled],
-            "padding_request_ids": list(out.padding),
-            "prefill_request_ids": prefill_ids})
-
-
-def _progress_bar(total: int):
-    """A tqdm bar of finished requests, or None when tqdm is not installed."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="requests")
