@@ -118,7 +118,7 @@ class MatmulAttention:
     def __init__(self):
         self.k, self.v = {}, {}
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, positions):
         if layer_idx in self.k:
             k = torch.cat([self.k[layer_idx], k], dim=2)
             v = torch.cat([self.v[layer_idx], v], dim=2)
@@ -138,11 +138,11 @@ def test_flops_match_flop_counter(kv_heads):
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     cache = MatmulAttention()
     with FlopCounterMode(display=False) as fc:
-        model(ids, cache=cache)                                          # prefill
+        model(ids, torch.arange(T), cache)                               # prefill
     want = total_cost(prefill_costs(cfg, T, B, "fp64", logits_tokens=T)).flops
     assert fc.get_total_flops() == want
     with FlopCounterMode(display=False) as fc:
-        model(ids[:, :1], cache=cache)                                   # decode with S = T
+        model(ids[:, :1], torch.tensor([T]), cache)                      # decode with S = T
     assert fc.get_total_flops() == total_cost(decode_costs(cfg, B, T, "fp64")).flops
 
 
@@ -269,7 +269,7 @@ def test_flops_match_flop_counter_random_shapes(B, T, S, heads):
     cfg, cache = model.config, MatmulAttention()
     ids = torch.randint(0, cfg.vocab_size, (B, S + T), generator=torch.Generator().manual_seed(1))
     if S:
-        model(ids[:, :S], cache=cache)
+        model(ids[:, :S], torch.arange(S), cache)
     with FlopCounterMode(display=False) as fc:
         model(ids[:, S:], positions=torch.arange(S, S + T), cache=cache)
     want = total_cost(step_costs(cfg, B, T, S, "fp64", logits_tokens=T)).flops

@@ -111,3 +111,24 @@ def load_results(name: str | None = None, results_dir=None) -> list[dict]:
     folder = Path(results_dir) if results_dir is not None else RESULTS_DIR
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     return [r for r in records if name is None or r.get("benchmark") == name]
+
+
+def prefilled(model, batch: int, context: int, room: int, cache_cls=None):
+    """A contiguous cache holding `context` tokens in each of `batch` rows with `room` free slots
+    after them, and `forward(x)`, which runs the model on new tokens x (B, n) at positions
+    context..context+n-1. Each call overwrites the last one's slots, so a timing loop repeats the
+    same step. -> (cache, forward)."""
+    from minillm.model.kv_cache import KVCache
+    dev = model.device
+    cache = (cache_cls or KVCache)(model.config, batch, context + room, dev, model.dtype)
+    model(torch.ones(batch, context, dtype=torch.long, device=dev), torch.arange(context, device=dev),
+          cache, logits_index=torch.tensor([context - 1]))
+    positions = {}
+
+    def forward(x):
+        n = x.shape[1]
+        if n not in positions:
+            positions[n] = torch.arange(context, context + n, device=dev)     # (n,)
+        return model(x, positions[n], cache)
+    return cache, forward
+

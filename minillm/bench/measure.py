@@ -193,7 +193,7 @@ def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 1
     """Median seconds of one real decode step of `model`: input (B, 1) with S cached tokens.
 
     The cache is filled with random K/V instead of a prefill (the step's time does not depend
-    on the values), and rolled back after each step so every repeat sees the same S.
+    on the values), and every repeat writes the same slot, so each sees the same S.
     """
     from minillm.model.kv_cache import KVCache
     cfg = model.config
@@ -207,12 +207,11 @@ def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 1
         cache = KVCache(cfg, b, context_len + 1, device=model.device, dtype=model.dtype)
         cache.k.normal_(generator=None)   # stand-in for a prefilled context
         cache.v.normal_(generator=None)
-        cache.seq_len = context_len
         ids = torch.randint(0, cfg.vocab_size, (b, 1), generator=g).to(model.device)  # (B, 1)
+        position = torch.tensor([context_len], device=model.device)  # each repeat: the same slot
 
         def step():
-            model(ids, cache=cache)                                   # (B, 1, V)
-            cache.truncate(context_len)
+            model(ids, position, cache)                               # (B, 1, V)
         with torch.inference_mode():
             out.append(time_fn(step, model.device, repeat=repeats))
         del cache

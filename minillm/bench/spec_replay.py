@@ -121,16 +121,17 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
     sync(dev)
     t0 = time.perf_counter()
     if len(prompt) > 1:
-        model(torch.tensor([prompt[:-1]], device=dev), cache=cache,
-              logits_index=torch.tensor([len(prompt) - 2]))
+        model(torch.tensor([prompt[:-1]], device=dev), torch.arange(len(prompt) - 1, device=dev),
+              cache, logits_index=torch.tensor([len(prompt) - 2]))
     done = 0
     while done < N:
-        context, start = prompt + output[:done], cache.seq_len
+        context = prompt + output[:done]
+        start = len(context) - 1                              # the cache holds context[:-1]
         cand = _drafts(proposer, context, min(k, N - done - 1))
         kk = len(cand)
         drafts = torch.tensor([cand], dtype=torch.long, device=dev)                   # (1, kk)
         x = torch.cat([torch.tensor([[context[-1]]], device=dev), drafts], dim=1)     # (1, kk + 1)
-        logits = model(x, cache=cache)                                                # (1, kk + 1, V)
+        logits = model(x, torch.arange(start, start + kk + 1, device=dev), cache)     # (1, kk + 1, V)
         if kk:                                                # what the logits say
             tokens, n_logits = greedy_verify(logits, drafts)
             n_logits, next_tok = int(n_logits[0]), int(tokens[0, n_logits[0]])
@@ -140,7 +141,6 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
         if check and (n_logits, next_tok) != (n, output[done + n]):
             raise AssertionError(f"step at token {done}: the logits give {n_logits} accepted "
                                  f"then {next_tok}, the recorded output {n} then {output[done + n]}")
-        cache.truncate(start + 1 + n)
         num_proposed.append(kk)
         num_accepted.append(n)
         done += n + 1
