@@ -1,8 +1,10 @@
 """Shared benchmark plumbing: machine metadata, careful timing, and the JSON results ledger.
 
-Every benchmark writes `benchmarks/results/<name>_<device-tag>.json` holding the machine it ran
+Every benchmark writes `<results_dir()>/<name>_<device-tag>.json` holding the machine it ran
 on, the git commit, and its figures with units, so the README and the notebooks can quote
-numbers together with the hardware they came from.
+numbers together with the hardware they came from. `results_dir()` is $MINILLM_RESULTS_DIR when
+set, else `benchmarks/results/` of the project holding the current directory (the committed
+ledger; `make bench` writes there on request); nothing is written beside the installed package.
 """
 import datetime
 import json
@@ -15,16 +17,31 @@ from pathlib import Path
 import torch
 
 from minillm.kernels.cpu_kernels import cpu_name
-from minillm.viz.plotting import REPO_ROOT
+from minillm.viz.plotting import project_root
 
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+RESULTS_ENV = "MINILLM_RESULTS_DIR"
+
+
+def results_dir() -> Path:
+    """Where benchmark records are written and read by default (see the module docstring)."""
+    chosen = os.environ.get(RESULTS_ENV)
+    if not chosen:
+        return project_root() / "benchmarks" / "results"
+    path = Path(chosen).expanduser()
+    return path if path.is_absolute() else project_root() / path
+
+
+def __getattr__(name):          # RESULTS_DIR: the name of earlier versions, resolved when read
+    if name == "RESULTS_DIR":
+        return results_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def git_commit() -> str:
     """Short hash of HEAD, with "+dirty" when minillm/ has uncommitted changes (the code measured
     is then not the commit named)."""
     def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, text=True, capture_output=True,
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, text=True, capture_output=True,
                               timeout=5).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD") or "unknown"
@@ -90,7 +107,7 @@ def time_fn(fn, device="cpu", warmup: int = 1, repeat: int = 3) -> float:
 
 def write_result(name: str, payload: dict, device="cpu", out_dir=None) -> Path:
     """Write payload + machine metadata to <out_dir>/<name>_<device-tag>.json; return the path."""
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out = Path(out_dir) if out_dir is not None else results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}_{device_tag(device)}.json"
     record = {"benchmark": name, "machine": machine_info(device), **payload}
@@ -106,9 +123,12 @@ def save_figure_beside(fig, record_path, stem: str) -> Path:
     return path
 
 
+_default_results = results_dir          # load_results' parameter shadows the function's name
+
+
 def load_results(name: str | None = None, results_dir=None) -> list[dict]:
     """Every committed result (optionally of one benchmark), for notebooks and the README table."""
-    folder = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    folder = Path(results_dir) if results_dir is not None else _default_results()
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     return [r for r in records if name is None or r.get("benchmark") == name]
 

@@ -29,17 +29,27 @@ import torch
 from minillm.bench.common import sync, write_result
 from minillm.model.generate import generate
 from minillm.model.kv_cache import KVCache
-from minillm.viz.plotting import REPO_ROOT
+from minillm.viz.plotting import project_root
 from minillm.spec.proposers import NgramProposer
 from minillm.analysis.spec_theory import free_verify_costs
 from minillm.spec.rejection import greedy_verify
 
-SCHEDULE = REPO_ROOT / "benchmarks" / "spec_schedule.json"
+def schedule_file() -> Path:
+    """The committed recording: benchmarks/spec_schedule.json of the project holding the
+    current directory (notebooks run in notebooks/, which finds the repository above)."""
+    return project_root() / "benchmarks" / "spec_schedule.json"
+
+
+def __getattr__(name):          # SCHEDULE: the name of earlier versions, resolved when read
+    if name == "SCHEDULE":
+        return schedule_file()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 SETTINGS = {False: dict(k=8, min_ngram=2, max_ngram=3, repeat=3),
             True: dict(k=8, min_ngram=2, max_ngram=3, repeat=1)}
 
 
-def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -> dict:
+def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=None) -> dict:
     """Greedy outputs of the real model for each prompt (stopping at the chat end-of-turn)."""
     from minillm.model.chat import encode_chat
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -48,7 +58,7 @@ def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -
         ids = encode_chat(tok, text)
         data["prompts"][name] = {"prompt": ids, "output": generate(model, ids, max_new_tokens,
                                                                    stop_token_ids=stop)}
-    Path(path).write_text(json.dumps(data) + "\n")
+    Path(path if path is not None else schedule_file()).write_text(json.dumps(data) + "\n")
     return data
 
 
@@ -152,11 +162,11 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
             "num_accepted": num_accepted}
 
 
-def run(quick: bool = False, device=None, out_dir=None, model=None, schedule_path=SCHEDULE) -> dict:
+def run(quick: bool = False, device=None, out_dir=None, model=None, schedule_path=None) -> dict:
     """Replay every recorded prompt (best of `repeat`); writes spec_replay_<device>.json."""
     from minillm.bench.gpu_model import bench_model
     s = SETTINGS[bool(quick)]
-    data = json.loads(Path(schedule_path).read_text())
+    data = json.loads(Path(schedule_path or schedule_file()).read_text())
     weights = "given"
     if model is None:
         model, _, weights = bench_model(device)        # fp32 on a CPU, bf16 on a GPU
@@ -205,7 +215,7 @@ def main(argv=None) -> None:
         from minillm.model.loading import load_model
         model, tok = load_model(device="cpu")
         record(model, tok, PROMPTS)
-        print(f"wrote {SCHEDULE}")
+        print(f"wrote {schedule_file()}")
     else:
         print(report(run(a.quick, a.device)))
 
