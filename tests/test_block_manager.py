@@ -396,8 +396,8 @@ def test_a_prompt_computed_after_an_orphan_is_found_in_full():
 
 # ---- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, err, words", [
-    (dict(num_blocks=4, block_size=0), ValueError, "block_size must be >= 1, got 0"),
-    (dict(num_blocks=0, block_size=4), ValueError, "num_blocks must be >= 1, got 0"),
+    (dict(num_blocks=4, block_size=0), ValueError, "block_size must be an int >= 1, got 0"),
+    (dict(num_blocks=0, block_size=4), ValueError, "num_blocks must be an int >= 1, got 0"),
     (dict(num_blocks=4, block_size=2.5), TypeError, "block_size must be an int"),
     (dict(num_blocks=True, block_size=4), TypeError, "num_blocks must be an int"),
 ])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.model.config import ModelConfig
+from minillm._validate import check_real
 from minillm.analysis.roofline import Hardware, _check_pos_int, dtype_bytes
 
 
@@ -80,11 +81,8 @@ def plan_capacity(cfg: ModelConfig, memory, gpu_memory_utilization: float = 0.9,
     """
     _check_cfg(cfg)
     memory_bytes = memory.mem_bytes if isinstance(memory, Hardware) else memory
-    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) \
-            or memory_bytes <= 0:
-        raise ValueError(f"memory must be a Hardware or a byte count > 0, got {memory!r}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    check_real("memory (a Hardware or a byte count)", memory_bytes, 0, low_open=True)
+    check_real("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
     _check_pos_int("block_size", block_size)
     max_model_len = cfg.max_seq_len if max_model_len is None else max_model_len
     _check_pos_int("max_model_len", max_model_len)

@@ -21,13 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm._validate import check_int
 from minillm.model.config import ModelConfig
 
 # Bytes per element of each dtype a chapter talks about (int4: two weights per byte).
 DTYPE_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2,
                                  "fp8": 1, "int8": 1, "int4": 0.5}
-_TORCH_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
-                torch.float16: "fp16", torch.int8: "int8"}
+# The one map between these names and torch dtypes (the names with a torch tensor type).
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp64": torch.float64, "fp32": torch.float32,
+                                        "bf16": torch.bfloat16, "fp16": torch.float16,
+                                        "int8": torch.int8}
+_TORCH_NAMES = {t: name for name, t in TORCH_DTYPES.items()}
 
 
 def dtype_name(dtype) -> str:
@@ -43,6 +47,14 @@ def dtype_name(dtype) -> str:
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
     return key
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype for a name ("bf16", "bfloat16", "float32", ...) or a torch dtype."""
+    name = dtype_name(dtype)
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype {dtype!r} has no torch tensor type here; use one of {list(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def dtype_bytes(dtype) -> float:
@@ -128,9 +140,7 @@ class OpCost:
 
 
 def _check_pos_int(name: str, value, allow_zero: bool = False) -> None:
-    lo = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    check_int(name, value, 0 if allow_zero else 1)
 
 
 def _matmul(name: str, n_tok: int, k: int, n: int, layers: int, w: float, a: float) -> OpCost:

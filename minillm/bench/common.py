@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from minillm.kernels.cpu_kernels import cpu_name
+from minillm.model.loading import default_device
 from minillm.viz.plotting import project_root
 
 RESULTS_ENV = "MINILLM_RESULTS_DIR"
@@ -52,7 +53,7 @@ def git_commit() -> str:
 
 def machine_info(device=None) -> dict:
     """What the numbers were measured on."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else default_device()
     info = {"device": device.type, "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),

@@ -18,19 +18,17 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from minillm._validate import check_int
 from minillm.bench.common import time_fn
+from minillm.model.loading import default_device
 from minillm.model.config import ModelConfig
 from minillm.analysis.roofline import (Hardware, OpCost, decode_costs, dtype_bytes, dtype_name,
-                              op_time, step_time, total_cost)
+                                       op_time, step_time, torch_dtype, total_cost)
 
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp64": torch.float64}
 
 
 def _device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return default_device() if device is None else torch.device(device)
 
 
 def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -43,7 +41,7 @@ def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) 
 def measure_matmul_flops(device=None, dtype="fp32", n: int = 1024, repeats: int = 3) -> float:
     """Achieved FLOP/s of an (n, n) @ (n, n) matmul: 2 n^3 FLOPs."""
     device = _device(device)
-    a = torch.randn(n, n, device=device).to(_TORCH[dtype_name(dtype)])
+    a = torch.randn(n, n, device=device).to(torch_dtype(dtype))
     b = torch.randn(n, n, device=device).to(a.dtype)
     return 2.0 * n**3 / time_fn(lambda: a @ b, device, repeat=repeats)
 
@@ -110,7 +108,7 @@ def time_matmul(hw: Hardware, m: int, k: int, n: int, dtype="fp32", device=None,
                 max_flops: float = 2e9, label: str | None = None) -> MeasuredPoint:
     """Time (m, k) @ (k, n), cycling through enough weight copies to defeat the caches."""
     device = _device(device)
-    tdt, w = _TORCH[dtype_name(dtype)], dtype_bytes(dtype)
+    tdt, w = torch_dtype(dtype), dtype_bytes(dtype)
     cost = OpCost(label or f"{m}x{k}x{n}", 2.0 * m * k * n, (k * n + m * k + m * n) * w)
     copies = max(1, min(math.ceil(min_weight_bytes / (k * n * w)), int(max_flops // cost.flops)))
     g = torch.Generator(device=device).manual_seed(0)
@@ -197,10 +195,9 @@ def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 1
     """
     from minillm.model.kv_cache import KVCache
     cfg = model.config
-    _check = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
-    if _check or context_len < 1:
-        raise ValueError(f"batch_sizes must be ints >= 1 and context_len >= 1, got "
-                         f"{batch_sizes}, {context_len}")
+    for i, b in enumerate(batch_sizes):
+        check_int(f"batch_sizes[{i}]", b, 1)
+    check_int("context_len", context_len, 1)
     g = torch.Generator().manual_seed(seed)
     out = []
     for b in tqdm(batch_sizes, desc="decode steps", disable=not progress):

@@ -6,6 +6,7 @@ Both return the list of new token ids (the prompt is not repeated). Letters: T p
 """
 import torch
 
+from minillm._validate import check_int
 from minillm.model.kv_cache import KVCache
 from minillm.model.sampling import check_sampling_args, next_token
 
@@ -19,8 +20,7 @@ def _check(model, prompt_ids, max_new_tokens, temperature, top_k, top_p) -> list
     bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt_ids must be ints in [0, {vocab}), got {bad[:3]}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     if len(prompt_ids) + max_new_tokens > ctx:
         raise ValueError(f"prompt length {len(prompt_ids)} + max_new_tokens {max_new_tokens} "
                          f"exceeds the model's context of {ctx} tokens")

@@ -20,6 +20,7 @@ Two ways to read the filled keys, with the same result:
 import torch
 import torch.nn.functional as F
 
+from minillm._validate import check_int
 from minillm.model.config import ModelConfig
 
 
@@ -28,11 +29,8 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int,
                  device=None, dtype: torch.dtype = torch.float32):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) \
-                or not 1 <= max_seq_len <= config.max_seq_len:
-            raise ValueError(f"max_seq_len must be an int in [1, {config.max_seq_len}], got {max_seq_len!r}")
+        check_int("batch_size", batch_size, 1)
+        check_int("max_seq_len", max_seq_len, 1, config.max_seq_len)
         shape = (config.n_layer, batch_size, config.n_kv_head, max_seq_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)    # (L, B, Hkv, S_max, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)

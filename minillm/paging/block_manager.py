@@ -28,6 +28,8 @@ answers "can I?" and raises `NoFreeBlocksError` (before changing anything) when 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from minillm._validate import check_int
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool cannot supply the blocks asked for. Raised before any state changes."""
@@ -46,14 +48,6 @@ class _CacheEntry:
     hash: int
     tokens: tuple[int, ...]
     parent: tuple[int, int] | None        # identity (block id, generation) of the parent block
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 def _check_tokens(token_ids, allow_empty: bool = False) -> list[int]:
@@ -84,8 +78,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        self.num_blocks = _check_int("num_blocks", num_blocks, 1)
-        self.block_size = _check_int("block_size", block_size, 1)
+        self.num_blocks = check_int("num_blocks", num_blocks, 1)
+        self.block_size = check_int("block_size", block_size, 1)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._ref = [0] * num_blocks
         self._gen = [0] * num_blocks          # bumped when a block's cached identity is dropped
@@ -115,7 +109,7 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """ceil(num_tokens / P)."""
-        return -(-_check_int("num_tokens", num_tokens, 0) // self.block_size)
+        return -(-check_int("num_tokens", num_tokens, 0) // self.block_size)
 
     def block_hash(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
         """Chained hash of a full block: depends on every token before it through parent_hash
@@ -123,7 +117,7 @@ class BlockManager:
         return hash((-1 if parent_hash is None else parent_hash, tokens))
 
     def ref_count(self, block_id: int) -> int:
-        _check_int("block_id", block_id, 0)
+        check_int("block_id", block_id, 0)
         if block_id >= self.num_blocks:
             raise ValueError(f"block_id must be < num_blocks={self.num_blocks}, got {block_id}")
         return self._ref[block_id]
@@ -263,7 +257,7 @@ class BlockManager:
         """The KV of the first `num_computed_tokens` tokens is written. With prefix caching, the
         full blocks among them become cache entries. A smaller number than before is ignored."""
         seq, P = self._get(seq_id), self.block_size
-        _check_int("num_computed_tokens", num_computed_tokens, 0)
+        check_int("num_computed_tokens", num_computed_tokens, 0)
         if num_computed_tokens > len(seq.tokens):
             raise ValueError(f"num_computed_tokens must be <= num_tokens={len(seq.tokens)}, "
                              f"got {num_computed_tokens}")
@@ -292,7 +286,7 @@ class BlockManager:
         return self.blocks_needed(n_old + num_new) - len(seq.table) + cow, cow
 
     def can_append(self, seq_id, num_new: int = 1) -> bool:
-        _check_int("num_new", num_new, 0)
+        check_int("num_new", num_new, 0)
         need, _ = self._append_cost(self._get(seq_id), num_new)
         return need <= self.num_free_blocks
 
@@ -323,7 +317,7 @@ class BlockManager:
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Roll the sequence back to its first `num_tokens` tokens (rejected speculative tokens)."""
         seq = self._get(seq_id)
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         if num_tokens > len(seq.tokens):
             raise ValueError(f"num_tokens must be <= num_tokens of the seq ({len(seq.tokens)}), "
                              f"got {num_tokens}")
