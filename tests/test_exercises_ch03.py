@@ -107,3 +107,4 @@ def test_numeric_checks_never_print_the_answer(key, capsys):
     exercises.check(key, -1)
     out = capsys.readouterr().out
     assert out.startswith(f"{key} not yet") and "32" not in out and "0.177" not in out
+

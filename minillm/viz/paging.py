@@ -110,7 +110,7 @@ def plot_block_tables(snapshots: list[dict], titles: list[str] | None = None,
     heights = [1.6 + 0.75 * max(len(s["tables"]), 1) for s in snapshots]
     width = max(max(len(s["ref_counts"]), *(len(t) for t in s["tables"].values()), 1)
                 for s in snapshots)
-    legend_h = 1.1
+    legend_h = 0.85
     fig, axes = plt.subplots(len(snapshots), 1, figsize=(max(1.5 + 0.62 * width, 7.0),
                                                           sum(heights) + legend_h),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
