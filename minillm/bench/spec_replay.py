@@ -31,6 +31,7 @@ from minillm.model.generate import generate
 from minillm.model.kv_cache import KVCache
 from minillm.viz.plotting import project_root
 from minillm.spec.proposers import NgramProposer
+from minillm.spec.loop import replay_greedy
 from minillm.analysis.spec_theory import free_verify_costs
 from minillm.spec.rejection import greedy_verify
 
@@ -84,16 +85,9 @@ def schedule(prompt: list[int], output: list[int], k: int, proposer=None) -> dic
     speedup no hardware can beat for this K (chapter 6)."""
     if not prompt or not output or k < 1:
         raise ValueError("prompt and output must be non-empty token-id lists and k >= 1")
-    proposer = proposer or NgramProposer(min_ngram=2)
-    num_proposed, num_accepted, done, N = [], [], 0, len(output)
-    while done < N:
-        cand = _drafts(proposer, prompt + output[:done], min(k, N - done - 1))
-        n = _num_matching(cand, output, done)
-        num_proposed.append(len(cand))
-        num_accepted.append(n)
-        done += n + 1
-    return {"tokens": N, "steps": len(num_proposed), "num_proposed": num_proposed,
-            "num_accepted": num_accepted}
+    stats = replay_greedy(proposer or NgramProposer(min_ngram=2), prompt, output, k)
+    return {"tokens": len(output), "steps": len(stats.num_proposed),
+            "num_proposed": stats.num_proposed, "num_accepted": stats.num_accepted}
 
 
 def ceiling(data: dict, k: int, proposer=None, prefill_cost: dict | None = None) -> dict:
