@@ -242,7 +242,7 @@ def test_decode_steps_and_breakdown(fake_clock):
     ("a100-80gb-sxm", 312, 2.039, 80), ("h100-sxm", 989.4, 3.35, 80), ("h200", 989.4, 4.8, 141)])
 def test_presets_match_the_datasheets(name, bf16_tflops, tb_per_s, gb):
     """Dense (no sparsity) bf16 peak, HBM bandwidth and capacity from NVIDIA's datasheets (their
-    "GB" of HBM are GiB: torch reports about 79.1 GiB usable on an 80 GB H100)."""
+    "GB" of HBM are GiB: torch reports about 79 GiB usable on an 80 GB H100)."""
     hw = HARDWARE_PRESETS[name]
     assert hw.peak("bf16") == pytest.approx(bf16_tflops * 1e12)
     assert hw.mem_bandwidth == pytest.approx(tb_per_s * 1e12) and hw.mem_bytes == gb * 2**30

@@ -68,7 +68,7 @@ class Hardware:
 
     peak_flops: dense peak FLOP/s per compute dtype (no 2:4 sparsity); mem_bandwidth: bytes/s;
     mem_bytes: device memory in bytes. NVIDIA's "80 GB" (A100, H100) and "141 GB" (H200) are
-    GiB: an 80 GB H100 has 80 * 2**30 bytes, of which torch reports about 79.1 GiB free to use.
+    GiB: an 80 GB H100 has 80 * 2**30 bytes, of which torch reports about 79 GiB usable.
     """
 
     name: str

@@ -39,12 +39,12 @@ def plot_roofline(hardware, dtype="bf16", predicted=(), measured=(), title=None)
     for label, cost in predicted:
         y = hws[0].attainable(cost.intensity, dtype)
         ax.scatter(cost.intensity, y, s=60, facecolors="none", edgecolors="0.35", lw=1.5, zorder=3)
-        ax.annotate(label, (cost.intensity, y), textcoords="offset points", xytext=(-4, 7),
-                    ha="right", fontsize=7, color="0.35")
+        ax.annotate(label, (cost.intensity, y), textcoords="offset points", xytext=(7, -9),
+                    ha="left", fontsize=7, color="0.35")
     if predicted:
         ax.scatter([], [], facecolors="none", edgecolors="0.35", label="predicted (on the roof)")
     groups = list(dict.fromkeys(_group(p.label) for p in measured))
-    offsets = [((6, -11), "left"), ((6, 5), "left"), ((-6, -11), "right")]
+    offsets = [((6, -4), "left"), ((-6, -4), "right"), ((6, 6), "left")]
     for gi, group in enumerate(groups):
         pts = [p for p in measured if _group(p.label) == group]
         color, marker = plt.cm.tab10(3 + gi), "sD^v"[gi % 4]
