@@ -67,7 +67,8 @@ class Hardware:
     """The two ceilings of a roofline plus memory size.
 
     peak_flops: dense peak FLOP/s per compute dtype (no 2:4 sparsity); mem_bandwidth: bytes/s;
-    mem_bytes: device memory in bytes (datasheet GB are 1e9 bytes).
+    mem_bytes: device memory in bytes. NVIDIA's "80 GB" (A100, H100) and "141 GB" (H200) are
+    GiB: an 80 GB H100 has 80 * 2**30 bytes, of which torch reports about 79 GiB usable.
     """
 
     name: str
@@ -101,21 +102,22 @@ class Hardware:
 
 
 _T = 1e12  # tera
+GiB = 2**30
 # NVIDIA datasheets, dense numbers (the headline figures with sparsity are twice these).
 # "fp32" is the non-tensor-core rate, what torch uses for fp32 matmul unless TF32 is enabled.
 HARDWARE_PRESETS: dict[str, Hardware] = {
     "a100-80gb-sxm": Hardware("A100-80GB SXM", {
         "fp64": 9.7 * _T, "fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T,
-        "fp16": 312 * _T, "int8": 624 * _T}, mem_bandwidth=2.039e12, mem_bytes=80e9),
+        "fp16": 312 * _T, "int8": 624 * _T}, mem_bandwidth=2.039e12, mem_bytes=80 * GiB),
     "h100-sxm": Hardware("H100 SXM", {
         "fp64": 34 * _T, "fp32": 67 * _T, "tf32": 494.7 * _T, "bf16": 989.4 * _T,
         "fp16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T},
-        mem_bandwidth=3.35e12, mem_bytes=80e9),
+        mem_bandwidth=3.35e12, mem_bytes=80 * GiB),
     # H200: the H100's compute with more, faster HBM3e memory.
     "h200": Hardware("H200 SXM", {
         "fp64": 34 * _T, "fp32": 67 * _T, "tf32": 494.7 * _T, "bf16": 989.4 * _T,
         "fp16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T},
-        mem_bandwidth=4.8e12, mem_bytes=141e9),
+        mem_bandwidth=4.8e12, mem_bytes=141 * GiB),
 }
 
 

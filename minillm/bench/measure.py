@@ -162,15 +162,20 @@ def decode_weight_bytes(cfg: ModelConfig, dtype="fp32") -> float:
 
 
 def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_len: int,
-                     measured_s: float, dtype="fp32") -> dict[str, float]:
+                     measured_s: float, dtype="fp32", matmul_s: float | None = None) -> dict[str, float]:
     """Split a measured decode step: weight reads, KV reads, activations, and the rest.
 
     The first three are bytes / bandwidth (the step is memory-bound, so its compute hides
     under them); "overhead" is what the roofline does not explain: kernel launches, Python,
     the elementwise ops left out of the count, and bandwidth not reached.
+    With `matmul_s` (the step's projections timed alone, `measure_decode_matmuls`) the overhead
+    is split in two: "matmul_below_roof_s", the matmuls' time beyond reading their weights at
+    the measured bandwidth, and "other_s", everything else (Python, launches, norms, RoPE, ...).
     """
     if measured_s <= 0:
         raise ValueError(f"measured_s must be > 0, got {measured_s}")
+    if matmul_s is not None and not matmul_s > 0:
+        raise ValueError(f"matmul_s must be > 0 seconds or None, got {matmul_s}")
     costs = decode_costs(cfg, batch_size, context_len, dtype)
     total = total_cost(costs)
     weights = decode_weight_bytes(cfg, dtype)
@@ -183,6 +188,35 @@ def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_le
            "predicted_s": step_time(costs, hw, dtype), "measured_s": measured_s}
     out["overhead_s"] = max(0.0, measured_s - out["weights_s"] - out["kv_s"]
                             - out["activations_s"])
+    if matmul_s is not None:
+        out["matmul_s"] = matmul_s
+        out["matmul_below_roof_s"] = max(0.0, matmul_s - out["weights_s"])
+        out["other_s"] = max(0.0, out["overhead_s"] - out["matmul_below_roof_s"])
+    return out
+
+
+def measure_decode_matmuls(model, batch_sizes=(1,), repeats: int = 3, seed: int = 0) -> list[float]:
+    """Median seconds of all of a decode step's projections alone, at each batch B.
+
+    Every `nn.Linear` of `model` (q/k/v, o, gate/up, down per layer, then lm_head) runs once, in
+    the model's order and through its own routes, on a (B, in_features) input: the matmul part
+    of a step with nothing else around it. Its weights stream from memory as in a real step.
+    """
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not lins:
+        raise ValueError("model has no nn.Linear modules to time")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, b in enumerate(batch_sizes):
+        check_int(f"batch_sizes[{i}]", b, 1)
+        xs = {n: torch.randn(b, n, generator=g).to(model.device, model.dtype)   # (B, in)
+              for n in {m.in_features for m in lins}}
+
+        def run():
+            for m in lins:
+                m(xs[m.in_features])                                  # (B, out)
+        with torch.inference_mode():
+            out.append(time_fn(run, model.device, repeat=repeats))
     return out
 
 
