@@ -121,7 +121,7 @@ def step_cost_plot(tokens, measured_ms, floor_ms, ridge_tokens: int | None = Non
     if ridge_tokens is not None:
         ax.axvline(ridge_tokens, color="C3", ls="--", lw=1, label=f"ridge: {ridge_tokens} tokens")
     ax.set(xlabel="new tokens in the step", ylabel="ms per forward", xscale="log", yscale="log",
-           title="one step: free below the ridge, paid per token above it")
+           title="one step: its time against its new tokens")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
