@@ -28,6 +28,12 @@ def test_05_2_and_05_3_steps_by_hand():
     assert not exercises.check("05.3", 1)
 
 
+def test_05_6_cached_prefix_by_hand():
+    # 16 cached blocks of 16 = 256 tokens need no compute: 384 - 256 = 128 at 60 a step -> 3 steps
+    assert exercises.check("05.6", math.ceil((384 - 256) / (64 - 4)))
+    assert not exercises.check("05.6", math.ceil(384 / (64 - 4)))     # as if nothing were cached
+
+
 def test_05_4_h100_stall_by_hand():
     cfg, hw, T = get_config("llama-3-8b"), get_hardware("h100-sxm"), 4096
     d, D, H, Hkv, L = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.n_layer
@@ -64,6 +70,6 @@ def test_05_5_accepts_the_rule():
 
 
 def test_every_chapter5_exercise_is_listed_and_bad_keys_raise():
-    assert list(exercises.list_exercises("05")) == ["05.1", "05.2", "05.3", "05.4", "05.5"]
+    assert list(exercises.list_exercises("05")) == ["05.1", "05.2", "05.3", "05.4", "05.5", "05.6"]
     with pytest.raises(ValueError, match="05.9"):
         exercises.check("05.9", 1)

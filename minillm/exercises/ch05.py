@@ -2,7 +2,7 @@
 
 Numeric answers are judged against values minillm computes when the reader checks: the roofline
 functions on datasheet presets (05.1, 05.4) and the engine's own step counts on the tiny float64
-model (05.2, 05.3), which do not depend on the machine. The code exercise (05.5) runs the reader's
+model (05.2, 05.3, 05.6), which do not depend on the machine. The code exercise (05.5) runs the reader's
 chunk plan against the engine's trace.
 """
 import torch
@@ -39,6 +39,24 @@ def _chapter_run(prefill_first: bool) -> dict:
     lat = request_latencies(replay(eng, work, time_unit="steps"), eng.trace)
     return dict(long_ttft_steps=lat[-1]["ttft_steps"],
                 max_gap_steps=max(r["max_gap_steps"] for r in lat[:_RUNNING]))
+
+
+def _cached_prefix_run() -> int:
+    """05.6: the chapter's step-counted run with prefix caching, after a request that shares the
+    long prompt's first 256 tokens (16 blocks of 16) has been served; returns the long prompt's
+    TTFT in engine steps."""
+    from minillm.bench.workloads import long_prompt_workload, replay, request_latencies
+    from minillm.engine.config import EngineConfig
+    from minillm.engine.sequence import SamplingParams
+    work = long_prompt_workload(256, num_running=_RUNNING, output_len=12, long_prompt_len=384,
+                                arrival=4)
+    eng = _engine(_tiny(), EngineConfig(max_num_batched_tokens=_BUDGET, enable_prefix_caching=True))
+    eng.add_request(work[-1].prompt_token_ids[:256], SamplingParams(max_tokens=1, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.trace.clear()
+    lat = request_latencies(replay(eng, work, time_unit="steps"), eng.trace)
+    return lat[-1]["ttft_steps"]
 
 
 def engine_chunk_plan(prompt_len: int, num_decodes: int, budget: int) -> list[int]:
@@ -98,3 +116,7 @@ numeric("05.4", "The stall an H100 SXM (preset, bf16) cannot go below: ms of one
 code("05.5", "Write chunk_plan(prompt_len, num_decodes, budget) -> list of the prefill tokens of "
      "each step until the prompt is done, decode-first; checked against the engine's trace.",
      _test_chunk_plan, hint="the decodes' tokens come out of the budget before the chunk's")
+numeric("05.6", "The same run (budget 64, four decodes) with prefix caching on, but the long prompt "
+        "has 384 tokens whose first 256 were served before: engine steps from its arrival to its "
+        "first token.", _cached_prefix_run, atol=0.0, rtol=0.0,
+        hint="cached blocks need no compute; only the rest is chunked")
