@@ -25,20 +25,26 @@ import torch
 
 from minillm.model.chat import encode_chat
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.analysis.roofline import torch_dtype
 from minillm.model.loading import DEFAULT_MODEL, load_model
 from minillm.model.llama import Transformer
 from minillm.engine.sequence import RequestOutput, SamplingParams
 
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
-
-
 def _dtype(dtype) -> torch.dtype | None:
+    """vLLM's dtype argument: "auto" (float32 here: every chapter's reference), a name
+    ("bfloat16", "float16", "bf16", ...) or a torch dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be a torch.dtype or one of {list(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    if dtype == "auto":
+        return torch.float32
+    try:
+        chosen = torch_dtype(dtype)
+    except (TypeError, ValueError):
+        chosen = None
+    if chosen is None or not chosen.is_floating_point:
+        raise ValueError(f"dtype must be a torch.dtype, 'auto', or one of float32, bfloat16, float16 "
+                         f"(fp32, bf16, fp16), got {dtype!r}")
+    return chosen
 
 
 class LLM:

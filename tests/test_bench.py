@@ -7,6 +7,7 @@ every run() stubbed (the lead's `bench all --quick` run covers the real ones).
 """
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,6 +229,22 @@ def test_route_timers_time_every_route_and_restore_the_setting():
     assert t["bound"][0] == pytest.approx(16 * 32 * 4 / 1e10)
     assert cpu_kernels._PINNED.get() == "auto"
 
+
+def test_data_paths_follow_the_project_or_the_environment_never_the_package(tmp_path, monkeypatch):
+    """Records, the recorded schedule and the tokenizer folder are found from the current
+    project (or $MINILLM_RESULTS_DIR), not from where the package's files are installed."""
+    from minillm.bench import common, gpu_model, spec_replay
+    monkeypatch.delenv("MINILLM_RESULTS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)                                  # no pyproject.toml or .git here
+    assert common.results_dir() == tmp_path / "benchmarks" / "results"
+    assert common.RESULTS_DIR == common.results_dir()            # the old name still reads
+    assert spec_replay.SCHEDULE == tmp_path / "benchmarks" / "spec_schedule.json"
+    assert gpu_model.TOKENIZER_DIR == tmp_path / "build" / "smollm2_tokenizer"
+    monkeypatch.setenv("MINILLM_RESULTS_DIR", str(tmp_path / "elsewhere"))
+    path = common.write_result("unit", {"x": 1}, "cpu")
+    assert path.parent == tmp_path / "elsewhere"
+    package = Path(common.__file__).resolve().parents[1]
+    assert package not in path.resolve().parents
 
 def test_requests_queued_behind_a_long_prompt_wait_for_its_chunks():
     """Head-of-line blocking, worked by hand: 4 decodes, then a 256-token prompt and three

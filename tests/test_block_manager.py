@@ -56,7 +56,7 @@ class Machine(RuleBasedStateMachine):
         # liveness: the token lists whose KV was fully written, and how many blocks have left the
         # cache so far. Every removal (LRU eviction, an overwrite after truncate, a stale entry)
         # goes through _uncache, which is counted here.
-        self.uncached, self.computed = 0, set()
+        self.uncached, self.computed = 0, {}   # prompt -> self.uncached when it was computed
         real = self.bm._uncache
 
         def counted(b):
@@ -77,7 +77,7 @@ class Machine(RuleBasedStateMachine):
             assert not bm.is_cached(b), f"write into prefix-cached block {b}"
             self.kv[b * P + p % P] = tuple(toks[:p + 1])
         bm.mark_computed(s, len(toks))
-        self.computed.add(tuple(toks))
+        self.computed[tuple(toks)] = self.uncached
 
     @rule(prompt=tokens_st, compute=st.booleans())
     def allocate(self, prompt, compute):
@@ -103,11 +103,10 @@ class Machine(RuleBasedStateMachine):
             self._write(s)
 
     def _still_cached(self, prompt) -> bool:
-        """The prompt's KV was fully written and nothing has ever left the cache. Once blocks
-        leave, some hits are lost by design (see the xfail tests below: a duplicate of an evicted
-        owner, R10's orphans); a colliding hash may also refuse to register a block."""
+        """The prompt's KV was fully written and no block has left the cache since. (A
+        colliding hash may refuse to register a block, so only the real hash is held to it.)"""
         return (self.bm.enable_prefix_caching and type(self.bm) is BlockManager
-                and self.uncached == 0 and tuple(prompt) in self.computed)
+                and self.computed.get(tuple(prompt), -1) == self.uncached)
 
     @rule(data=st.data(), prompt=tokens_st, new=st.integers(0, 6))
     def probe(self, data, prompt, new):
@@ -361,9 +360,9 @@ def test_failed_allocation_changes_nothing():
 
 
 # ---- known hit-rate losses (never wrong KV): liveness beyond "nothing ever left the cache" ------
-@pytest.mark.xfail(strict=True, reason="a block computed while another block caches the same KV "
-                   "is never registered; once that owner is evicted the copy cannot be found")
 def test_a_duplicate_of_an_evicted_owner_is_still_found():
+    """A block computed while another block caches the same KV stands in for it: once that
+    owner is evicted, the copy takes over its hash (this hit used to be lost)."""
     bm = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=True)
     bm.allocate("a", [0, 0])
     bm.mark_computed("a", 2)                   # block 0 caches [0, 0]
@@ -377,9 +376,9 @@ def test_a_duplicate_of_an_evicted_owner_is_still_found():
     assert bm.allocate("c", [0, 0, 0]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="R10 of the review: an orphaned child entry keeps its hash, "
-                   "so the same block computed again after a new parent is never registered")
 def test_a_prompt_computed_after_an_orphan_is_found_in_full():
+    """An orphaned entry (its parent left the cache) gives its hash up to the same block
+    computed again after a live parent (this hit used to be lost: review R10)."""
     bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
     bm.allocate("a", [1, 2, 3, 4])
     bm.mark_computed("a", 4)                   # [1, 2] and [3, 4] after it are cached
@@ -396,8 +395,8 @@ def test_a_prompt_computed_after_an_orphan_is_found_in_full():
 
 # ---- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, err, words", [
-    (dict(num_blocks=4, block_size=0), ValueError, "block_size must be >= 1, got 0"),
-    (dict(num_blocks=0, block_size=4), ValueError, "num_blocks must be >= 1, got 0"),
+    (dict(num_blocks=4, block_size=0), ValueError, "block_size must be an int >= 1, got 0"),
+    (dict(num_blocks=0, block_size=4), ValueError, "num_blocks must be an int >= 1, got 0"),
     (dict(num_blocks=4, block_size=2.5), TypeError, "block_size must be an int"),
     (dict(num_blocks=True, block_size=4), TypeError, "num_blocks must be an int"),
 ])

@@ -26,10 +26,10 @@ def test_static_cache_matches_dense_and_kvcache(model, batch):
     static = StaticKVCache(model.config, batch, 32, dtype=F64)
     contiguous = KVCache(model.config, batch, 32, dtype=F64)
     got = [forward_static(model, static, ids[:, :7], torch.arange(7))]
-    ref = [model(ids[:, :7], cache=contiguous)]
+    ref = [model(ids[:, :7], torch.arange(7), contiguous)]
     for p in range(7, 12):                                          # one token at a time
         got.append(forward_static(model, static, ids[:, p:p + 1], torch.tensor([p])))
-        ref.append(model(ids[:, p:p + 1], cache=contiguous))
+        ref.append(model(ids[:, p:p + 1], torch.tensor([p]), contiguous))
     got, ref = torch.cat(got, 1), torch.cat(ref, 1)
     torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
@@ -51,12 +51,10 @@ def test_static_cache_bad_input(model):
     with pytest.raises(ValueError, match="max_seq_len"):
         StaticKVCache(model.config, 1, model.config.max_seq_len + 1)
     cache = StaticKVCache(model.config, 1, 16, dtype=F64)
-    with pytest.raises(ValueError, match="positions"):
-        cache.set_positions(torch.tensor([[0]]))
-    with pytest.raises(RuntimeError, match="positions"):
+    with pytest.raises(ValueError, match="positions are required"):
         model(_sequence(2), cache=cache)                            # no positions: refused
-    with pytest.raises(ValueError, match="set_positions"):
-        model(_sequence(2), positions=torch.arange(2), cache=cache)
+    with pytest.raises(ValueError, match="share positions"):
+        model(_sequence(2, batch=2), torch.arange(4).view(2, 2), StaticKVCache(model.config, 2, 16, dtype=F64))
 
 
 def test_cpu_refuses_graphs_with_a_clear_error(model):

@@ -9,7 +9,8 @@ import importlib
 
 import pytest
 
-CORE = ["minillm.paging.block_manager", "minillm.model.sampling", "minillm.spec.rejection"]
+CORE = ["minillm.paging.block_manager", "minillm.model.sampling", "minillm.spec.rejection",
+        "minillm._validate"]
 
 
 @pytest.mark.parametrize("name", CORE)

@@ -7,6 +7,7 @@ import torch
 from minillm import KVCache, get_config, tiny_model
 from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, kv_cache_bytes,
                              plan_capacity, reservation_waste, sample_output_lengths,
+                             activation_reserve_bytes, seed_max_batch_tokens,
                              weight_bytes)
 from minillm.paging.paged_attention import PagedKVCache
 from minillm.analysis.roofline import get_hardware
@@ -56,15 +57,42 @@ def test_formula_matches_real_kvcache(batch, seq):
 
 
 def test_planner_by_hand():
-    # Llama-3-8B bf16 on an 80 GB card at 0.9: 72e9 - 16,060,522,496 = 55,939,477,504 bytes of KV
+    # Llama-3-8B bf16 with 80e9 bytes at 0.9: 72e9 - 16,060,522,496 = 55,939,477,504 bytes of KV
     # budget; a block of 16 tokens = 16 * 131,072 = 2 MiB -> 26,674 blocks; 8192 tokens = 512
     # blocks per sequence -> 52 full-length sequences
-    p = plan_capacity(get_config("llama-3-8b"), get_hardware("h100-sxm"), 0.9, 16, 8192)
+    p = plan_capacity(get_config("llama-3-8b"), 80e9, 0.9, 16, 8192)
     assert p.kv_budget_bytes == 72e9 - 16_060_522_496
     assert p.bytes_per_block == 2 * MiB
     assert p.num_blocks == 55_939_477_504 // (2 * MiB) == 26_674
     assert p.num_tokens == 26_674 * 16
     assert p.blocks_per_seq == 512 and p.max_num_seqs == 52
+    # the H100 preset is the card's real 80 GiB: 0.9 * 85,899,345,920 - weights = 61,248,888,832
+    h = plan_capacity(get_config("llama-3-8b"), get_hardware("h100-sxm"), 0.9, 16, 8192)
+    assert h.memory_bytes == 80 * 2**30 and h.num_blocks == 61_248_888_832 // (2 * MiB) == 29_205
+    assert h.max_num_seqs == 57
+
+
+def test_activation_reserve_by_hand():
+    cfg = get_config("llama-3-8b")
+    # MLP half is the wider one: 3 * 14336 = 43008 > qkv + out = (32 + 16) * 128 + 32 * 128 = 10240
+    want = 8192 * (2 * 4096 + 43008) * 2 + 256 * 128256 * 4
+    assert activation_reserve_bytes(cfg, 8192, "bf16", logits_rows=256) == want == 970_194_944
+    # a model whose attention half is wider than its MLP: the max picks attention
+    wide = cfg.with_(d_ff=1024)
+    assert activation_reserve_bytes(wide, 10, "fp32") == 10 * (2 * 4096 + 10240) * 4 + 10 * 128256 * 4
+    with pytest.raises(ValueError, match="num_tokens"):
+        activation_reserve_bytes(cfg, 0)
+    with pytest.raises(ValueError, match="logits_rows"):
+        activation_reserve_bytes(cfg, 8, logits_rows=0)
+
+
+def test_seed_001_rule_as_written():
+    cfg = get_config("llama-3-8b")
+    got = seed_max_batch_tokens(cfg, 80 * 2**30)
+    assert got == pytest.approx(80 * 2**30 / (cfg.num_params * 2 + 131_072))
+    assert 5 < got < 6                                         # "tokens": a dimensionless handful
+    with pytest.raises(ValueError, match="memory_bytes"):
+        seed_max_batch_tokens(cfg, 0)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])

@@ -47,11 +47,44 @@ def test_kv_cache_prefill_in_pieces_matches_one_pass():
     model = minillm.tiny_model(seed=3, dtype=torch.float64)
     x = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(1))
     cache = minillm.KVCache(model.config, 2, 40, dtype=torch.float64)
-    pieces = [model(x[:, a:b], cache=cache) for a, b in [(0, 7), (7, 8), (8, 30)]]
+    pieces = [model(x[:, a:b], torch.arange(a, b), cache) for a, b in [(0, 7), (7, 8), (8, 30)]]
     assert torch.allclose(torch.cat(pieces, dim=1), model(x), atol=1e-12, rtol=0)
-    assert cache.seq_len == 30
-    cache.truncate(8)                                      # rollback, then recompute the rest
-    assert torch.allclose(model(x[:, 8:], cache=cache), model(x)[:, 8:], atol=1e-12, rtol=0)
+    # rollback is writing at earlier positions: other tokens from 8 on replace the old ones
+    y = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+    ref = model(torch.cat([x[:, :8], y], dim=1))[:, 8:]
+    assert torch.allclose(model(y, torch.arange(8, 20), cache), ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_kv_cache_against_dense_token_by_token(masked):
+    """KVCache (slices the filled slots) and StaticKVCache (masks all slots) both give the
+    no-cache logits, one token at a time after a prefill, with stale slots past the end."""
+    from minillm.model.kv_cache import StaticKVCache
+    model = minillm.tiny_model(seed=6, dtype=torch.float64)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    cache = (StaticKVCache if masked else minillm.KVCache)(model.config, 2, 24, dtype=torch.float64)
+    model(torch.randint(0, 256, (2, 20)), torch.arange(20), cache)     # junk in slots 0..19
+    got = [model(x[:, :9], torch.arange(9), cache)]
+    got += [model(x[:, p:p + 1], torch.tensor([p]), cache) for p in range(9, 16)]
+    assert torch.allclose(torch.cat(got, dim=1), model(x), atol=1e-12, rtol=0)
+
+
+def test_cache_protocol_refuses_missing_or_misshapen_positions():
+    model = minillm.tiny_model(seed=3, dtype=torch.float64)
+    cache = minillm.KVCache(model.config, 2, 16, dtype=torch.float64)
+    x = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="positions are required"):
+        model(x, cache=cache)
+    with pytest.raises(ValueError, match="positions must be"):
+        model(x, torch.arange(3), cache)
+    with pytest.raises(ValueError, match="share positions"):
+        model(x, torch.arange(8).view(2, 4), cache)            # per-row positions: paged cache's job
+    with pytest.raises(ValueError, match="KV cache full"):
+        model(x, torch.arange(14, 18), cache)
+    with pytest.raises(ValueError, match="batch_size"):
+        minillm.KVCache(model.config, 0, 16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        minillm.KVCache(model.config, 1, model.config.max_seq_len + 1)
 
 
 def test_logits_index_selects_positions():

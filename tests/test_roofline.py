@@ -31,7 +31,7 @@ def test_datasheet_ridges():
     # H100 SXM: 989.4 / 3.35 = 295.3; H200: same compute, 4.8 TB/s -> 206.1
     assert get_hardware("h100-sxm").ridge("bf16") == pytest.approx(295.3, abs=0.1)
     assert get_hardware("h200").ridge("fp16") == pytest.approx(206.1, abs=0.1)
-    assert get_hardware("h200").mem_bytes == 141e9
+    assert get_hardware("h200").mem_bytes == 141 * 2**30       # NVIDIA's "141 GB" are GiB
     # fp32 without tensor cores: 19.5 TFLOP/s / 2.039 TB/s = 9.56
     assert get_hardware("a100-80gb-sxm").ridge("fp32") == pytest.approx(9.56, abs=0.01)
 
@@ -118,7 +118,7 @@ class MatmulAttention:
     def __init__(self):
         self.k, self.v = {}, {}
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, positions):
         if layer_idx in self.k:
             k = torch.cat([self.k[layer_idx], k], dim=2)
             v = torch.cat([self.v[layer_idx], v], dim=2)
@@ -138,11 +138,11 @@ def test_flops_match_flop_counter(kv_heads):
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     cache = MatmulAttention()
     with FlopCounterMode(display=False) as fc:
-        model(ids, cache=cache)                                          # prefill
+        model(ids, torch.arange(T), cache)                               # prefill
     want = total_cost(prefill_costs(cfg, T, B, "fp64", logits_tokens=T)).flops
     assert fc.get_total_flops() == want
     with FlopCounterMode(display=False) as fc:
-        model(ids[:, :1], cache=cache)                                   # decode with S = T
+        model(ids[:, :1], torch.tensor([T]), cache)                      # decode with S = T
     assert fc.get_total_flops() == total_cost(decode_costs(cfg, B, T, "fp64")).flops
 
 
@@ -241,10 +241,11 @@ def test_decode_steps_and_breakdown(fake_clock):
 @pytest.mark.parametrize("name, bf16_tflops, tb_per_s, gb", [
     ("a100-80gb-sxm", 312, 2.039, 80), ("h100-sxm", 989.4, 3.35, 80), ("h200", 989.4, 4.8, 141)])
 def test_presets_match_the_datasheets(name, bf16_tflops, tb_per_s, gb):
-    """Dense (no sparsity) bf16 peak, HBM bandwidth and capacity from NVIDIA's datasheets."""
+    """Dense (no sparsity) bf16 peak, HBM bandwidth and capacity from NVIDIA's datasheets (their
+    "GB" of HBM are GiB: torch reports about 79 GiB usable on an 80 GB H100)."""
     hw = HARDWARE_PRESETS[name]
     assert hw.peak("bf16") == pytest.approx(bf16_tflops * 1e12)
-    assert hw.mem_bandwidth == pytest.approx(tb_per_s * 1e12) and hw.mem_bytes == gb * 1e9
+    assert hw.mem_bandwidth == pytest.approx(tb_per_s * 1e12) and hw.mem_bytes == gb * 2**30
     flops = hw.peak_flops
     assert flops["fp64"] <= flops["fp32"] < flops["tf32"] < flops["bf16"] == flops["fp16"]
     assert flops["int8"] == pytest.approx(2 * flops["bf16"], rel=1e-3)
@@ -269,11 +270,47 @@ def test_flops_match_flop_counter_random_shapes(B, T, S, heads):
     cfg, cache = model.config, MatmulAttention()
     ids = torch.randint(0, cfg.vocab_size, (B, S + T), generator=torch.Generator().manual_seed(1))
     if S:
-        model(ids[:, :S], cache=cache)
+        model(ids[:, :S], torch.arange(S), cache)
     with FlopCounterMode(display=False) as fc:
         model(ids[:, S:], positions=torch.arange(S, S + T), cache=cache)
     want = total_cost(step_costs(cfg, B, T, S, "fp64", logits_tokens=T)).flops
     assert fc.get_total_flops() == want
+
+
+def test_breakdown_splits_overhead_into_matmuls_below_roof_and_the_rest():
+    from minillm.bench.measure import decode_breakdown
+    cfg = get_config("smollm2-135m")
+    hw = Hardware("toy", {"fp32": 1e12}, mem_bandwidth=10e9, mem_bytes=1e9)
+    base = decode_breakdown(cfg, hw, 1, 64, measured_s=0.1)
+    assert "matmul_below_roof_s" not in base                  # the old keys only, unchanged
+    weights = base["weights_s"]                                # 538 MB at 10 GB/s: about 54 ms
+    parts = decode_breakdown(cfg, hw, 1, 64, measured_s=0.1, matmul_s=weights + 0.03)
+    assert parts["matmul_below_roof_s"] == pytest.approx(0.03)
+    assert parts["other_s"] == pytest.approx(base["overhead_s"] - 0.03)
+    # matmuls faster than the buffer read: nothing below the roof, the whole rest is "other"
+    fast = decode_breakdown(cfg, hw, 1, 64, measured_s=0.1, matmul_s=weights / 2)
+    assert fast["matmul_below_roof_s"] == 0 and fast["other_s"] == pytest.approx(base["overhead_s"])
+    with pytest.raises(ValueError, match="matmul_s"):
+        decode_breakdown(cfg, hw, 1, 64, measured_s=0.1, matmul_s=0)
+
+
+def test_measure_decode_matmuls_runs_every_linear_once(monkeypatch):
+    from minillm.bench import measure
+    from minillm.model.llama import Transformer
+    cfg = get_config("smollm2-135m").with_(n_layer=2, d_model=32, n_head=2, n_kv_head=1,
+                                           head_dim=16, d_ff=64, vocab_size=100)
+    model = Transformer(cfg)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, inp, out: calls.append((mod, tuple(inp[0].shape))))
+    monkeypatch.setattr(measure, "time_fn", lambda fn, device, repeat: (fn(), 0.5)[1])
+    assert measure.measure_decode_matmuls(model, (3,)) == [0.5]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert [m for m, _ in calls] == linears                    # each once, in the model's order
+    assert all(shape == (3, m.in_features) for m, shape in calls)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        measure.measure_decode_matmuls(model, (0,))
 
 
 # ---------------------------------------------------------------- chapter 5: the ridge chunk

@@ -208,7 +208,7 @@ def test_stop_tokens_and_length(tiny_pair):
 
 
 def test_draft_cache_rollback_matches_recompute(tiny_pair):
-    """The batch-1 cache path (with truncate) reports the same q as recomputing without cache."""
+    """The batch-1 cache path (rolled back by position) reports the same q as recomputing without cache."""
     target, draft = tiny_pair
     cached, fresh = DraftModelProposer(draft), DraftModelProposer(draft, use_cache=False)
     contexts = [[1, 2, 3], [1, 2, 3, 7, 7], [1, 2, 9], [1, 2, 9, 4, 4, 4, 4], [5]]
@@ -217,7 +217,7 @@ def test_draft_cache_rollback_matches_recompute(tiny_pair):
         b = fresh.propose([ctx], 3, 0.9, None, None, torch.Generator().manual_seed(i))
         assert torch.equal(a.token_ids, b.token_ids)
         assert torch.allclose(a.probs, b.probs, atol=1e-12, rtol=0)
-        assert cached._cache.seq_len == len(ctx) + 2      # context and K-1 drafts fed
+        assert len(cached._slots[-1][1]) == len(ctx) + 2  # context and K-1 drafts fed
 
 
 def test_draft_proposer_interleaved_sequences(tiny_pair):

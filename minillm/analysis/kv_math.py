@@ -10,8 +10,11 @@ dim, L layers, N blocks, P block size (tokens per block).
 
 The capacity planner follows vLLM's arithmetic: of `gpu_memory_utilization * memory`, the
 weights and an activation reserve come off, and the rest is cut into blocks of P tokens.
-Left out on purpose: the CUDA context, allocator fragmentation and CUDA-graph memory (vLLM
-measures them with a profiling run; pass them in as `activation_bytes`), and tensor parallelism.
+vLLM measures the reserve with a profiling forward of `max_num_batched_tokens` tokens (minillm's
+engine does the same on CUDA: `engine.args.measure_activation_bytes`); `activation_reserve_bytes`
+estimates it from the shapes alone, so the planner can be run for a card you do not have.
+Left out on purpose: the CUDA context, allocator fragmentation and CUDA-graph memory, and tensor
+parallelism.
 """
 import math
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.model.config import ModelConfig
+from minillm._validate import check_real
 from minillm.analysis.roofline import Hardware, _check_pos_int, dtype_bytes
 
 
@@ -75,16 +79,14 @@ def plan_capacity(cfg: ModelConfig, memory, gpu_memory_utilization: float = 0.9,
                   kv_dtype=None, activation_bytes: float = 0.0) -> CapacityPlan:
     """How many KV blocks, tokens and full-length sequences fit in `memory` (bytes or Hardware).
 
-    Example: Llama-3-8B in bf16 on an 80 GB card at 0.9 keeps 72e9 - 16.06e9 bytes for KV,
-    at 131072 bytes per token: 26,674 blocks of 16 = 426,784 tokens = 52 sequences of 8192.
+    Example: Llama-3-8B in bf16 with memory=80e9 at 0.9 keeps 72e9 - 16.06e9 bytes for KV,
+    at 131072 bytes per token: 26,674 blocks of 16 = 426,784 tokens = 52 sequences of 8192
+    (an H100's real 80 GiB, with a 0.97 GB activation reserve: 28,743 blocks, 56 sequences).
     """
     _check_cfg(cfg)
     memory_bytes = memory.mem_bytes if isinstance(memory, Hardware) else memory
-    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) \
-            or memory_bytes <= 0:
-        raise ValueError(f"memory must be a Hardware or a byte count > 0, got {memory!r}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    check_real("memory (a Hardware or a byte count)", memory_bytes, 0, low_open=True)
+    check_real("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
     _check_pos_int("block_size", block_size)
     max_model_len = cfg.max_seq_len if max_model_len is None else max_model_len
     _check_pos_int("max_model_len", max_model_len)
@@ -102,6 +104,36 @@ def plan_capacity(cfg: ModelConfig, memory, gpu_memory_utilization: float = 0.9,
     return CapacityPlan(memory_bytes, budget, weights, activation_bytes, kv_budget, block_size,
                         per_block, num_blocks, num_blocks * block_size, max_model_len,
                         blocks_per_seq, num_blocks // blocks_per_seq)
+
+
+def activation_reserve_bytes(cfg: ModelConfig, num_tokens: int, dtype="bf16",
+                             logits_rows: int | None = None) -> float:
+    """Estimated peak bytes of the transient tensors of one forward over `num_tokens` tokens.
+
+    At any moment one layer's tensors are alive: the residual stream and its normed copy
+    (2 * T * d), plus the wider of the attention half (qkv T * (H + 2 Hkv) * D and the attention
+    output T * H * D) and the MLP half (gate/up T * 2 d_ff and the activated T * d_ff), in
+    `dtype`; then fp32 logits for `logits_rows` rows (default: every token) of V entries.
+    Example: Llama-3-8B, 8192 tokens in bf16, logits for 256 rows: 8192 * (2 * 4096 + 3 * 14336)
+    * 2 + 256 * 128256 * 4 = 970,194,944 bytes (about 0.9 GiB).
+    """
+    _check_cfg(cfg)
+    _check_pos_int("num_tokens", num_tokens)
+    rows = num_tokens if logits_rows is None else logits_rows
+    _check_pos_int("logits_rows", rows)
+    T, d, D = num_tokens, cfg.d_model, cfg.head_dim
+    attn = (cfg.n_head + 2 * cfg.n_kv_head) * D + cfg.n_head * D     # qkv + attention output
+    mlp = 3 * cfg.d_ff                                               # gate/up + activated
+    return T * (2 * d + max(attn, mlp)) * dtype_bytes(dtype) + rows * cfg.vocab_size * 4
+
+
+def seed_max_batch_tokens(cfg: ModelConfig, memory_bytes: float, dtype="bf16",
+                          kv_dtype=None) -> float:
+    """Seed 001's rule as written: memory / (parameters * 2 + KV estimate), with the KV estimate
+    read as one token's KV bytes. Kept to be checked against `plan_capacity`, not to be used."""
+    _check_cfg(cfg)
+    check_real("memory_bytes", memory_bytes, 0, low_open=True)
+    return memory_bytes / (cfg.num_params * 2 + kv_bytes_per_token(cfg, kv_dtype or dtype))
 
 
 def sample_output_lengths(n: int, max_len: int = 2048, median: float = 128.0,

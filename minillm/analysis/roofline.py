@@ -21,13 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm._validate import check_int
 from minillm.model.config import ModelConfig
 
 # Bytes per element of each dtype a chapter talks about (int4: two weights per byte).
 DTYPE_BYTES: dict[str, float] = {"fp64": 8, "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2,
                                  "fp8": 1, "int8": 1, "int4": 0.5}
-_TORCH_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
-                torch.float16: "fp16", torch.int8: "int8"}
+# The one map between these names and torch dtypes (the names with a torch tensor type).
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp64": torch.float64, "fp32": torch.float32,
+                                        "bf16": torch.bfloat16, "fp16": torch.float16,
+                                        "int8": torch.int8}
+_TORCH_NAMES = {t: name for name, t in TORCH_DTYPES.items()}
 
 
 def dtype_name(dtype) -> str:
@@ -45,6 +49,14 @@ def dtype_name(dtype) -> str:
     return key
 
 
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype for a name ("bf16", "bfloat16", "float32", ...) or a torch dtype."""
+    name = dtype_name(dtype)
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype {dtype!r} has no torch tensor type here; use one of {list(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
 def dtype_bytes(dtype) -> float:
     """Bytes per element, e.g. `dtype_bytes("bf16") == 2`, `dtype_bytes(torch.float32) == 4`."""
     return DTYPE_BYTES[dtype_name(dtype)]
@@ -55,7 +67,8 @@ class Hardware:
     """The two ceilings of a roofline plus memory size.
 
     peak_flops: dense peak FLOP/s per compute dtype (no 2:4 sparsity); mem_bandwidth: bytes/s;
-    mem_bytes: device memory in bytes (datasheet GB are 1e9 bytes).
+    mem_bytes: device memory in bytes. NVIDIA's "80 GB" (A100, H100) and "141 GB" (H200) are
+    GiB: an 80 GB H100 has 80 * 2**30 bytes, of which torch reports about 79 GiB usable.
     """
 
     name: str
@@ -89,21 +102,22 @@ class Hardware:
 
 
 _T = 1e12  # tera
+GiB = 2**30
 # NVIDIA datasheets, dense numbers (the headline figures with sparsity are twice these).
 # "fp32" is the non-tensor-core rate, what torch uses for fp32 matmul unless TF32 is enabled.
 HARDWARE_PRESETS: dict[str, Hardware] = {
     "a100-80gb-sxm": Hardware("A100-80GB SXM", {
         "fp64": 9.7 * _T, "fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T,
-        "fp16": 312 * _T, "int8": 624 * _T}, mem_bandwidth=2.039e12, mem_bytes=80e9),
+        "fp16": 312 * _T, "int8": 624 * _T}, mem_bandwidth=2.039e12, mem_bytes=80 * GiB),
     "h100-sxm": Hardware("H100 SXM", {
         "fp64": 34 * _T, "fp32": 67 * _T, "tf32": 494.7 * _T, "bf16": 989.4 * _T,
         "fp16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T},
-        mem_bandwidth=3.35e12, mem_bytes=80e9),
+        mem_bandwidth=3.35e12, mem_bytes=80 * GiB),
     # H200: the H100's compute with more, faster HBM3e memory.
     "h200": Hardware("H200 SXM", {
         "fp64": 34 * _T, "fp32": 67 * _T, "tf32": 494.7 * _T, "bf16": 989.4 * _T,
         "fp16": 989.4 * _T, "fp8": 1978.9 * _T, "int8": 1978.9 * _T},
-        mem_bandwidth=4.8e12, mem_bytes=141e9),
+        mem_bandwidth=4.8e12, mem_bytes=141 * GiB),
 }
 
 
@@ -128,9 +142,7 @@ class OpCost:
 
 
 def _check_pos_int(name: str, value, allow_zero: bool = False) -> None:
-    lo = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    check_int(name, value, 0 if allow_zero else 1)
 
 
 def _matmul(name: str, n_tok: int, k: int, n: int, layers: int, w: float, a: float) -> OpCost:

@@ -1,8 +1,10 @@
 """Shared benchmark plumbing: machine metadata, careful timing, and the JSON results ledger.
 
-Every benchmark writes `benchmarks/results/<name>_<device-tag>.json` holding the machine it ran
+Every benchmark writes `<results_dir()>/<name>_<device-tag>.json` holding the machine it ran
 on, the git commit, and its figures with units, so the README and the notebooks can quote
-numbers together with the hardware they came from.
+numbers together with the hardware they came from. `results_dir()` is $MINILLM_RESULTS_DIR when
+set, else `benchmarks/results/` of the project holding the current directory (the committed
+ledger; `make bench` writes there on request); nothing is written beside the installed package.
 """
 import datetime
 import json
@@ -15,16 +17,32 @@ from pathlib import Path
 import torch
 
 from minillm.kernels.cpu_kernels import cpu_name
-from minillm.viz.plotting import REPO_ROOT
+from minillm.model.loading import default_device
+from minillm.viz.plotting import project_root
 
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+RESULTS_ENV = "MINILLM_RESULTS_DIR"
+
+
+def results_dir() -> Path:
+    """Where benchmark records are written and read by default (see the module docstring)."""
+    chosen = os.environ.get(RESULTS_ENV)
+    if not chosen:
+        return project_root() / "benchmarks" / "results"
+    path = Path(chosen).expanduser()
+    return path if path.is_absolute() else project_root() / path
+
+
+def __getattr__(name):          # RESULTS_DIR: the name of earlier versions, resolved when read
+    if name == "RESULTS_DIR":
+        return results_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def git_commit() -> str:
     """Short hash of HEAD, with "+dirty" when minillm/ has uncommitted changes (the code measured
     is then not the commit named)."""
     def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, text=True, capture_output=True,
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, text=True, capture_output=True,
                               timeout=5).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD") or "unknown"
@@ -35,7 +53,7 @@ def git_commit() -> str:
 
 def machine_info(device=None) -> dict:
     """What the numbers were measured on."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else default_device()
     info = {"device": device.type, "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
@@ -90,7 +108,7 @@ def time_fn(fn, device="cpu", warmup: int = 1, repeat: int = 3) -> float:
 
 def write_result(name: str, payload: dict, device="cpu", out_dir=None) -> Path:
     """Write payload + machine metadata to <out_dir>/<name>_<device-tag>.json; return the path."""
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out = Path(out_dir) if out_dir is not None else results_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}_{device_tag(device)}.json"
     record = {"benchmark": name, "machine": machine_info(device), **payload}
@@ -106,8 +124,32 @@ def save_figure_beside(fig, record_path, stem: str) -> Path:
     return path
 
 
+_default_results = results_dir          # load_results' parameter shadows the function's name
+
+
 def load_results(name: str | None = None, results_dir=None) -> list[dict]:
     """Every committed result (optionally of one benchmark), for notebooks and the README table."""
-    folder = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    folder = Path(results_dir) if results_dir is not None else _default_results()
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     return [r for r in records if name is None or r.get("benchmark") == name]
+
+
+def prefilled(model, batch: int, context: int, room: int, cache_cls=None):
+    """A contiguous cache holding `context` tokens in each of `batch` rows with `room` free slots
+    after them, and `forward(x)`, which runs the model on new tokens x (B, n) at positions
+    context..context+n-1. Each call overwrites the last one's slots, so a timing loop repeats the
+    same step. -> (cache, forward)."""
+    from minillm.model.kv_cache import KVCache
+    dev = model.device
+    cache = (cache_cls or KVCache)(model.config, batch, context + room, dev, model.dtype)
+    model(torch.ones(batch, context, dtype=torch.long, device=dev), torch.arange(context, device=dev),
+          cache, logits_index=torch.tensor([context - 1]))
+    positions = {}
+
+    def forward(x):
+        n = x.shape[1]
+        if n not in positions:
+            positions[n] = torch.arange(context, context + n, device=dev)     # (n,)
+        return model(x, positions[n], cache)
+    return cache, forward
+

@@ -6,10 +6,10 @@ time is set by the CPU launching kernels, not by reading the 270 MB of bf16 weig
 4.8 TB/s). A CUDA graph records the whole step once and replays it with one launch.
 
 A graph replays fixed kernels on fixed memory, so nothing in the step may depend on a Python
-value that changes between steps. The contiguous `KVCache` keeps `seq_len` as a Python int and
-slices `[:seq_len]`, which a graph would freeze at capture time. `StaticKVCache` keeps the
-positions in a tensor instead: new keys are written with `index_copy_` at those positions and
-attention runs over all S_max slots with a mask (slot s is visible to a query at position p
+value that changes between steps. The contiguous `KVCache` reads the last position back to the
+host to slice the filled slots, which a graph would freeze at capture time. `StaticKVCache`
+(minillm.model.kv_cache) never does: new keys are written with `index_copy_` at the positions
+and attention runs over all S_max slots with a mask (slot s is visible to a query at position p
 when s <= p), so one captured graph is valid at any position.
 
 Letters: B batch, T new tokens, S_max cache slots, H heads, Hkv kv heads, D head dim, V vocab.
@@ -18,58 +18,13 @@ Left out on purpose: torch.compile, graphs for prefill or for several batch size
 one graph per batch size), paged caches in graphs, and attention that skips the masked slots.
 """
 import torch
-import torch.nn.functional as F
 
-from minillm.model.config import ModelConfig
-
-
-class StaticKVCache:
-    """A contiguous KV cache whose write positions live in a tensor (graph-friendly).
-
-    Call `set_positions(positions)` with the (T,) positions of the tokens of the next forward
-    pass (and pass the same tensor as the model's `positions`); `forward_static` does both.
-    """
-
-    def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int,
-                 device=None, dtype: torch.dtype = torch.float32):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not 1 <= max_seq_len <= config.max_seq_len:
-            raise ValueError(f"max_seq_len must be in [1, {config.max_seq_len}], got {max_seq_len}")
-        shape = (config.n_layer, batch_size, config.n_kv_head, max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)   # (L, B, Hkv, S_max, D)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.slots = torch.arange(max_seq_len, device=device)     # (S_max,)
-        self.max_seq_len = max_seq_len
-        self._positions = None
-
-    @property
-    def seq_len(self):
-        raise RuntimeError("StaticKVCache has no Python seq_len: pass positions to the model "
-                           "explicitly (see forward_static)")
-
-    def set_positions(self, positions: torch.Tensor) -> None:
-        if positions.dim() != 1 or positions.dtype != torch.long:
-            raise ValueError(f"positions must be a (T,) long tensor, got shape "
-                             f"{tuple(positions.shape)} and dtype {positions.dtype}")
-        self._positions = positions
-
-    def attend(self, layer_idx: int, q, k, v):
-        # q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D)
-        pos = self._positions
-        if pos is None or pos.shape[0] != q.shape[2]:
-            raise ValueError("call set_positions() with one position per new token first")
-        self.k[layer_idx].index_copy_(2, pos, k)                  # writes (B, Hkv, T, D) at pos
-        self.v[layer_idx].index_copy_(2, pos, v)
-        mask = self.slots[None, :] <= pos[:, None]                 # (T, S_max): causal by position
-        return F.scaled_dot_product_attention(q, self.k[layer_idx], self.v[layer_idx],
-                                              attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+from minillm.model.kv_cache import StaticKVCache  # noqa: F401  (its old home was here)
 
 
 def forward_static(model, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor):
     """`model(input_ids)` with a StaticKVCache: input_ids (B, T), positions (T,) -> logits (B, T, V)."""
-    cache.set_positions(positions)
-    return model(input_ids, positions=positions, cache=cache)
+    return model(input_ids, positions, cache)
 
 
 class GraphDecoder:
@@ -113,12 +68,10 @@ def _require_cuda(model) -> torch.device:
     return model.device
 
 
-def _time_loop(step, first: torch.Tensor, steps: int, device, reset=None) -> float:
+def _time_loop(step, first: torch.Tensor, steps: int, device) -> float:
     """ms per step of a greedy loop that feeds each argmax back in (no host sync inside)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     token = first
-    if reset is not None:
-        reset()
     torch.cuda.synchronize(device)
     start.record()
     for i in range(steps):
@@ -150,17 +103,16 @@ def measure_launch_overhead(model, steps: int = 64, prompt_len: int = 16, seed: 
         return forward_static(model, static, token.view(1, 1), pos)[:, -1]
 
     dynamic = KVCache(cfg, 1, S, device=device, dtype=model.dtype)
-    model(prompt, cache=dynamic)                                   # same prompt, same first token
-    rewind = lambda: dynamic.truncate(prompt_len)
-    eager_dynamic = lambda token, i: model(token.view(1, 1), cache=dynamic)[:, -1]
+    model(prompt, start_pos, dynamic)                              # same prompt, same first token
+    eager_dynamic = lambda token, i: model(token.view(1, 1), torch.tensor([prompt_len + i], device=device),
+                                           dynamic)[:, -1]
 
     graph = lambda token, i: decoder.step(token, prompt_len + i)
     results = {}
-    loops = (("eager_kvcache", eager_dynamic, rewind), ("eager_static", eager_static, None),
-             ("graph", graph, None))
-    for name, fn, reset in loops:
-        _time_loop(fn, first, min(steps, 8), device, reset)                            # warm-up
-        results[name] = min(_time_loop(fn, first, steps, device, reset) for _ in range(3))
+    loops = (("eager_kvcache", eager_dynamic), ("eager_static", eager_static), ("graph", graph))
+    for name, fn in loops:                                # step i writes position prompt_len + i
+        _time_loop(fn, first, min(steps, 8), device)                                   # warm-up
+        results[name] = min(_time_loop(fn, first, steps, device) for _ in range(3))
     eager_logits = eager_static(first, 0).clone()
     graph_logits = graph(first, 0).clone()
     return {"model": cfg.name, "dtype": str(model.dtype).replace("torch.", ""), "batch_size": 1,

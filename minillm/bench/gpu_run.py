@@ -152,8 +152,8 @@ def _collect(work: Path, out: Path) -> list[str]:
 def import_results(folder, dest=None) -> list[str]:
     """Unpack a finished run's results.tar (and copy any loose record JSONs) into
     benchmarks/results/; returns the file names."""
-    from minillm.bench.common import RESULTS_DIR
-    folder, dest = Path(folder), Path(dest) if dest is not None else RESULTS_DIR
+    from minillm.bench.common import results_dir
+    folder, dest = Path(folder), Path(dest) if dest is not None else results_dir()
     if not (folder / "summary.json").is_file():
         raise ValueError(f"folder {str(folder)!r} holds no summary.json: not a gpu_run output")
     dest.mkdir(parents=True, exist_ok=True)

@@ -18,19 +18,17 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from minillm._validate import check_int
 from minillm.bench.common import time_fn
+from minillm.model.loading import default_device
 from minillm.model.config import ModelConfig
 from minillm.analysis.roofline import (Hardware, OpCost, decode_costs, dtype_bytes, dtype_name,
-                              op_time, step_time, total_cost)
+                                       op_time, step_time, torch_dtype, total_cost)
 
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp64": torch.float64}
 
 
 def _device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return default_device() if device is None else torch.device(device)
 
 
 def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -43,7 +41,7 @@ def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) 
 def measure_matmul_flops(device=None, dtype="fp32", n: int = 1024, repeats: int = 3) -> float:
     """Achieved FLOP/s of an (n, n) @ (n, n) matmul: 2 n^3 FLOPs."""
     device = _device(device)
-    a = torch.randn(n, n, device=device).to(_TORCH[dtype_name(dtype)])
+    a = torch.randn(n, n, device=device).to(torch_dtype(dtype))
     b = torch.randn(n, n, device=device).to(a.dtype)
     return 2.0 * n**3 / time_fn(lambda: a @ b, device, repeat=repeats)
 
@@ -110,7 +108,7 @@ def time_matmul(hw: Hardware, m: int, k: int, n: int, dtype="fp32", device=None,
                 max_flops: float = 2e9, label: str | None = None) -> MeasuredPoint:
     """Time (m, k) @ (k, n), cycling through enough weight copies to defeat the caches."""
     device = _device(device)
-    tdt, w = _TORCH[dtype_name(dtype)], dtype_bytes(dtype)
+    tdt, w = torch_dtype(dtype), dtype_bytes(dtype)
     cost = OpCost(label or f"{m}x{k}x{n}", 2.0 * m * k * n, (k * n + m * k + m * n) * w)
     copies = max(1, min(math.ceil(min_weight_bytes / (k * n * w)), int(max_flops // cost.flops)))
     g = torch.Generator(device=device).manual_seed(0)
@@ -164,15 +162,20 @@ def decode_weight_bytes(cfg: ModelConfig, dtype="fp32") -> float:
 
 
 def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_len: int,
-                     measured_s: float, dtype="fp32") -> dict[str, float]:
+                     measured_s: float, dtype="fp32", matmul_s: float | None = None) -> dict[str, float]:
     """Split a measured decode step: weight reads, KV reads, activations, and the rest.
 
     The first three are bytes / bandwidth (the step is memory-bound, so its compute hides
     under them); "overhead" is what the roofline does not explain: kernel launches, Python,
     the elementwise ops left out of the count, and bandwidth not reached.
+    With `matmul_s` (the step's projections timed alone, `measure_decode_matmuls`) the overhead
+    is split in two: "matmul_below_roof_s", the matmuls' time beyond reading their weights at
+    the measured bandwidth, and "other_s", everything else (Python, launches, norms, RoPE, ...).
     """
     if measured_s <= 0:
         raise ValueError(f"measured_s must be > 0, got {measured_s}")
+    if matmul_s is not None and not matmul_s > 0:
+        raise ValueError(f"matmul_s must be > 0 seconds or None, got {matmul_s}")
     costs = decode_costs(cfg, batch_size, context_len, dtype)
     total = total_cost(costs)
     weights = decode_weight_bytes(cfg, dtype)
@@ -185,6 +188,35 @@ def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_le
            "predicted_s": step_time(costs, hw, dtype), "measured_s": measured_s}
     out["overhead_s"] = max(0.0, measured_s - out["weights_s"] - out["kv_s"]
                             - out["activations_s"])
+    if matmul_s is not None:
+        out["matmul_s"] = matmul_s
+        out["matmul_below_roof_s"] = max(0.0, matmul_s - out["weights_s"])
+        out["other_s"] = max(0.0, out["overhead_s"] - out["matmul_below_roof_s"])
+    return out
+
+
+def measure_decode_matmuls(model, batch_sizes=(1,), repeats: int = 3, seed: int = 0) -> list[float]:
+    """Median seconds of all of a decode step's projections alone, at each batch B.
+
+    Every `nn.Linear` of `model` (q/k/v, o, gate/up, down per layer, then lm_head) runs once, in
+    the model's order and through its own routes, on a (B, in_features) input: the matmul part
+    of a step with nothing else around it. Its weights stream from memory as in a real step.
+    """
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not lins:
+        raise ValueError("model has no nn.Linear modules to time")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, b in enumerate(batch_sizes):
+        check_int(f"batch_sizes[{i}]", b, 1)
+        xs = {n: torch.randn(b, n, generator=g).to(model.device, model.dtype)   # (B, in)
+              for n in {m.in_features for m in lins}}
+
+        def run():
+            for m in lins:
+                m(xs[m.in_features])                                  # (B, out)
+        with torch.inference_mode():
+            out.append(time_fn(run, model.device, repeat=repeats))
     return out
 
 
@@ -193,26 +225,24 @@ def measure_decode_steps(model, batch_sizes=(1, 4, 16, 64), context_len: int = 1
     """Median seconds of one real decode step of `model`: input (B, 1) with S cached tokens.
 
     The cache is filled with random K/V instead of a prefill (the step's time does not depend
-    on the values), and rolled back after each step so every repeat sees the same S.
+    on the values), and every repeat writes the same slot, so each sees the same S.
     """
     from minillm.model.kv_cache import KVCache
     cfg = model.config
-    _check = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
-    if _check or context_len < 1:
-        raise ValueError(f"batch_sizes must be ints >= 1 and context_len >= 1, got "
-                         f"{batch_sizes}, {context_len}")
+    for i, b in enumerate(batch_sizes):
+        check_int(f"batch_sizes[{i}]", b, 1)
+    check_int("context_len", context_len, 1)
     g = torch.Generator().manual_seed(seed)
     out = []
     for b in tqdm(batch_sizes, desc="decode steps", disable=not progress):
         cache = KVCache(cfg, b, context_len + 1, device=model.device, dtype=model.dtype)
         cache.k.normal_(generator=None)   # stand-in for a prefilled context
         cache.v.normal_(generator=None)
-        cache.seq_len = context_len
         ids = torch.randint(0, cfg.vocab_size, (b, 1), generator=g).to(model.device)  # (B, 1)
+        position = torch.tensor([context_len], device=model.device)  # each repeat: the same slot
 
         def step():
-            model(ids, cache=cache)                                   # (B, 1, V)
-            cache.truncate(context_len)
+            model(ids, position, cache)                               # (B, 1, V)
         with torch.inference_mode():
             out.append(time_fn(step, model.device, repeat=repeats))
         del cache

@@ -22,9 +22,8 @@ import time
 
 import torch
 
-from minillm.bench.common import write_result
+from minillm.bench.common import prefilled, write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.model.kv_cache import KVCache
 from minillm.model.loading import tiny_model
 from minillm.engine.sequence import SamplingParams
 
@@ -69,15 +68,10 @@ def decoding_engine(model, batch: int, max_tokens: int) -> LLMEngine:
 
 def bare_decoder(model, batch: int, context: int):
     """A function running the model's bare forward of one token per row after `context` tokens
-    cached in a contiguous `KVCache` (each call forgets the token the previous call added)."""
-    cache = KVCache(model.config, batch, context + 1, model.device, model.dtype)
-    model(torch.ones(batch, context, dtype=torch.long, device=model.device), cache=cache)
+    cached in a contiguous `KVCache` (each call rewrites the same slot)."""
+    _, forward = prefilled(model, batch, context, 1)
     x = torch.ones(batch, 1, dtype=torch.long, device=model.device)
-
-    def step():
-        cache.truncate(context)
-        model(x, cache=cache)
-    return step
+    return lambda: forward(x)
 
 
 @torch.inference_mode()

@@ -17,11 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from minillm.bench.common import RESULTS_DIR
-from minillm.viz.plotting import REPO_ROOT
+from minillm.bench.common import results_dir as default_results_dir
+from minillm.viz.plotting import project_root
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-README = REPO_ROOT / "README.md"
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def get_metric(record: dict, metric_path: str):
 
 def load_ledger(results_dir=None) -> list[dict]:
     """Every benchmark record in the folder, each with `_source` (its file name) added."""
-    folder = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    folder = Path(results_dir) if results_dir is not None else default_results_dir()
     records = []
     for path in sorted(folder.glob("*.json")):
         try:
@@ -130,9 +129,10 @@ def results_table(records: list[dict], headlines: list[Headline] = HEADLINES) ->
     return "\n".join(rows)
 
 
-def update_readme(path=README, results_dir=None) -> bool:
-    """Rewrite the table between the markers in `path`; True when the file changed."""
-    path = Path(path)
+def update_readme(path=None, results_dir=None) -> bool:
+    """Rewrite the table between the markers in `path` (default: the project's README.md);
+    True when the file changed."""
+    path = Path(path) if path is not None else project_root() / "README.md"
     text = path.read_text()
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
         raise ValueError(f"{path} must hold exactly one {START} followed by one {END}")
@@ -168,9 +168,16 @@ def ledger_for(benchmark: str, metric_path: str, results_dir=None, scale: float 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    path = Path(argv[0]) if argv else README
+    path = Path(argv[0]) if argv else project_root() / "README.md"
     changed = update_readme(path)
     print(f"{path}: results table {'updated' if changed else 'already up to date'}")
+
+
+
+def __getattr__(name):          # README: the name of earlier versions, resolved when read
+    if name == "README":
+        return project_root() / "README.md"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,9 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results",
     """
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    from minillm.model.loading import load_model
+    from minillm.model.loading import default_device, load_model
     from minillm.viz.roofline import plot_decode_vs_batch, plot_roofline
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else default_device()
     use_headless_backend()
     hw = measure_hardware(device, quick=quick)
     if model is None:                               # fp32, like every chapter

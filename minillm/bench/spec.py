@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from minillm.bench.common import save_figure_beside, write_result
+from minillm.bench.common import prefilled, save_figure_beside, write_result
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
 from minillm.model.hf_convert import to_hf_model
@@ -86,18 +86,14 @@ def forward_times(models: dict, context_len: int, new_tokens: dict, rounds: int 
     """Median forward time of each (model, number of new tokens) after `context_len` cached
     tokens. Rounds interleave all the cases, so any drift of the machine spreads evenly; the
     median (not the minimum) is what a long generation loop sees on average."""
-    caches = {}
-    for name, m in models.items():
-        caches[name] = KVCache(m.config, 1, context_len + max(new_tokens[name]), m.device, m.dtype)
-        m(torch.zeros(1, context_len, dtype=torch.long, device=m.device), cache=caches[name])
+    forwards = {name: prefilled(m, 1, context_len, max(new_tokens[name]))[1]
+                for name, m in models.items()}
     samples = {(n, t): [] for n in models for t in new_tokens[n]}
     for _ in range(rounds):
         for (name, t), times in samples.items():
-            m, cache = models[name], caches[name]
-            cache.truncate(context_len)
-            x = torch.ones(1, t, dtype=torch.long, device=m.device)
+            x = torch.ones(1, t, dtype=torch.long, device=models[name].device)
             t0 = time.perf_counter()
-            m(x, cache=cache)
+            forwards[name](x)
             times.append(time.perf_counter() - t0)
     return {key: statistics.median(times) for key, times in samples.items()}
 
@@ -112,7 +108,8 @@ def prefill_times(models: dict, prompt_len: int, rounds: int = 3) -> dict:
         for name, m in models.items():
             cache = KVCache(m.config, 1, prompt_len, m.device, m.dtype)
             t0 = time.perf_counter()
-            m(x[name], cache=cache, logits_index=torch.tensor([prompt_len - 1]))
+            m(x[name], torch.arange(prompt_len, device=m.device), cache,
+              logits_index=torch.tensor([prompt_len - 1]))
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(times) for name, times in samples.items()}
 

@@ -29,17 +29,28 @@ import torch
 from minillm.bench.common import sync, write_result
 from minillm.model.generate import generate
 from minillm.model.kv_cache import KVCache
-from minillm.viz.plotting import REPO_ROOT
+from minillm.viz.plotting import project_root
 from minillm.spec.proposers import NgramProposer
+from minillm.spec.loop import replay_greedy
 from minillm.analysis.spec_theory import free_verify_costs
 from minillm.spec.rejection import greedy_verify
 
-SCHEDULE = REPO_ROOT / "benchmarks" / "spec_schedule.json"
+def schedule_file() -> Path:
+    """The committed recording: benchmarks/spec_schedule.json of the project holding the
+    current directory (notebooks run in notebooks/, which finds the repository above)."""
+    return project_root() / "benchmarks" / "spec_schedule.json"
+
+
+def __getattr__(name):          # SCHEDULE: the name of earlier versions, resolved when read
+    if name == "SCHEDULE":
+        return schedule_file()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 SETTINGS = {False: dict(k=8, min_ngram=2, max_ngram=3, repeat=3),
             True: dict(k=8, min_ngram=2, max_ngram=3, repeat=1)}
 
 
-def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -> dict:
+def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=None) -> dict:
     """Greedy outputs of the real model for each prompt (stopping at the chat end-of-turn)."""
     from minillm.model.chat import encode_chat
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -48,7 +59,7 @@ def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=SCHEDULE) -
         ids = encode_chat(tok, text)
         data["prompts"][name] = {"prompt": ids, "output": generate(model, ids, max_new_tokens,
                                                                    stop_token_ids=stop)}
-    Path(path).write_text(json.dumps(data) + "\n")
+    Path(path if path is not None else schedule_file()).write_text(json.dumps(data) + "\n")
     return data
 
 
@@ -74,16 +85,9 @@ def schedule(prompt: list[int], output: list[int], k: int, proposer=None) -> dic
     speedup no hardware can beat for this K (chapter 6)."""
     if not prompt or not output or k < 1:
         raise ValueError("prompt and output must be non-empty token-id lists and k >= 1")
-    proposer = proposer or NgramProposer(min_ngram=2)
-    num_proposed, num_accepted, done, N = [], [], 0, len(output)
-    while done < N:
-        cand = _drafts(proposer, prompt + output[:done], min(k, N - done - 1))
-        n = _num_matching(cand, output, done)
-        num_proposed.append(len(cand))
-        num_accepted.append(n)
-        done += n + 1
-    return {"tokens": N, "steps": len(num_proposed), "num_proposed": num_proposed,
-            "num_accepted": num_accepted}
+    stats = replay_greedy(proposer or NgramProposer(min_ngram=2), prompt, output, k)
+    return {"tokens": len(output), "steps": len(stats.num_proposed),
+            "num_proposed": stats.num_proposed, "num_accepted": stats.num_accepted}
 
 
 def ceiling(data: dict, k: int, proposer=None, prefill_cost: dict | None = None) -> dict:
@@ -121,16 +125,17 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
     sync(dev)
     t0 = time.perf_counter()
     if len(prompt) > 1:
-        model(torch.tensor([prompt[:-1]], device=dev), cache=cache,
-              logits_index=torch.tensor([len(prompt) - 2]))
+        model(torch.tensor([prompt[:-1]], device=dev), torch.arange(len(prompt) - 1, device=dev),
+              cache, logits_index=torch.tensor([len(prompt) - 2]))
     done = 0
     while done < N:
-        context, start = prompt + output[:done], cache.seq_len
+        context = prompt + output[:done]
+        start = len(context) - 1                              # the cache holds context[:-1]
         cand = _drafts(proposer, context, min(k, N - done - 1))
         kk = len(cand)
         drafts = torch.tensor([cand], dtype=torch.long, device=dev)                   # (1, kk)
         x = torch.cat([torch.tensor([[context[-1]]], device=dev), drafts], dim=1)     # (1, kk + 1)
-        logits = model(x, cache=cache)                                                # (1, kk + 1, V)
+        logits = model(x, torch.arange(start, start + kk + 1, device=dev), cache)     # (1, kk + 1, V)
         if kk:                                                # what the logits say
             tokens, n_logits = greedy_verify(logits, drafts)
             n_logits, next_tok = int(n_logits[0]), int(tokens[0, n_logits[0]])
@@ -140,7 +145,6 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
         if check and (n_logits, next_tok) != (n, output[done + n]):
             raise AssertionError(f"step at token {done}: the logits give {n_logits} accepted "
                                  f"then {next_tok}, the recorded output {n} then {output[done + n]}")
-        cache.truncate(start + 1 + n)
         num_proposed.append(kk)
         num_accepted.append(n)
         done += n + 1
@@ -152,11 +156,11 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
             "num_accepted": num_accepted}
 
 
-def run(quick: bool = False, device=None, out_dir=None, model=None, schedule_path=SCHEDULE) -> dict:
+def run(quick: bool = False, device=None, out_dir=None, model=None, schedule_path=None) -> dict:
     """Replay every recorded prompt (best of `repeat`); writes spec_replay_<device>.json."""
     from minillm.bench.gpu_model import bench_model
     s = SETTINGS[bool(quick)]
-    data = json.loads(Path(schedule_path).read_text())
+    data = json.loads(Path(schedule_path or schedule_file()).read_text())
     weights = "given"
     if model is None:
         model, _, weights = bench_model(device)        # fp32 on a CPU, bf16 on a GPU
@@ -205,7 +209,7 @@ def main(argv=None) -> None:
         from minillm.model.loading import load_model
         model, tok = load_model(device="cpu")
         record(model, tok, PROMPTS)
-        print(f"wrote {SCHEDULE}")
+        print(f"wrote {schedule_file()}")
     else:
         print(report(run(a.quick, a.device)))
 

@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from minillm.paging.paged_attention import PagedKVCache
+from minillm._validate import check_real
 
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}   # vLLM's -> ours
@@ -68,9 +69,7 @@ def num_blocks_for_memory(total_bytes: float, utilization: float, weight_bytes: 
 
     The same arithmetic as `kv_math.plan_capacity`, for measured weight and activation bytes.
     """
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
-            or not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    check_real("gpu_memory_utilization", utilization, 0, 1, low_open=True)
     kv_budget = utilization * total_bytes - weight_bytes - activation_bytes
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, dtype)
     if kv_budget < per_block:

@@ -5,10 +5,12 @@ Pool: `num_blocks`, else `gpu_memory_utilization` on a GPU, else `kv_cache_memor
 (engine_args.py). Batch: `max_num_seqs` (default: min(32, the token budget)) and the token budget
 `max_num_batched_tokens`, which must cover one token per running sequence and one verify step.
 Order within a step: decodes first (default), or `prefill_first=True` (prompts first, as vLLM's V0
-scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a long-running engine: `retain_finished` finished requests and `max_trace_steps` trace
-rows are kept, the oldest dropped first.
+scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a long-running
+engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
+dropped first.
 """
 from dataclasses import dataclass
+from minillm._validate import ArgumentTypeError, check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -36,21 +38,17 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
 
     def __post_init__(self):
-        if isinstance(self.num_speculative_tokens, bool) or not isinstance(
-                self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be an int >= 0, got "
-                             f"{self.num_speculative_tokens!r}")
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
             object.__setattr__(self, "max_num_seqs", max(1, min(32, self.max_num_batched_tokens)))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "retain_finished", "max_trace_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {v!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise ValueError(f"EngineConfig.num_blocks must be None or an int >= 1, got {self.num_blocks!r}")
+            check_int(f"EngineConfig.{name}", getattr(self, name), 1)
+        if self.num_blocks is not None:
+            check_int("EngineConfig.num_blocks (None or)", self.num_blocks, 1)
         if not isinstance(self.prefill_first, bool):
-            raise ValueError(f"EngineConfig.prefill_first must be True or False, got {self.prefill_first!r}")
+            raise ArgumentTypeError(f"EngineConfig.prefill_first must be True or False, got "
+                                    f"{self.prefill_first!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):
@@ -67,6 +65,5 @@ class EngineConfig:
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
                              f"each step) and >= 1 + num_speculative_tokens="
                              f"{1 + self.num_speculative_tokens} (one verify step)")
-        u = self.gpu_memory_utilization
-        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
-            raise ValueError(f"gpu_memory_utilization must be None or a float in (0, 1], got {u!r}")
+        if self.gpu_memory_utilization is not None:
+            check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)

@@ -11,8 +11,8 @@ Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no ten
 per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
 
 With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
-`draft_model`) that one forward pass verifies (engine_spec.py); vLLM's `speculative_config` dict
-and `gpu_memory_utilization` map onto these fields in engine_args.py. With a tokenizer, each
+`draft_model`) that one forward pass verifies (spec_decoder.py); vLLM's `speculative_config` dict
+and `gpu_memory_utilization` map onto these fields in args.py. With a tokenizer, each
 sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
 `llm.py` wraps the engine in vLLM's offline front door, `LLM`.
 
@@ -34,7 +34,7 @@ from minillm.engine.model_runner import ModelRunner
 from minillm.paging.paged_attention import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.static_scheduler import StaticScheduler
-from minillm.engine.trace import progress_bar, trace_row
+from minillm.engine.trace import progress_bar, prune, trace_row
 from minillm.engine.sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
 
@@ -224,20 +224,8 @@ class LLMEngine:
         return outputs
 
     def _prune(self) -> None:
-        """Bounded memory for a long-running engine: keep the newest `retain_finished` finished
-        requests (those a running `generate` call still has to return are kept too) and the
-        newest `max_trace_steps` trace rows."""
-        cfg = self.config
-        if len(self.trace) > cfg.max_trace_steps:
-            del self.trace[:len(self.trace) - cfg.max_trace_steps]
-        extra = len(self.requests) - cfg.retain_finished - self.scheduler.num_unfinished
-        if extra <= 0:
-            return
-        for rid in [r for r, req in self.requests.items() if req.finished and r not in self._pinned][:extra]:
-            del self.requests[rid]
-            self._forgotten[rid] = None
-        while len(self._forgotten) > 16 * cfg.retain_finished:
-            self._forgotten.popitem(last=False)
+        prune(self.trace, self.requests, self._forgotten, self._pinned, self.config,
+              self.scheduler.num_unfinished)
 
     def _commit_computed(self, out) -> tuple[int, list[str]]:
         """The scheduled tokens' KV is written: advance each sequence and register full blocks
@@ -306,7 +294,7 @@ class LLMEngine:
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
             if seq.index == 0:
                 m.token_times.append(now)
-            reason = self._finish_reason(seq, tok)
+            reason = seq.finish_reason_after(tok, self.eos_token_id, self.model.config.max_seq_len)
             if reason is not None:
                 seq.finish_reason = reason
                 if seq.detok is not None:
@@ -330,20 +318,5 @@ class LLMEngine:
         req.forked = True
         return children
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        text_stop = seq.detok is not None and seq.detok.stopped      # a stop string
-        if text_stop or (p.stop_token_ids and tok in p.stop_token_ids) or (
-                not p.ignore_eos and tok == self.eos_token_id):
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.model.config.max_seq_len:
-            return "length"
-        return None
-
     def _output(self, req: Request) -> RequestOutput:
-        o = req.output()
-        if self.tokenizer is not None:                 # "" before a sequence's first token
-            for c in o.outputs:
-                c.text = c.text or ""
-            o.text = o.outputs[0].text
-        return o
+        return req.output(with_text=self.tokenizer is not None)

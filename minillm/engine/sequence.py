@@ -113,6 +113,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def finish_reason_after(self, tok: int, eos_token_id, max_seq_len: int) -> str | None:
+        """Why the sequence ends with `tok` just appended: "stop" (a stop string, a stop token,
+        or EOS unless ignored), "length" (max_tokens or the model's context), or None."""
+        p = self.params
+        if (self.detok is not None and self.detok.stopped) or tok in (p.stop_token_ids or ()) or (
+                not p.ignore_eos and tok == eos_token_id):
+            return "stop"
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_seq_len:
+            return "length"
+        return None
+
 
 @dataclass
 class RequestMetrics:
@@ -209,9 +220,10 @@ class Request:
         done = all(s.is_finished for s in self.seqs)
         return done and (self.forked or self.params.n == 1 or self.seqs[0].finish_reason == "abort")
 
-    def output(self) -> RequestOutput:
+    def output(self, with_text: bool = False) -> RequestOutput:
+        """A snapshot. `with_text` (the engine has a tokenizer): text is "" before a first token."""
         outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason,
-                                 None if s.detok is None else s.detok.text)
+                                 s.detok.text if s.detok is not None else ("" if with_text else None))
                 for s in sorted(self.seqs, key=lambda s: s.index)]
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
                              self.finished, self.metrics, outs[0].text, self.prompt)

@@ -1,5 +1,6 @@
 """What the engine records as it runs: one trace row per step (the chapters' Gantt charts,
-occupancy plots and step budgets are drawn from these rows) and the progress bar of `generate`."""
+occupancy plots and step budgets are drawn from these rows), how much of it it keeps, and the
+progress bar of `generate`."""
 
 
 def trace_row(step: int, out, t0: float, t1: float, num_decode: int, prefill_ids: list[str],
@@ -24,3 +25,20 @@ def progress_bar(total: int):
     except ImportError:
         return None
     return tqdm(total=total, desc="requests")
+
+
+def prune(trace: list, requests: dict, forgotten, pinned, config, num_unfinished: int) -> None:
+    """Bounded memory for a long-running engine: keep the newest `config.retain_finished`
+    finished requests (those a running `generate` call still has to return are kept too) and the
+    newest `config.max_trace_steps` trace rows. Dropped ids go to `forgotten` (an OrderedDict,
+    itself bounded) so that aborting one later is a no-op, not an error."""
+    if len(trace) > config.max_trace_steps:
+        del trace[:len(trace) - config.max_trace_steps]
+    extra = len(requests) - config.retain_finished - num_unfinished
+    if extra <= 0:
+        return
+    for rid in [r for r, req in requests.items() if req.finished and r not in pinned][:extra]:
+        del requests[rid]
+        forgotten[rid] = None
+    while len(forgotten) > 16 * config.retain_finished:
+        forgotten.popitem(last=False)

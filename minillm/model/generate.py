@@ -6,6 +6,7 @@ Both return the list of new token ids (the prompt is not repeated). Letters: T p
 """
 import torch
 
+from minillm._validate import check_int
 from minillm.model.kv_cache import KVCache
 from minillm.model.sampling import check_sampling_args, next_token
 
@@ -19,8 +20,7 @@ def _check(model, prompt_ids, max_new_tokens, temperature, top_k, top_p) -> list
     bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt_ids must be ints in [0, {vocab}), got {bad[:3]}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     if len(prompt_ids) + max_new_tokens > ctx:
         raise ValueError(f"prompt length {len(prompt_ids)} + max_new_tokens {max_new_tokens} "
                          f"exceeds the model's context of {ctx} tokens")
@@ -37,16 +37,18 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
     prompt = _check(model, prompt_ids, max_new_tokens, temperature, top_k, top_p)
     stop = set(stop_token_ids or [])
     cache = KVCache(model.config, 1, len(prompt) + max_new_tokens, model.device, model.dtype)
-    x = torch.tensor([prompt], device=model.device)                # (1, T)
-    last = torch.tensor([len(prompt) - 1], device=model.device)
-    logits = model(x, cache=cache, logits_index=last)[:, -1]       # (1, V)
+    T, dev = len(prompt), model.device
+    x = torch.tensor([prompt], device=dev)                         # (1, T)
+    last = torch.tensor([T - 1], device=dev)
+    logits = model(x, torch.arange(T, device=dev), cache, logits_index=last)[:, -1]   # (1, V)
     out: list[int] = []
     while True:
         tok = next_token(logits, temperature, top_k, top_p, generator)   # (1,)
         out.append(int(tok))
         if len(out) == max_new_tokens or out[-1] in stop:
             return out
-        logits = model(tok[:, None], cache=cache)[:, -1]           # (1, V)
+        position = torch.tensor([T + len(out) - 1], device=dev)    # (1,): where tok sits
+        logits = model(tok[:, None], position, cache)[:, -1]       # (1, V)
 
 
 @torch.inference_mode()
@@ -75,10 +77,12 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list
         raise ValueError(f"prompts must all have the same length, got lengths {sorted(lengths)}")
     T = lengths.pop()
     cache = KVCache(model.config, len(prompts), T + max_new_tokens, model.device, model.dtype)
-    x = torch.tensor(prompts, device=model.device)                 # (B, T)
-    logits = model(x, cache=cache, logits_index=torch.tensor([T - 1]))[:, -1]   # (B, V)
-    out = [logits.argmax(-1)]                                      # B tokens per step
+    dev = model.device
+    x = torch.tensor(prompts, device=dev)                          # (B, T)
+    logits = model(x, torch.arange(T, device=dev), cache, logits_index=torch.tensor([T - 1]))[:, -1]
+    out = [logits.argmax(-1)]                                      # (B,) tokens per step
     while len(out) < max_new_tokens:
-        logits = model(out[-1][:, None], cache=cache)[:, -1]       # (B, V)
+        position = torch.tensor([T + len(out) - 1], device=dev)    # (1,), shared by the rows
+        logits = model(out[-1][:, None], position, cache)[:, -1]   # (B, V)
         out.append(logits.argmax(-1))
     return torch.stack(out, dim=1).tolist()                        # (B, max_new_tokens)

@@ -2,52 +2,74 @@
 
 Every sequence in the batch reserves S_max slots up front, whatever it ends up using: simple and
 fast, and exactly the waste that chapter 2 measures and chapter 3's paged cache removes. All rows
-of the batch share one length (`seq_len`); ragged batches are the paged cache's job.
+of the batch share their positions; ragged batches are the paged cache's job.
+
+The cache protocol (every cache in minillm follows it): the model calls
+`cache.attend(layer_idx, q, k, v, positions)` in each layer. The cache stores k and v of the new
+tokens at their `positions` and returns the attention of each query over the keys at positions
+up to its own. The cache keeps no length of its own: the caller says where each token goes, so
+rolling back (speculative decoding's rejected drafts) is just writing at the earlier positions
+next time; nothing beyond a query's position is ever read.
+
+Two ways to read the filled keys, with the same result:
+- `KVCache` slices the slots up to the last position (one host read of that position per layer:
+  free on a CPU) and needs no mask for a single new token;
+- `StaticKVCache` attends over all S_max slots with a position mask, so no value ever leaves the
+  device and a CUDA graph can capture the step (chapter 1's CUDA-graph measurement uses it).
 """
 import torch
 import torch.nn.functional as F
 
+from minillm._validate import check_int
 from minillm.model.config import ModelConfig
 
 
 class KVCache:
+    masked = False              # True: attend over every slot with a position mask (no host sync)
+
     def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int,
                  device=None, dtype: torch.dtype = torch.float32):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not 1 <= max_seq_len <= config.max_seq_len:
-            raise ValueError(f"max_seq_len must be in [1, {config.max_seq_len}], got {max_seq_len}")
+        check_int("batch_size", batch_size, 1)
+        check_int("max_seq_len", max_seq_len, 1, config.max_seq_len)
         shape = (config.n_layer, batch_size, config.n_kv_head, max_seq_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)    # (L, B, Hkv, S_max, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.slots = torch.arange(max_seq_len, device=self.k.device)   # (S_max,)
         self.n_layer, self.max_seq_len = config.n_layer, max_seq_len
-        self.seq_len = 0                                           # tokens stored per row
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     def truncate(self, num_tokens: int) -> None:
-        """Forget everything after the first `num_tokens` tokens (speculative-decoding rollback)."""
-        if not 0 <= num_tokens <= self.seq_len:
-            raise ValueError(f"num_tokens must be in [0, {self.seq_len}], got {num_tokens}")
-        self.seq_len = num_tokens
+        """Kept for code written against earlier versions, where the cache counted its tokens.
+        Positions now say where every token goes, so a rollback needs no call: the next forward
+        pass at position `num_tokens` overwrites what follows. Only checks the range."""
+        if not 0 <= num_tokens <= self.max_seq_len:
+            raise ValueError(f"num_tokens must be in [0, {self.max_seq_len}], got {num_tokens}")
 
-    def attend(self, layer_idx: int, q, k, v):
-        # q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D)
-        T, start = q.shape[2], self.seq_len
-        end = start + T
-        if end > self.max_seq_len:
-            raise ValueError(f"KV cache full: {start} + {T} tokens > max_seq_len {self.max_seq_len}")
-        self.k[layer_idx, :, :, start:end] = k
-        self.v[layer_idx, :, :, start:end] = v
-        keys, values = self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]  # (B, Hkv, S, D)
-        gqa = keys.shape[1] != q.shape[1]
-        if T == 1:  # one new token sees the whole context: no mask needed
-            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
-        else:       # query i (absolute position start + i) sees keys 0..start + i
-            mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        if layer_idx == self.n_layer - 1:
-            self.seq_len = end
-        return out
+    def attend(self, layer_idx: int, q, k, v, positions):
+        # q (B, H, T, D), k/v (B, Hkv, T, D), positions (1, T) shared by the rows -> (B, H, T, D)
+        if positions.dim() != 2 or positions.shape[0] != 1 or positions.shape[1] != q.shape[2]:
+            raise ValueError(f"KVCache rows share positions: pass positions of shape (T,) or (1, T) "
+                             f"with T = {q.shape[2]}, got {tuple(positions.shape)}")
+        pos = positions[0]                                         # (T,)
+        if not self.masked:
+            end = int(pos[-1]) + 1
+            if end > self.max_seq_len:
+                raise ValueError(f"KV cache full: position {end - 1} >= max_seq_len {self.max_seq_len}")
+        self.k[layer_idx].index_copy_(2, pos, k)                   # (B, Hkv, T, D) at pos
+        self.v[layer_idx].index_copy_(2, pos, v)
+        keys, values = self.k[layer_idx], self.v[layer_idx]        # (B, Hkv, S_max, D)
+        if self.masked:                                            # every slot, masked by position
+            mask = self.slots <= pos[:, None]                      # (T, S_max)
+        else:                                                      # the slots up to the last query
+            keys, values = keys[:, :, :end], values[:, :, :end]    # (B, Hkv, S, D)
+            mask = None if q.shape[2] == 1 else self.slots[:end] <= pos[:, None]   # (T, S)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
+
+
+class StaticKVCache(KVCache):
+    """A KVCache that reads every slot through a position mask: no host sync, graph-capturable."""
+    masked = True

@@ -4,10 +4,14 @@ Letters: B batch, T new tokens this call, S context (tokens already cached + T),
 Hkv key/value heads, D head dim, C d_model, F d_ff, V vocab.
 
 The model never stores keys and values itself. Each attention layer projects q, k, v, rotates
-q and k, and hands all three to `cache.attend(layer_idx, q, k, v)`; the cache stores k and v
+q and k, and hands them to `cache.attend(layer_idx, q, k, v, positions)`; the cache stores k and v
 wherever it likes (a contiguous tensor in chapter 0, a pool of pages in chapter 3) and returns
-the attention output. With no cache, `DenseCausalAttention` is used: the reference that every
-other cache is tested against.
+the attention output. `layer_idx` is the layer's place in the model's own stack, so a model made
+of some of another's layers (speculative self-drafts) indexes its own cache. Positions are
+required with a cache: they say where each new token sits in its sequence (RoPE angles and the
+cache slots both come from them), and no cache guesses them. With no cache,
+`DenseCausalAttention` is used: causal attention over exactly the tokens passed in, the
+reference every other cache is tested against.
 
 Every projection is a plain `nn.Linear`. Faster CPU matmul routes, chosen by timing them on the
 reader's machine, live in `cpu_kernels` and are applied from outside (`load_model` does it on a
@@ -57,8 +61,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DenseCausalAttention:
     """The no-cache reference: causal attention over exactly the tokens passed in."""
 
-    def attend(self, layer_idx: int, q, k, v):
-        # q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D)
+    def attend(self, layer_idx: int, q, k, v, positions=None):
+        # q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D); the T tokens are the whole context
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
@@ -73,7 +77,7 @@ class Attention(nn.Module):
                                   bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, cache):
+    def forward(self, x, cos, sin, cache, layer_idx: int, positions):
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)          # (B, T, H + 2Hkv, D)
@@ -81,7 +85,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(1, 2), cos, sin)              # (B, H + Hkv, T, D): one rotation
         q, k = qk.split([H, Hkv], dim=1)                           # (B, H, T, D), (B, Hkv, T, D)
         v = v.transpose(1, 2)                                      # (B, Hkv, T, D)
-        y = cache.attend(self.layer_idx, q, k, v)                  # (B, H, T, D)
+        y = cache.attend(layer_idx, q, k, v, positions)            # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, H * D)                 # (B, T, C)
         return self.o_proj(y)
 
@@ -107,8 +111,8 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache):
-        x = x + self.attn(self.input_norm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache, layer_idx: int, positions):
+        x = x + self.attn(self.input_norm(x), cos, sin, cache, layer_idx, positions)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -139,16 +143,21 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         if positions is None:
-            start = getattr(cache, "seq_len", 0) if cache is not None else 0
-            positions = torch.arange(start, start + T, device=input_ids.device)
+            if cache is not None:
+                raise ValueError("positions are required when a cache is passed: the cache stores "
+                                 "each token at its position (e.g. torch.arange(start, start + T))")
+            positions = torch.arange(T, device=input_ids.device)
         if positions.dim() == 1:
             positions = positions[None, :]                          # (1, T), broadcast over B
+        if positions.dim() != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
+            raise ValueError(f"positions must be (T,), (1, T) or (B, T) with B={B}, T={T}, "
+                             f"got shape {tuple(positions.shape)}")
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         cos, sin = cos[:, None], sin[:, None]                      # (B or 1, 1, T, D)
         attn_cache = cache if cache is not None else DenseCausalAttention()
         x = self.embed(input_ids)                                  # (B, T, C)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn_cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_cache, i, positions)
         if logits_index is not None:
             x = x[:, logits_index]                                 # (B, T', C)
         return self.lm_head(self.norm(x))                          # (B, T or T', V)

@@ -5,31 +5,23 @@ applied, so plain decoding, the engine and speculative decoding (which must appl
 processing to the target's p and the draft's q) all agree. Randomness always comes from an
 explicit `torch.Generator`, so every result can be reproduced.
 """
-import math
 
 import torch
 
-
-def _real(name: str, value) -> float:
-    """A real number (bool, str, None and other types: TypeError; NaN and infinity: ValueError)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+from minillm._validate import check_real
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """The one validator of sampling parameters (`generate`, `SamplingParams`, speculative
     decoding): TypeError for the wrong type, ValueError naming the allowed range otherwise."""
-    if _real("temperature", temperature) < 0:
+    if check_real("temperature", temperature) < 0:
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             raise TypeError(f"top_k must be None or an int, got {type(top_k).__name__} {top_k!r}")
         if top_k < -1:
             raise ValueError(f"top_k must be None, -1/0 (off) or an int >= 1, got {top_k!r}")
-    if top_p is not None and not 0 < _real("top_p", top_p) <= 1:
+    if top_p is not None and not 0 < check_real("top_p", top_p) <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 

@@ -13,13 +13,8 @@ Blocks are shared by reference count:
   Full blocks stay shared for good. The first write into a shared, partly filled last block
   copies it first (copy-on-write): `append_tokens` returns `(src, dst)` pairs that the runner
   must copy before it writes the new tokens' KV.
-- prefix caching: once the KV of a full block is written (`mark_computed`), the block is
-  registered under a hash chained over its parent block's hash and its own tokens. A new
-  prompt whose leading blocks hash the same reuses them and skips their prefill. A hit also
-  checks the block's tokens and the identity of its parent block, so even a hash collision
-  can never hand out the wrong KV. Freed cached blocks keep their KV and stay findable until
-  the pool runs short; then the least recently freed one is evicted first. At most
-  `len(prompt) - 1` tokens are reported cached, so the prefill always has a query to run.
+- prefix caching (`prefix_cache.py`, mixed in here): full computed blocks are registered under
+  a chained hash, and a new prompt whose leading blocks hash the same reuses their KV.
 
 Left out on purpose: swapping blocks to CPU memory, sliding-window or per-layer tables, extra
 hash inputs (LoRA id, images, cache salt), and any scheduling policy: the manager only
@@ -27,6 +22,9 @@ answers "can I?" and raises `NoFreeBlocksError` (before changing anything) when 
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from minillm._validate import check_int
+from minillm.paging.prefix_cache import PrefixCache
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -41,21 +39,6 @@ class _Seq:
     chain: list = field(default_factory=list)  # per full computed block: (hash, identity or None)
 
 
-@dataclass(frozen=True)
-class _CacheEntry:
-    hash: int
-    tokens: tuple[int, ...]
-    parent: tuple[int, int] | None        # identity (block id, generation) of the parent block
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
-
-
 def _check_tokens(token_ids, allow_empty: bool = False) -> list[int]:
     if not isinstance(token_ids, (list, tuple)):
         raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
@@ -66,7 +49,7 @@ def _check_tokens(token_ids, allow_empty: bool = False) -> list[int]:
     return list(token_ids)
 
 
-class BlockManager:
+class BlockManager(PrefixCache):
     """A pool of `num_blocks` blocks of `block_size` tokens, with block tables, reference
     counts, fork + copy-on-write and (optionally) prefix caching.
 
@@ -84,15 +67,13 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        self.num_blocks = _check_int("num_blocks", num_blocks, 1)
-        self.block_size = _check_int("block_size", block_size, 1)
+        self.num_blocks = check_int("num_blocks", num_blocks, 1)
+        self.block_size = check_int("block_size", block_size, 1)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._ref = [0] * num_blocks
-        self._gen = [0] * num_blocks          # bumped when a block's cached identity is dropped
         self._free = deque(range(num_blocks))  # refcount 0, nothing cached in it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; LRU first
-        self._entry: dict[int, _CacheEntry] = {}   # block id -> what it caches
-        self._by_hash: dict[int, int] = {}         # chained hash -> block id
+        self._init_prefix_cache(num_blocks)
         self._seqs: dict = {}
         # queried_blocks: prompt blocks that could have hit ((len - 1) // P per prompt, with caching)
         self.stats = {"queried_blocks": 0, "hit_blocks": 0, "evicted_blocks": 0, "cow_copies": 0}
@@ -108,29 +89,15 @@ class BlockManager:
         """Blocks referenced by at least one sequence."""
         return self.num_blocks - self.num_free_blocks
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache (in use or evictable)."""
-        return len(self._entry)
-
     def blocks_needed(self, num_tokens: int) -> int:
         """ceil(num_tokens / P)."""
-        return -(-_check_int("num_tokens", num_tokens, 0) // self.block_size)
-
-    def block_hash(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-        """Chained hash of a full block: depends on every token before it through parent_hash
-        (None for the first block). A tuple of ints hashes the same in every process."""
-        return hash((-1 if parent_hash is None else parent_hash, tokens))
+        return -(-check_int("num_tokens", num_tokens, 0) // self.block_size)
 
     def ref_count(self, block_id: int) -> int:
-        _check_int("block_id", block_id, 0)
+        check_int("block_id", block_id, 0)
         if block_id >= self.num_blocks:
             raise ValueError(f"block_id must be < num_blocks={self.num_blocks}, got {block_id}")
         return self._ref[block_id]
-
-    def is_cached(self, block_id: int) -> bool:
-        """True when the block is registered in the prefix cache."""
-        return block_id in self._entry
 
     def free_block_ids(self) -> list[int]:
         """Ids of blocks with refcount 0: the plain free list, then evictable cached blocks (LRU first)."""
@@ -190,12 +157,6 @@ class BlockManager:
             else:
                 self._free.append(b)
 
-    def _uncache(self, b: int) -> None:
-        entry = self._entry.pop(b, None)
-        if entry is not None and self._by_hash.get(entry.hash) == b:
-            del self._by_hash[entry.hash]
-        self._gen[b] += 1  # blocks cached behind this one can no longer chain to it
-
     def _check_fits(self, num_tokens: int) -> int:
         need = self.blocks_needed(num_tokens)
         if need > self.num_blocks:
@@ -203,23 +164,6 @@ class BlockManager:
                              f"block_size={self.block_size}, but the pool has only "
                              f"num_blocks={self.num_blocks}")
         return need
-
-    def _lookup(self, tokens: list[int]) -> list[tuple[int, int]]:
-        """Cached blocks the prompt can reuse, as (block id, hash); at most (len - 1) // P."""
-        hits, P = [], self.block_size
-        if not self.enable_prefix_caching:
-            return hits
-        parent_hash, parent_id = None, None
-        for i in range((len(tokens) - 1) // P):
-            toks = tuple(tokens[i * P:(i + 1) * P])
-            h = self.block_hash(parent_hash, toks)
-            entry = self._entry.get(self._by_hash.get(h, -1))
-            if entry is None or entry.tokens != toks or entry.parent != parent_id:
-                break
-            b = self._by_hash[h]
-            hits.append((b, h))
-            parent_hash, parent_id = h, (b, self._gen[b])
-        return hits
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
@@ -263,7 +207,7 @@ class BlockManager:
         """The KV of the first `num_computed_tokens` tokens is written. With prefix caching, the
         full blocks among them become cache entries. A smaller number than before is ignored."""
         seq, P = self._get(seq_id), self.block_size
-        _check_int("num_computed_tokens", num_computed_tokens, 0)
+        check_int("num_computed_tokens", num_computed_tokens, 0)
         if num_computed_tokens > len(seq.tokens):
             raise ValueError(f"num_computed_tokens must be <= num_tokens={len(seq.tokens)}, "
                              f"got {num_computed_tokens}")
@@ -275,15 +219,7 @@ class BlockManager:
             toks = tuple(seq.tokens[i * P:(i + 1) * P])
             h, ident = self.block_hash(parent_hash, toks), None
             if i == 0 or parent_id is not None:  # a broken chain is never registered
-                b, owner = seq.table[i], self._by_hash.get(h)
-                if owner is None:
-                    if b in self._entry:  # a stale entry from before a truncate
-                        self._uncache(b)
-                    self._entry[b] = _CacheEntry(h, toks, parent_id)
-                    self._by_hash[h] = b
-                    ident = (b, self._gen[b])
-                elif self._entry[owner].tokens == toks and self._entry[owner].parent == parent_id:
-                    ident = (owner, self._gen[owner])  # same KV already cached in another block
+                ident = self._register(seq.table[i], h, toks, parent_id)
             seq.chain.append((h, ident))
 
     def _append_cost(self, seq: _Seq, num_new: int) -> tuple[int, bool]:
@@ -292,7 +228,7 @@ class BlockManager:
         return self.blocks_needed(n_old + num_new) - len(seq.table) + cow, cow
 
     def can_append(self, seq_id, num_new: int = 1) -> bool:
-        _check_int("num_new", num_new, 0)
+        check_int("num_new", num_new, 0)
         need, _ = self._append_cost(self._get(seq_id), num_new)
         return need <= self.num_free_blocks
 
@@ -323,7 +259,7 @@ class BlockManager:
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Roll the sequence back to its first `num_tokens` tokens (rejected speculative tokens)."""
         seq = self._get(seq_id)
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         if num_tokens > len(seq.tokens):
             raise ValueError(f"num_tokens must be <= num_tokens of the seq ({len(seq.tokens)}), "
                              f"got {num_tokens}")

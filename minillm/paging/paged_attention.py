@@ -240,8 +240,10 @@ class PagedKVCache:
                                                self.block_size, self.k.device)
         return self.metadata
 
-    def attend(self, layer_idx: int, q, k, v):
-        """q (1, H, M, D), k/v (1, Hkv, M, D) of the flattened batch -> (1, H, M, D)."""
+    def attend(self, layer_idx: int, q, k, v, positions=None):
+        """q (1, H, M, D), k/v (1, Hkv, M, D) of the flattened batch -> (1, H, M, D). The slots
+        and each query's context length come from `prepare`'s metadata (built from the same
+        positions the runner passes to the model), so `positions` is not read again here."""
         meta = self.metadata
         if meta is None:
             raise RuntimeError("PagedKVCache.attend called before prepare(...)")

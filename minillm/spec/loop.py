@@ -6,8 +6,9 @@ Letters: K draft tokens per step, V vocab. One step:
 2. the target runs ONE forward pass over [last emitted token, x_1..x_K]: K + 1 positions, so
    p_1..p_{K+1} come out together (the verify step);
 3. `rejection_sample` (or `greedy_verify` at temperature 0) keeps n drafts and one more token;
-4. both caches roll back: the target's KV for the rejected drafts is cut with `truncate`, the
-   draft model's cache truncates itself to the common prefix on its next call.
+4. both caches roll back, for free: the next verify writes its tokens at the positions right
+   after the accepted ones, over the rejected drafts' keys and values (a cache reads nothing
+   past a query's position); the draft model feeds from the end of its common prefix.
 
 The target cache always holds every token but the last emitted one, which is fed at the start
 of the next verify step. Sampling parameters go through `logits_to_probs` for p exactly as the
@@ -74,8 +75,8 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
     # len(prompt) + max_new_tokens - 2: the same room `generate` needs, within the context
     cache = KVCache(target.config, 1, len(prompt) + max_new_tokens, dev, target.dtype)
     if len(prompt) > 1:
-        target(torch.tensor([prompt[:-1]], device=dev), cache=cache,
-               logits_index=torch.tensor([len(prompt) - 2]))                  # prefill, (1, 1, V)
+        target(torch.tensor([prompt[:-1]], device=dev), torch.arange(len(prompt) - 1, device=dev),
+               cache, logits_index=torch.tensor([len(prompt) - 2]))           # prefill, (1, 1, V)
     out: list[int] = []
     while len(out) < max_new_tokens and not (out and out[-1] in stop):
         new = _step(target, proposer, cache, prompt + out, min(K, max_new_tokens - len(out) - 1),
@@ -90,7 +91,7 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
 def _step(target, proposer, cache, context, k, params, generator, stats) -> list[int]:
     """One draft + verify step; returns the new tokens (1 to k + 1 of them)."""
     temperature, top_k, top_p = params
-    dev, start = target.device, cache.seq_len                # cache holds context[:-1]
+    dev, start = target.device, len(context) - 1             # cache holds context[:-1]
     t0 = time.perf_counter()
     prop = proposer.propose([context], k, temperature, top_k, top_p, generator) if k else None
     if prop is not None and prop.num_proposed is not None:
@@ -98,7 +99,8 @@ def _step(target, proposer, cache, context, k, params, generator, stats) -> list
     t1 = time.perf_counter()
     drafts = prop.token_ids[:, :k].to(dev) if k else torch.zeros(1, 0, dtype=torch.long, device=dev)
     x = torch.cat([torch.tensor([[context[-1]]], device=dev), drafts], dim=1)     # (1, k + 1)
-    logits = target(x, cache=cache)                                                # (1, k + 1, V)
+    positions = torch.arange(start, start + k + 1, device=dev)                     # (k + 1,)
+    logits = target(x, positions, cache)                                           # (1, k + 1, V)
     if k == 0:                                               # a plain decode step
         tok = next_token(logits[:, -1], temperature, top_k, top_p, generator)
         stats.draft_s += t1 - t0
@@ -112,8 +114,7 @@ def _step(target, proposer, cache, context, k, params, generator, stats) -> list
         p = logits_to_probs(logits, temperature, top_k, top_p)                     # (1, k + 1, V)
         q = None if prop.probs is None else prop.probs[:, :k].to(dev)              # (1, k, V)
         tokens, n = rejection_sample(p, q, drafts, generator)
-    n = int(n[0])
-    cache.truncate(start + 1 + n)                            # keep last token + accepted drafts
+    n = int(n[0])      # rejected drafts stay in slots past start + n: the next step overwrites them
     stats.draft_s += t1 - t0
     stats.verify_s += time.perf_counter() - t1
     stats.num_proposed.append(k)

@@ -7,8 +7,8 @@ Letters: B batch, S context length, K draft tokens, V vocab.
   deterministic (q is one-hot), free to run; it shines when the output copies the input.
 - `DraftModelProposer`: any minillm-style model with the target's vocabulary samples K tokens
   with the same temperature / top-k / top-p as the target and reports its processed q. At batch 1
-  it keeps a contiguous `KVCache` and rolls it back with `truncate()` to the longest prefix it
-  shares with the next context (rejected drafts simply fall off); it keeps one such cache for
+  it keeps a contiguous `KVCache` and feeds the next context from the end of the longest prefix
+  it shares with it, at those positions (rejected drafts are simply overwritten); it keeps one such cache for
   each of up to `max_cached_seqs` sequences, so an engine can call it for one sequence after
   another. Larger batches of equal-length
   contexts recompute without a cache (the reference path; the engine's paged cache does better).
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from minillm.model.kv_cache import KVCache
-from minillm.model.llama import DenseCausalAttention, rope_cos_sin
+from minillm.model.llama import Transformer
 from minillm.model.sampling import check_sampling_args, logits_to_probs
 
 
@@ -143,9 +143,10 @@ class DraftModelProposer:
         slot = self._slot_for(context, key)
         cache = slot[0]
         m = min(self._common(slot[1], context), len(context) - 1)   # feed >= 1 token
-        cache.truncate(m)                          # roll back rejected drafts
+        # feed the tokens from m on at their positions: they overwrite any rejected drafts there
         x = torch.tensor([context[m:]], device=self.model.device)                # (1, T)
-        logits = self.model(x, cache=cache, logits_index=torch.tensor([x.shape[1] - 1]))
+        positions = torch.arange(m, len(context), device=self.model.device)     # (T,)
+        logits = self.model(x, positions, cache, logits_index=torch.tensor([x.shape[1] - 1]))
         slot[1] = list(context)
         return logits[:, -1]                                                      # (1, V)
 
@@ -189,21 +190,13 @@ def draw(probs: torch.Tensor, generator=None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-class _RemapCache:
-    """Present a subset model's layers to a cache as layers 0..L'-1."""
-
-    def __init__(self, cache, index: dict[int, int]):
-        self.cache, self.index = cache, index
-
-    def attend(self, layer_idx: int, q, k, v):
-        return self.cache.attend(self.index[layer_idx], q, k, v)
-
-
-class LayerSubsetModel(nn.Module):
-    """The target with only some of its layers: same embed, final norm and lm_head (shared)."""
+class LayerSubsetModel(Transformer):
+    """The target with only some of its layers: the same embed, blocks, final norm and lm_head
+    (shared, not copied), run by the Transformer's own forward. Its cache has one layer per kept
+    block, indexed by the block's place in this model (the model passes that index)."""
 
     def __init__(self, model, layers: list[int]):
-        super().__init__()
+        nn.Module.__init__(self)                                # share the target's modules
         n = model.config.n_layer
         if not layers or sorted(set(layers)) != list(layers) or not 0 <= layers[0] <= layers[-1] < n:
             raise ValueError(f"layers must be a non-empty increasing list of indices in [0, {n})")
@@ -211,26 +204,6 @@ class LayerSubsetModel(nn.Module):
         self.config = model.config.with_(n_layer=len(layers))
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
         self.layers = nn.ModuleList(model.layers[i] for i in layers)
-
-    device = property(lambda self: self.embed.weight.device)
-    dtype = property(lambda self: self.embed.weight.dtype)
-
-    def forward(self, input_ids, positions=None, cache=None, logits_index=None):
-        B, T = input_ids.shape
-        if positions is None:
-            start = getattr(cache, "seq_len", 0) if cache is not None else 0
-            positions = torch.arange(start, start + T, device=input_ids.device)
-        positions = positions[None, :] if positions.dim() == 1 else positions     # (B or 1, T)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        cos, sin = cos[:, None], sin[:, None]                                      # (B, 1, T, D)
-        attn = DenseCausalAttention() if cache is None else \
-            _RemapCache(cache, {orig: j for j, orig in enumerate(self.layer_ids)})
-        x = self.embed(input_ids)                                                  # (B, T, C)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        if logits_index is not None:
-            x = x[:, logits_index]                                                 # (B, T', C)
-        return self.lm_head(self.norm(x))                                          # (B, T, V)
 
 
 def early_exit_model(model, num_layers: int) -> LayerSubsetModel:

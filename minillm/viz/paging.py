@@ -4,8 +4,9 @@ Letters: N physical blocks, P block size (token slots per block).
 
 - `snapshot(bm)` copies a `BlockManager`'s state into a plain dict; `plot_block_tables` draws a
   list of snapshots, one panel each: every sequence's block table (logical block -> physical
-  block, the filled part of each block shaded) above the physical pool (refcount per block,
-  cached blocks hatched, copy-on-write copies as red arrows).
+  block, the filled part of each block shaded) above the physical pool (neutral blocks; a thick
+  edge and "xN" mark refcount N > 1, cached blocks are hatched, copy-on-write copies are red
+  arrows), with a legend (`legend_handles`).
 - `heavy_tailed_workload` + `simulate_memory` run a seeded workload through the real
   `BlockManager` and count KV slots used, allocated (paging) and reserved (a contiguous
   max-length reservation per request); `plot_memory_timeline`, `plot_waste_vs_block_size`.
@@ -17,11 +18,16 @@ out: the scheduler chapter does that), and the KV tensors themselves (minillm.pa
 """
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from minillm.paging.block_manager import BlockManager
 
-REF_COLORS = {0: "white", 1: "#9ecae1", 2: "#fdae6b"}  # refcount >= 2 share one colour
+# Colour means one thing only: which sequence (its row, its arrows). Physical blocks are neutral:
+# white = free, grey = in use; a block with refcount > 1 gets a thick edge and a bold "xN"
+# (N = refcount), and a block in the prefix cache is hatched. Every figure carries that legend.
+REF_COLORS = {0: "white", 1: "#d9d9d9", 2: "#d9d9d9"}  # refcount 0 / 1 / >= 2 (shared: thick edge)
+SHARED_EDGE = 2.4                                      # edge width of a block with refcount > 1
 
 
 def snapshot(bm: BlockManager) -> dict:
@@ -34,25 +40,32 @@ def snapshot(bm: BlockManager) -> dict:
             "cached": [bm.is_cached(b) for b in range(bm.num_blocks)]}
 
 
+def _draw_pool_block(ax, b: int, rc: int, cached: bool, y: float) -> None:
+    shared = rc > 1
+    ax.add_patch(Rectangle((b, y), 0.9, 0.9, facecolor=REF_COLORS[min(rc, 2)], edgecolor="black",
+                           lw=SHARED_EDGE if shared else 0.8, hatch="//" if cached else None))
+    box = dict(facecolor=REF_COLORS[min(rc, 2)], edgecolor="none", pad=0.3)  # readable on hatch
+    ax.text(b + 0.45, y + 0.62, f"#{b}", ha="center", va="center", fontsize=8, bbox=box)
+    ax.text(b + 0.45, y + 0.25, f"\u00d7{rc}" if shared else f"rc={rc}", ha="center", va="center",
+            fontsize=8 if shared else 7, fontweight="bold" if shared else "normal", bbox=box)
+
+
 def _draw_panel(ax, snap: dict, title: str, copies) -> None:
     P, refs, tables = snap["block_size"], snap["ref_counts"], snap["tables"]
     rows = len(tables)
     pool_y = 0.0
     for b, rc in enumerate(refs):  # the physical pool, bottom row
-        ax.add_patch(Rectangle((b, pool_y), 0.9, 0.9, facecolor=REF_COLORS[min(rc, 2)],
-                               edgecolor="black", hatch="//" if snap["cached"][b] else None))
-        box = dict(facecolor=REF_COLORS[min(rc, 2)], edgecolor="none", pad=0.3)  # readable on hatch
-        ax.text(b + 0.45, pool_y + 0.62, f"#{b}", ha="center", va="center", fontsize=8, bbox=box)
-        ax.text(b + 0.45, pool_y + 0.25, f"rc={rc}", ha="center", va="center", fontsize=7, bbox=box)
+        _draw_pool_block(ax, b, rc, snap["cached"][b], pool_y)
     ax.text(-0.3, pool_y + 0.45, "physical\nblocks", ha="right", va="center", fontsize=8)
     for r, (s, table) in enumerate(tables.items()):  # one row per sequence, above the pool
         y, n = 2.0 + 1.5 * (rows - 1 - r), snap["num_tokens"][s]
-        color = f"C{r % 10}"
+        color = f"C{r % 10}"                          # the sequence's colour, used for nothing else
         ax.text(-0.3, y + 0.45, f"seq {s}\n{n} tok", ha="right", va="center", fontsize=8, color=color)
         for j, b in enumerate(table):
             filled = min(P, n - j * P) / P
             ax.add_patch(Rectangle((j, y), 0.9 * filled, 0.9, facecolor=color, alpha=0.25))
-            ax.add_patch(Rectangle((j, y), 0.9, 0.9, fill=False, edgecolor=color))
+            ax.add_patch(Rectangle((j, y), 0.9, 0.9, fill=False, edgecolor=color,
+                                   lw=SHARED_EDGE if refs[b] > 1 else 0.8))
             ax.text(j + 0.45, y + 0.45, f"L{j}\u2192{b}", ha="center", va="center", fontsize=7)
             ax.add_patch(FancyArrowPatch((j + 0.45, y), (b + 0.45, pool_y + 0.9), arrowstyle="-|>",
                                          mutation_scale=8, color=color, alpha=0.6, lw=0.8))
@@ -69,10 +82,25 @@ def _draw_panel(ax, snap: dict, title: str, copies) -> None:
     ax.axis("off")
 
 
+def legend_handles(with_copies: bool = True) -> list:
+    """The legend every block-table figure carries: what fill, edge, hatch and red mean."""
+    handles = [Patch(facecolor=REF_COLORS[0], edgecolor="black", lw=0.8, label="free (refcount 0)"),
+               Patch(facecolor=REF_COLORS[1], edgecolor="black", lw=0.8, label="in use by one sequence"),
+               Patch(facecolor=REF_COLORS[2], edgecolor="black", lw=SHARED_EDGE,
+                     label="shared: refcount \u00d7N > 1 (thick edge)"),
+               Patch(facecolor="white", edgecolor="black", hatch="//", label="in the prefix cache"),
+               Patch(facecolor="C0", alpha=0.25, edgecolor="C0",
+                     label="a sequence's logical block (colour = sequence; shade = filled part)")]
+    if with_copies:
+        handles.append(Line2D([], [], color="red", lw=1.5, label="copy-on-write copy src\u2192dst"))
+    return handles
+
+
 def plot_block_tables(snapshots: list[dict], titles: list[str] | None = None,
                       copies: list | None = None):
     """One panel per snapshot, top to bottom. `copies[i]`: CoW (src, dst) pairs of step i.
-    Colours: white = free, blue = refcount 1, orange = shared (refcount >= 2); hatched = cached."""
+    Physical blocks: white = free, grey = in use, thick edge and "xN" = shared by N > 1
+    sequences, hatched = in the prefix cache; colour only tells the sequences apart (legend below)."""
     if not snapshots:
         raise ValueError("snapshots must hold at least one snapshot")
     titles = titles or [f"step {i}" for i in range(len(snapshots))]
@@ -82,11 +110,15 @@ def plot_block_tables(snapshots: list[dict], titles: list[str] | None = None,
     heights = [1.6 + 0.75 * max(len(s["tables"]), 1) for s in snapshots]
     width = max(max(len(s["ref_counts"]), *(len(t) for t in s["tables"].values()), 1)
                 for s in snapshots)
-    fig, axes = plt.subplots(len(snapshots), 1, figsize=(1.5 + 0.62 * width, sum(heights)),
+    legend_h = 0.85
+    fig, axes = plt.subplots(len(snapshots), 1, figsize=(max(1.5 + 0.62 * width, 7.0),
+                                                          sum(heights) + legend_h),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, snap, title, cp in zip(axes[:, 0], snapshots, titles, copies):
         _draw_panel(ax, snap, title, cp)
-    fig.tight_layout()
+    fig.legend(handles=legend_handles(any(copies)), loc="lower center", ncol=2, fontsize=7,
+               frameon=False)
+    fig.tight_layout(rect=(0, legend_h / (sum(heights) + legend_h), 1, 1))
     return fig
 
 

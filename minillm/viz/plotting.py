@@ -13,7 +13,8 @@ from pathlib import Path
 
 import matplotlib
 
-REPO_ROOT = Path(__file__).resolve().parents[2]   # the source tree: read-only data lives here
+REPO_ROOT = Path(__file__).resolve().parents[2]   # the source checkout (gpu_run runs its tests);
+                                                  # data paths come from project_root() or $MINILLM_*
 FIGURES_ENV = "MINILLM_FIGURES_DIR"
 
 

@@ -14,45 +14,71 @@ from minillm.analysis.roofline import Hardware, OpCost, decode_costs, total_cost
 GiB = 2**30
 
 
+def _group(label: str) -> str:
+    """A measured point's kind: the first word of a label such as "matmul B=4" or "step B=1"."""
+    head, _, rest = label.partition(" ")
+    return head if rest else "measured"
+
+
 def plot_roofline(hardware, dtype="bf16", predicted=(), measured=(), title=None):
     """Log-log roofline of one or more `Hardware`, with points.
 
-    predicted: (label, OpCost) pairs, drawn hollow on the first hardware's roof (attainable).
-    measured: objects with .label, .intensity, .achieved (e.g. `MeasuredPoint`), drawn filled.
+    predicted: (label, OpCost) pairs, drawn hollow (grey) on the first hardware's roof.
+    measured: objects with .label, .intensity, .achieved (e.g. `MeasuredPoint`), drawn filled;
+    colour and marker say the kind (the label's first word: "matmul", "step"), the text beside a
+    point only the rest of its label, on a side of its own per kind so that labels do not overlap.
+    The legend lists only what is drawn.
     """
     hws = [hardware] if isinstance(hardware, Hardware) else list(hardware)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     xs = np.logspace(-1, 4, 200)
-    for i, hw in enumerate(hws):
+    for hw in hws:
         ys = [hw.attainable(x, dtype) for x in xs]
         line, = ax.plot(xs, ys, lw=2, label=f"{hw.name} {dtype} (ridge {hw.ridge(dtype):.0f})")
         ax.axvline(hw.ridge(dtype), color=line.get_color(), ls=":", lw=1)
-    colors = plt.cm.viridis(np.linspace(0.05, 0.9, max(len(predicted), len(measured), 1)))
-    for c, (label, cost) in zip(colors, predicted):
-        ax.scatter(cost.intensity, hws[0].attainable(cost.intensity, dtype), s=60,
-                   facecolors="none", edgecolors=[c], lw=1.5, zorder=3)
-        ax.annotate(label, (cost.intensity, hws[0].attainable(cost.intensity, dtype)),
-                    textcoords="offset points", xytext=(4, 6), fontsize=7)
-    for c, p in zip(colors, measured):
-        ax.scatter(p.intensity, p.achieved, s=40, color=c, marker="s", zorder=4)
-        ax.annotate(p.label, (p.intensity, p.achieved), textcoords="offset points",
-                    xytext=(4, -10), fontsize=7)
+    for label, cost in predicted:
+        y = hws[0].attainable(cost.intensity, dtype)
+        ax.scatter(cost.intensity, y, s=60, facecolors="none", edgecolors="0.35", lw=1.5, zorder=3)
+        ax.annotate(label, (cost.intensity, y), textcoords="offset points", xytext=(7, -9),
+                    ha="left", fontsize=7, color="0.35")
+    if predicted:
+        ax.scatter([], [], facecolors="none", edgecolors="0.35", label="predicted (on the roof)")
+    groups = list(dict.fromkeys(_group(p.label) for p in measured))
+    offsets = [((6, -4), "left"), ((-6, -4), "right"), ((6, 6), "left")]
+    for gi, group in enumerate(groups):
+        pts = [p for p in measured if _group(p.label) == group]
+        color, marker = plt.cm.tab10(3 + gi), "sD^v"[gi % 4]
+        ax.scatter([p.intensity for p in pts], [p.achieved for p in pts], s=40, color=color,
+                   marker=marker, zorder=4, label=f"measured: {group}")
+        xytext, ha = offsets[gi % len(offsets)]
+        for p in pts:
+            text = p.label.partition(" ")[2] or p.label
+            ax.annotate(text, (p.intensity, p.achieved), textcoords="offset points",
+                        xytext=xytext, ha=ha, fontsize=7, color=color)
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
            ylabel="FLOP/s", title=title or "Roofline")
-    if predicted or measured:
-        ax.scatter([], [], facecolors="none", edgecolors="k", label="predicted (on the roof)")
-        ax.scatter([], [], color="k", marker="s", label="measured")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, which="both", alpha=0.2)
     return fig
 
 
-def plot_decode_vs_batch(batches, predicted_s, measured_s=None, title=None):
-    """Decode step time vs batch: flat while weight reads dominate, then rising."""
+def plot_decode_vs_batch(batches, predicted_s, measured_s=None, title=None, max_batch=None):
+    """Decode step time vs batch: flat while weight reads dominate, then rising.
+
+    max_batch: the largest batch whose KV cache fits (e.g. `plan_capacity(...).max_num_seqs`);
+    larger batches are drawn grey, past a dotted line, as points no card of that size can run.
+    """
+    batches, pred = np.asarray(batches), np.asarray(predicted_s) * 1e3
+    fits = np.ones(len(batches), bool) if max_batch is None else batches <= max_batch
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(batches, np.asarray(predicted_s) * 1e3, "o-", label="roofline lower bound")
+    ax.plot(batches[fits], pred[fits], "o-", label="roofline lower bound")
     if measured_s is not None:
-        ax.plot(batches, np.asarray(measured_s) * 1e3, "s--", label="measured")
+        meas = np.asarray(measured_s) * 1e3
+        ax.plot(batches[fits], meas[fits], "s--", label="measured")
+    if not fits.all():
+        ax.plot(batches[~fits], pred[~fits], "x:", color="0.6",
+                label=f"KV does not fit (B > {max_batch})")
+        ax.axvline(max_batch, color="0.6", ls=":", lw=1)
     ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="decode step time (ms)",
            title=title or "One decode step vs batch size")
     ax.legend()
@@ -74,9 +100,17 @@ def plot_skinny_matmul(rows, times: dict, title=None):
 
 
 def plot_decode_breakdown(parts: dict, title=None):
-    """One horizontal bar: where a measured decode step's time goes (ms)."""
-    keys = [("weights_s", "weight reads"), ("kv_s", "KV reads"),
-            ("activations_s", "activations"), ("overhead_s", "unexplained (overhead)")]
+    """One horizontal bar: where a measured decode step's time goes (ms).
+
+    With the keys of `decode_breakdown(..., matmul_s=...)` the unexplained part is drawn as
+    "matmuls below the roof" and "everything else"; without them as one "overhead" piece.
+    """
+    keys = [("weights_s", "weight reads at the roof"), ("kv_s", "KV reads"),
+            ("activations_s", "activations")]
+    if "matmul_below_roof_s" in parts:
+        keys += [("matmul_below_roof_s", "matmuls below the roof"), ("other_s", "everything else")]
+    else:
+        keys += [("overhead_s", "unexplained (overhead)")]
     fig, ax = plt.subplots(figsize=(7, 2.2))
     left = 0.0
     for key, label in keys:

@@ -37,7 +37,7 @@ def roofline_view(hw: Hardware, model: str, dtype: str, batch: int, context: int
 
 
 def kv_view(model: str, dtype: str, context: int, batch: int, kv_heads: int,
-            memory_bytes: float = 80e9):
+            memory_bytes: float = 80 * 2**30):
     """(Figure, summary text) of weights vs KV memory with `kv_heads` KV heads."""
     cfg = get_config(model).with_(n_kv_head=kv_heads)
     contexts = [2**i for i in range(7, 18) if 2**i <= max(cfg.max_seq_len, context) * 4]

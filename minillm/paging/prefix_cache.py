@@ -1,0 +1,121 @@
+"""Prefix caching's index: which physical blocks hold the KV of which full blocks of tokens.
+
+Mixed into `BlockManager` (which owns the pool, the refcounts and the LRU of freed blocks); this
+part only answers "is this block's KV already somewhere?" and keeps the answer exact.
+
+Once the KV of a full block is written (`mark_computed`), the block is registered under a hash
+chained over its parent block's hash and its own tokens. A new prompt whose leading blocks hash
+the same reuses them and skips their prefill. A hit also checks the block's tokens and the
+identity of its parent block, so even a hash collision can never hand out the wrong KV. Freed
+cached blocks keep their KV and stay findable until the pool runs short; then the least recently
+freed one is evicted first. At most `len(prompt) - 1` tokens are reported cached, so the prefill
+always has a query to run.
+
+Two rules keep hits from being lost when blocks come and go:
+- a block computed while another block already caches the same KV is kept as a stand-in; when
+  the owner leaves the cache, the stand-in takes over its hash;
+- an orphan (a cached block whose parent block has left the cache: no chain reaches it any
+  more) gives its hash up to the same block computed again after a live parent.
+
+Letters: P block size.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class _CacheEntry:
+    hash: int
+    tokens: tuple[int, ...]
+    parent: tuple[int, int] | None        # identity (block id, generation) of the parent block
+
+
+class PrefixCache:
+    """The hash index, as a mixin: needs the host's `_ref`, `_free`, `_evictable`, `block_size`
+    and `enable_prefix_caching`."""
+
+    def _init_prefix_cache(self, num_blocks: int) -> None:
+        self._gen = [0] * num_blocks               # bumped when a block's cached identity is dropped
+        self._entry: dict[int, _CacheEntry] = {}   # block id -> what it caches
+        self._by_hash: dict[int, int] = {}         # chained hash -> block id (the owner)
+        self._dups: dict[int, list[int]] = {}      # hash -> other blocks with the owner's KV
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or evictable)."""
+        return len(self._entry)
+
+    def block_hash(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+        """Chained hash of a full block: depends on every token before it through parent_hash
+        (None for the first block). A tuple of ints hashes the same in every process."""
+        return hash((-1 if parent_hash is None else parent_hash, tokens))
+
+    def is_cached(self, block_id: int) -> bool:
+        """True when the block is registered in the prefix cache."""
+        return block_id in self._entry
+
+    def _uncache(self, b: int) -> None:
+        entry = self._entry.pop(b, None)
+        if entry is not None:
+            dups = self._dups.get(entry.hash, [])
+            if self._by_hash.get(entry.hash) == b:
+                del self._by_hash[entry.hash]
+                if dups:                   # a copy of the same KV takes over the hash
+                    self._by_hash[entry.hash] = dups.pop(0)
+            elif b in dups:
+                dups.remove(b)
+            if not dups:
+                self._dups.pop(entry.hash, None)
+        self._gen[b] += 1  # blocks cached behind this one can no longer chain to it
+
+    def _is_orphan(self, b: int) -> bool:
+        """A cached block whose parent block has since left the cache: no chain reaches it."""
+        parent = self._entry[b].parent
+        return parent is not None and self._gen[parent[0]] != parent[1]
+
+    def _register(self, b: int, h: int, toks: tuple, parent_id) -> tuple[int, int] | None:
+        """Cache block b's KV (full, computed, tokens `toks` after `parent_id`) under hash h.
+        Returns the identity the sequence's chain continues with, or None for a collision."""
+        owner = self._by_hash.get(h)
+        if owner is not None and owner != b and self._is_orphan(owner):
+            self._uncache(owner)           # unreachable: let the new block own the hash
+            if self._ref[owner] == 0:
+                del self._evictable[owner]
+                self._free.append(owner)
+            owner = self._by_hash.get(h)   # a duplicate of the orphan may have taken over
+        if owner is None or owner == b:
+            if b in self._entry and owner != b:   # a stale entry from before a truncate
+                self._uncache(b)
+            self._entry[b] = _CacheEntry(h, toks, parent_id)
+            self._by_hash[h] = b
+            return b, self._gen[b]
+        entry = self._entry[owner]
+        if entry.tokens != toks or entry.parent != parent_id:
+            return None                    # a hash collision: never chain through it
+        if b in self._entry and self._entry[b].hash != h:
+            self._uncache(b)               # a stale entry from before a truncate
+        if b not in self._entry:           # same KV as the owner: kept as a stand-in
+            self._entry[b] = _CacheEntry(h, toks, parent_id)
+            self._dups.setdefault(h, []).append(b)
+        return owner, self._gen[owner]
+
+    def _lookup(self, tokens: list[int]) -> list[tuple[int, int]]:
+        """Cached blocks the prompt can reuse, as (block id, hash); at most (len - 1) // P."""
+        hits, P = [], self.block_size
+        if not self.enable_prefix_caching:
+            return hits
+        parent_hash, parent_id = None, None
+        for i in range((len(tokens) - 1) // P):
+            toks = tuple(tokens[i * P:(i + 1) * P])
+            h = self.block_hash(parent_hash, toks)
+            entry = self._entry.get(self._by_hash.get(h, -1))
+            if entry is None or entry.tokens != toks or entry.parent != parent_id:
+                break
+            b = self._by_hash[h]
+            hits.append((b, h))
+            parent_hash, parent_id = h, (b, self._gen[b])
+        return hits
+
+    def num_cached_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
+        it changes no block, no LRU order and no statistic."""
+        return len(self._lookup(_check_tokens(token_ids))) * self.block_size
