@@ -311,3 +311,32 @@ def test_measure_decode_matmuls_runs_every_linear_once(monkeypatch):
     assert all(shape == (3, m.in_features) for m, shape in calls)
     with pytest.raises(ValueError, match="batch_sizes"):
         measure.measure_decode_matmuls(model, (0,))
+
+
+# ---------------------------------------------------------------- chapter 5: the ridge chunk
+
+@pytest.mark.parametrize("model_name,hw_name,dtype,ctx", [
+    ("smollm2-135m", "h100-sxm", "bf16", 0), ("llama-3-8b", "h100-sxm", "bf16", 0),
+    ("llama-3-8b", "a100-80gb-sxm", "bf16", 512), ("smollm2-135m", "cpu", "fp32", 0)])
+def test_chunk_compute_bound_tokens_is_the_first_chunk_past_the_ridge(model_name, hw_name, dtype, ctx):
+    from minillm.analysis.roofline import chunk_compute_bound_tokens
+    cfg = get_config(model_name)
+    hw = (Hardware("a 2-core CPU", {"fp32": 2e10}, 4.4e9, 16e9) if hw_name == "cpu"
+          else get_hardware(hw_name))
+    t = 1                                            # linear scan, against the bisection
+    while total_cost(step_costs(cfg, 1, t, ctx, dtype)).intensity < hw.ridge(dtype):
+        t += 1
+    assert chunk_compute_bound_tokens(cfg, hw, dtype, context_len=ctx) == t
+    # fp32 weights-only estimate: 2 FLOP per 4-byte weight per token -> T ~ 2 x ridge (~9 here)
+    if hw_name == "cpu":
+        assert 2 * hw.ridge(dtype) <= t <= 4 * hw.ridge(dtype)
+
+
+def test_chunk_compute_bound_tokens_none_and_bad_input():
+    from minillm.analysis.roofline import chunk_compute_bound_tokens
+    cfg, hw = get_config("smollm2-135m"), get_hardware("h100-sxm")
+    assert chunk_compute_bound_tokens(cfg, hw, "bf16", max_tokens=8) is None
+    with pytest.raises(ValueError, match="context_len"):
+        chunk_compute_bound_tokens(cfg, hw, "bf16", context_len=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        chunk_compute_bound_tokens(cfg, hw, "bf16", max_tokens=0)

@@ -239,3 +239,30 @@ def decode_compute_bound_batch(cfg: ModelConfig, hw: Hardware, context_len: int 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if intensity(mid) >= ridge else (mid + 1, hi)
     return lo
+
+
+def chunk_compute_bound_tokens(cfg: ModelConfig, hw: Hardware, dtype="bf16", context_len: int = 0,
+                               kv_dtype=None, max_tokens: int = 1 << 20) -> int | None:
+    """Smallest prefill chunk (T new tokens of one prompt, after `context_len` cached ones) whose
+    step reaches the ridge point: below it the step costs about one weight read, however many
+    tokens it carries ("rides free" on the read a decode step pays anyway); above it every
+    extra token adds its FLOPs to the step time (chapter 5's chunk size).
+
+    Only the chunk's last position goes through lm_head, as in a server. Intensity grows with T
+    (the weights are read once, the FLOPs grow with T), so a bisection works. Returns None if
+    even `max_tokens` stays below the ridge.
+    """
+    _check_pos_int("context_len", context_len, allow_zero=True)
+    _check_pos_int("max_tokens", max_tokens)
+    ridge = hw.ridge(dtype)
+
+    def intensity(t: int) -> float:
+        return total_cost(step_costs(cfg, 1, t, context_len, dtype, kv_dtype)).intensity
+
+    if intensity(max_tokens) < ridge:
+        return None
+    lo, hi = 1, max_tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if intensity(mid) >= ridge else (mid + 1, hi)
+    return lo

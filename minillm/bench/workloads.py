@@ -4,13 +4,15 @@ A workload is a list of `WorkloadRequest(arrival, prompt_token_ids, max_tokens)`
 - `poisson_workload`: Poisson arrivals (exponential gaps) with heavy-tailed (bounded Pareto)
   prompt and output lengths: most requests are short, a few are very long, as in real traffic;
 - `long_prompt_workload`: requests decoding steadily when one very long prompt arrives mid-run
-  (the prefill stall that chunked prefill removes);
+  (the prefill stall that chunked prefill removes), optionally with short prompts queued behind it;
 - `shared_prefix_workload`: every prompt starts with the same system prompt (prefix caching).
 Prompts are random token ids: the engine's cost depends on lengths, not on what the words mean.
 
 `replay(engine, workload)` adds each request when its arrival comes due, on the wall clock
 (`time_unit="seconds"`; idle gaps are skipped, not slept) or on the engine's step counter
 (`time_unit="steps"`, deterministic), and steps the engine until everything has finished.
+`request_latencies(outputs, trace)` turns a run into per-request TTFT and decode gaps, in engine
+steps (deterministic) and in seconds.
 
 Left out on purpose: real conversation traces and token-level streaming to clients.
 """
@@ -58,12 +60,19 @@ def poisson_workload(num_requests: int, rate: float, vocab_size: int, seed: int 
 
 def long_prompt_workload(vocab_size: int, num_running: int = 8, output_len: int = 64,
                          short_prompt_len: int = 16, long_prompt_len: int = 1024,
-                         arrival: float = 8, seed: int = 0) -> list[WorkloadRequest]:
-    """`num_running` short requests start at 0; one `long_prompt_len` prompt arrives at `arrival`."""
+                         arrival: float = 8, seed: int = 0,
+                         num_behind: int = 0) -> list[WorkloadRequest]:
+    """`num_running` short requests start at 0; one `long_prompt_len` prompt arrives at `arrival`,
+    followed in the queue by `num_behind` short requests arriving at the same moment (they wait
+    behind it: head-of-line blocking). Order: running, long, behind."""
+    if isinstance(num_behind, bool) or not isinstance(num_behind, int) or num_behind < 0:
+        raise ValueError(f"num_behind must be an int >= 0, got {num_behind!r}")
     rng = random.Random(seed)
     reqs = [WorkloadRequest(0.0, _tokens(rng, short_prompt_len, vocab_size), output_len)
             for _ in range(num_running)]
-    return reqs + [WorkloadRequest(float(arrival), _tokens(rng, long_prompt_len, vocab_size), 8)]
+    reqs.append(WorkloadRequest(float(arrival), _tokens(rng, long_prompt_len, vocab_size), 8))
+    return reqs + [WorkloadRequest(float(arrival), _tokens(rng, short_prompt_len, vocab_size), 8)
+                   for _ in range(num_behind)]
 
 
 def shared_prefix_workload(num_requests: int, vocab_size: int, system_len: int = 256,
@@ -113,3 +122,26 @@ def replay(engine, workload: list[WorkloadRequest], time_unit: str = "seconds",
                 bar.update(1)
     bar.close()
     return [done[i] for i in range(len(workload))]
+
+
+def request_latencies(outputs: list[RequestOutput], trace: list[dict]) -> list[dict]:
+    """Per request, in the order of `outputs` (from `replay`), from its metrics and the engine trace:
+    - 'ttft_steps': engine steps from its arrival through the one that sampled its first token
+      (1: the very next step did it); deterministic, unlike
+    - 'ttft': the same wait in seconds;
+    - 'max_gap_steps': most engine steps between two of its decode tokens (1: a token every step);
+    - 'itl': its inter-token gaps in seconds (completion 0)."""
+    decode_steps: dict[str, list[int]] = {}
+    for row in trace:
+        pre = set(row["prefill_request_ids"])
+        for rid in row["request_ids"]:
+            if rid not in pre:
+                decode_steps.setdefault(rid, []).append(row["step"])
+    rows = []
+    for o in outputs:
+        m, steps = o.metrics, decode_steps.get(o.request_id, [])
+        rows.append(dict(
+            ttft_steps=None if m.first_token_step is None else m.first_token_step - m.arrival_step + 1,
+            ttft=m.ttft, max_gap_steps=max((b - a for a, b in zip(steps, steps[1:])), default=None),
+            itl=[b - a for a, b in zip(m.token_times, m.token_times[1:])]))
+    return rows

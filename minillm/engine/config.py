@@ -4,11 +4,13 @@ validated when it is made (a bad value raises ValueError naming the field and it
 Pool: `num_blocks`, else `gpu_memory_utilization` on a GPU, else `kv_cache_memory_bytes`
 (engine_args.py). Batch: `max_num_seqs` (default: min(32, the token budget)) and the token budget
 `max_num_batched_tokens`, which must cover one token per running sequence and one verify step.
-Memory of a long-running engine: `retain_finished` finished requests and `max_trace_steps` trace
-rows are kept, the oldest dropped first.
+Order within a step: decodes first (default), or `prefill_first=True` (prompts first, as vLLM's V0
+scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a long-running
+engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
+dropped first.
 """
 from dataclasses import dataclass
-from minillm._validate import check_int, check_real
+from minillm._validate import ArgumentTypeError, check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class EngineConfig:
     max_num_seqs: int | None = None                # None: min(32, what the token budget allows)
     max_num_batched_tokens: int = 256
     enable_chunked_prefill: bool = True
+    prefill_first: bool = False                  # True: prompts take the budget before decodes
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"           # or "swap"
     scheduling: str = "continuous"               # or "static" (the baseline)
@@ -43,6 +46,9 @@ class EngineConfig:
             check_int(f"EngineConfig.{name}", getattr(self, name), 1)
         if self.num_blocks is not None:
             check_int("EngineConfig.num_blocks (None or)", self.num_blocks, 1)
+        if not isinstance(self.prefill_first, bool):
+            raise ArgumentTypeError(f"EngineConfig.prefill_first must be True or False, got "
+                                    f"{self.prefill_first!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):

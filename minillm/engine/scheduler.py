@@ -11,7 +11,13 @@ One step (`schedule()`), with a token budget of `max_num_batched_tokens`:
 2. swapped sequences come back while blocks allow;
 3. waiting sequences are admitted while `max_num_seqs`, the budget and free blocks allow.
 With chunked prefill a prompt takes whatever budget is left (a chunk); without it a prompt runs
-whole, and only if it fits or is the step's first prefill. Static batching, the baseline that
+whole, and only if it fits or is the step's first prefill.
+
+`prefill_first=True` turns the order around (the default, decode-first, is Sarathi-Serve's and
+vLLM's with chunked prefill; prefill-first is how vLLM's V0 scheduler ran without it): running
+prompts' chunks, then waiting prompts (when nothing is swapped out), take the budget first and the
+decodes share what is left. A long prompt's first token comes sooner; every running decode waits
+until the prompts have had their fill, and a steady stream of new prompts can starve them. Static batching, the baseline that
 continuous batching beats, is a subclass of its own (static_scheduler.py).
 
 Left out on purpose: priorities, fairness across users, and lookahead scheduling.
@@ -44,8 +50,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute"):
+                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
+                 prefill_first: bool = False):
+        if not isinstance(prefill_first, bool):
+            raise TypeError(f"prefill_first must be a bool, got {type(prefill_first).__name__}")
         self.bm = block_manager
+        self.prefill_first = prefill_first   # False: decodes first (see the module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
@@ -100,7 +110,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
         order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.arrival_time, s.seq_id))
-        prefill_seen = False
+        prefill_seen, admitted = False, False
+        if self.prefill_first:   # prompts' chunks first, then new prompts, then the decodes
+            order = [s for s in order if s.num_uncomputed > 1] + [s for s in order if s.num_uncomputed <= 1]
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -112,6 +124,9 @@ class Scheduler:
                     budget -= n
                     prefill_seen = True
                 continue
+            if self.prefill_first and not admitted and not self.swapped:
+                admitted = True
+                budget, prefill_seen = self._admit(out, budget, prefill_seen)
             if budget < 1:
                 continue
             if seq.draft_token_ids and (1 + len(seq.draft_token_ids) > budget or not
@@ -126,7 +141,7 @@ class Scheduler:
             budget -= 1 + len(seq.draft_token_ids)
         if not out.preempted:
             budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
-            if not self.swapped:
+            if not self.swapped and not admitted:
                 self._admit(out, budget, prefill_seen)
         return out
 
@@ -202,7 +217,9 @@ class Scheduler:
         """Continuous batching: anyone may join at any step (StaticScheduler says otherwise)."""
         return True
 
-    def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> tuple[int, bool]:
+        """Admit waiting prompts in arrival order while seats, budget and blocks allow; returns
+        the budget left and whether this step now holds a prefill."""
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not self._may_admit(seq):
@@ -223,3 +240,4 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
             prefill_seen = True
+        return budget, prefill_seen

@@ -5,6 +5,7 @@ a matplotlib Figure (save it with `minillm.viz.plotting.save_figure`).
 - `occupancy_plot`: sequences in the batch and KV blocks in use, per step;
 - `latency_cdfs`: TTFT, TPOT and end-to-end latency CDFs, one line per run;
 - `step_time_plot`: wall time of each step with its prefill tokens (the prefill stall);
+- `step_cost_plot`: time of one forward against its new tokens, measured and the roofline floor;
 - `tradeoff_plot`: TTFT of the long prompt vs p99 TPOT of the others, one point per chunk size;
 - `throughput_bars`: tokens/s per method.
 """
@@ -81,18 +82,48 @@ def latency_cdfs(runs: dict[str, list]):
 
 
 def step_time_plot(traces: dict[str, list[dict]]):
-    """Per-step wall time (ms) against step index, with the step's prefill tokens as bars."""
+    """Per-step wall time (ms) against step index, with the step's prefill tokens as bars.
+
+    Every panel shares both scales (time on the left, prefill tokens on the right), so a 64-token
+    chunk is drawn at a sixth of a 384-token prefill's height. Warm the model up before tracing:
+    a first multi-token forward also pays one-time costs (e.g. weight packing)."""
     fig, axes = plt.subplots(len(traces), 1, figsize=(9, 2.4 * len(traces)), squeeze=False,
                              sharex=True, sharey=True)
+    top = max([r["num_prefill_tokens"] for t in traces.values() for r in t] + [1])
+    twins = []
     for ax, (label, trace) in zip(axes[:, 0], traces.items()):
         ms = [1e3 * (r["t_end"] - r["t_start"]) for r in trace]
         ax.plot(ms, color="C0", lw=1)
         ax.set_ylabel("step time (ms)", color="C0")
+        ax.set_ylim(bottom=0)
         ax.set_title(label)
         tw = ax.twinx()
+        if twins:
+            tw.sharey(twins[0])
+        twins.append(tw)
         tw.bar(range(len(trace)), [r["num_prefill_tokens"] for r in trace], color="C1", alpha=0.35)
         tw.set_ylabel("prefill tokens", color="C1")
+    twins[0].set_ylim(0, 1.05 * top)
     axes[-1, 0].set_xlabel("engine step")
+    fig.tight_layout()
+    return fig
+
+
+def step_cost_plot(tokens, measured_ms, floor_ms, ridge_tokens: int | None = None):
+    """Time of one forward against the new tokens it carries: measured (points) and the roofline's
+    lower bound (line), with the ridge chunk size marked. Flat below the ridge (the weight read
+    dominates), rising linearly above it (the FLOPs do)."""
+    if not (len(tokens) == len(measured_ms) == len(floor_ms)) or not len(tokens):
+        raise ValueError("tokens, measured_ms and floor_ms must be non-empty and of equal length")
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(tokens, floor_ms, color="gray", lw=1.5, label="roofline floor (this machine)")
+    ax.plot(tokens, measured_ms, "o-", color="C0", lw=1, label="measured forward")
+    if ridge_tokens is not None:
+        ax.axvline(ridge_tokens, color="C3", ls="--", lw=1, label=f"ridge: {ridge_tokens} tokens")
+    ax.set(xlabel="new tokens in the step", ylabel="ms per forward", xscale="log", yscale="log",
+           title="one step: its time against its new tokens")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
