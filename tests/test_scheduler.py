@@ -130,7 +130,5 @@ def test_prefill_first_must_be_a_bool(bad):
         Scheduler(BlockManager(4, 2), 2, 4, prefill_first=bad)
 
 
-@pytest.mark.xfail(strict=True, reason="llm_engine.py must pass cfg.prefill_first to Scheduler "
-                                       "(one line; remove this mark when it does)")
 def test_engine_passes_prefill_first_to_its_scheduler(model):
     assert LLMEngine(model, EngineConfig(prefill_first=True)).scheduler.prefill_first is True

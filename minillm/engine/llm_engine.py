@@ -61,7 +61,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         scheduler = StaticScheduler if cfg.scheduling == "static" else Scheduler
         self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill, cfg.preemption_mode)
+                                   cfg.enable_chunked_prefill, cfg.preemption_mode,
+                                   prefill_first=cfg.prefill_first)
         self.runner = ModelRunner(model, self.cache, self.block_manager, cfg.seed)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}

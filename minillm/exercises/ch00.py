@@ -82,8 +82,10 @@ def _test_cached_greedy(fn) -> None:
         except Exception as e:  # the reader's code: report it, do not crash the check
             raise AssertionError(f"your function raised {type(e).__name__}: {e}") from e
         got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
-        assert got == want, (f"prompt {prompt}, {n} new tokens: got {got[:8]}..., the uncached "
-                             f"reference gives {want[:8]}...")
+        assert len(got) == n, f"prompt {prompt}, {n} new tokens: got {len(got)} tokens"
+        i = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
+        assert i is None, (f"prompt {prompt}, {n} new tokens: new token {i} is {got[i]}, the "
+                           f"uncached reference gives {want[i]}")
 
 
 code("00.5", "Write greedy(model, prompt_ids, n): prefill the prompt into a minillm.KVCache, then "

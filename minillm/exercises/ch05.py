@@ -24,7 +24,6 @@ def _tiny(max_seq_len: int = 1024):
 def _engine(model, cfg):
     from minillm.engine.llm_engine import LLMEngine
     eng = LLMEngine(model, cfg)
-    eng.scheduler.prefill_first = cfg.prefill_first   # until LLMEngine passes it to the Scheduler
     return eng
 
 
