@@ -33,7 +33,7 @@ def test_04_1_static_steps_from_lengths_alone():
 
 
 def test_04_2_saturation_rate():
-    lens = [w.max_tokens for w in poisson_workload(200, math.inf, 256, seed=0, prompt_len=(8, 64),
+    lens = [w.max_tokens for w in poisson_workload(120, math.inf, 256, seed=0, prompt_len=(8, 64),
                                                    output_len=(4, 96))]
     rate = 8 * len(lens) / sum(lens)
     assert exercises.check("04.2", rate)

@@ -17,7 +17,7 @@ from minillm.exercises import code, numeric
 
 # the Gantt chart's workload (section 2) and the load sweep's (section 4)
 GANTT = dict(num_requests=24, seed=0, prompt_len=(8, 64), output_len=(4, 96))
-SWEEP = dict(num_requests=200, seed=0, prompt_len=(8, 64), output_len=(4, 96))
+SWEEP = dict(num_requests=120, seed=0, prompt_len=(8, 64), output_len=(4, 96))
 
 
 def _workload(spec: dict, rate: float = math.inf, vocab_size: int = 256):
