@@ -14,6 +14,10 @@ Prompts are random token ids: the engine's cost depends on lengths, not on what 
 `request_latencies(outputs, trace)` turns a run into per-request TTFT and decode gaps, in engine
 steps (deterministic) and in seconds.
 
+`load_sweep` serves one workload at several offered loads (Poisson arrivals on the step clock)
+and reports latency percentiles in steps (deterministic) and seconds; `step_latencies` and
+`batch_occupancy` count from the engine's metrics and trace.
+
 Left out on purpose: real conversation traces and token-level streaming to clients.
 """
 import math
@@ -144,4 +148,68 @@ def request_latencies(outputs: list[RequestOutput], trace: list[dict]) -> list[d
             ttft_steps=None if m.first_token_step is None else m.first_token_step - m.arrival_step + 1,
             ttft=m.ttft, max_gap_steps=max((b - a for a, b in zip(steps, steps[1:])), default=None),
             itl=[b - a for a, b in zip(m.token_times, m.token_times[1:])]))
+    return rows
+
+
+# ---- latency against offered load (chapter 4) ---------------------------------------------------
+def step_latencies(outputs: list[RequestOutput]) -> dict[str, list[float]]:
+    """Per-request latencies counted in engine steps (deterministic: they depend only on the
+    schedule, not on the machine). ttft: steps from arrival up to and including the step that
+    produced the first token (1 = served at once); tpot: steps per output token after the first
+    (1.0 = a token every step); e2e: steps from arrival to the last token."""
+    ttft, tpot, e2e = [], [], []
+    for o in outputs:
+        m = o.metrics
+        if m.first_token_step is None or m.finish_step is None:
+            raise ValueError(f"request {o.request_id} has not finished: serve the workload first")
+        ttft.append(float(m.first_token_step - m.arrival_step + 1))
+        e2e.append(float(m.finish_step - m.arrival_step + 1))
+        if m.num_generated > 1:
+            tpot.append((m.finish_step - m.first_token_step) / (m.num_generated - 1))
+    return {"ttft": ttft, "tpot": tpot, "e2e": e2e}
+
+
+def batch_occupancy(trace: list[dict], max_num_seqs: int) -> float:
+    """Mean fraction of the batch's slots that hold a live request, over the steps of `trace`
+    (a static batch's finished members, padding rows, do not count)."""
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+    if not trace:
+        raise ValueError("trace is empty: run the engine first")
+    return sum(r["num_seqs"] for r in trace) / (len(trace) * max_num_seqs)
+
+
+def load_sweep(model, loads: list[float], config, num_requests: int = 200, seed: int = 0,
+               prompt_len: tuple[int, int] = (8, 64), output_len: tuple[int, int] = (4, 96),
+               percentiles: tuple[float, ...] = (50, 90, 99)) -> list[dict]:
+    """Latency against offered load: one run per load, Poisson arrivals on the step clock.
+
+    Offered load rho = arrival rate x mean output tokens / max_num_seqs: the fraction of the
+    batch's slot-steps the requests ask for (each request holds a slot for one step per output
+    token), so rho = 1 is saturation. The same seeded lengths are used at every load (only the
+    gaps between arrivals shrink). Each row: load, rate (requests per step), steps, occupancy,
+    and per metric the percentiles in steps (`ttft_p99`, ...) and in seconds (`ttft_p99_s`, ...,
+    wall clock: machine-dependent)."""
+    import numpy as np
+    if not loads or any(not isinstance(x, (int, float)) or not 0 < x < math.inf for x in loads):
+        raise ValueError(f"loads must be a non-empty list of finite numbers > 0, got {loads!r}")
+    from minillm.engine.llm_engine import LLMEngine
+    vocab = model.config.vocab_size
+    kw = dict(prompt_len=prompt_len, output_len=output_len)
+    mean_out = sum(w.max_tokens for w in poisson_workload(num_requests, math.inf, vocab, seed, **kw)) / num_requests
+    rows = []
+    for rho in loads:
+        rate = rho * config.max_num_seqs / mean_out
+        work = poisson_workload(num_requests, rate, vocab, seed, **kw)
+        engine = LLMEngine(model, config)
+        outs = replay(engine, work, time_unit="steps")
+        row = {"load": float(rho), "rate": rate, "steps": len(engine.trace),
+               "occupancy": batch_occupancy(engine.trace, config.max_num_seqs)}
+        wall = {"ttft": [o.metrics.ttft for o in outs], "e2e": [o.metrics.e2e for o in outs],
+                "tpot": [o.metrics.tpot for o in outs if o.metrics.tpot is not None]}
+        for key, vals in step_latencies(outs).items():
+            for p in percentiles:
+                row[f"{key}_p{p:g}"] = float(np.percentile(vals, p))
+                row[f"{key}_p{p:g}_s"] = float(np.percentile(wall[key], p))
+        rows.append(row)
     return rows

@@ -2,8 +2,9 @@
 a matplotlib Figure (save it with `minillm.viz.plotting.save_figure`).
 
 - `gantt_chart`: which request is in the batch at each step (prefill vs decode), one panel per run;
-- `occupancy_plot`: sequences in the batch and KV blocks in use, per step;
-- `latency_cdfs`: TTFT, TPOT and end-to-end latency CDFs, one line per run;
+- `occupancy_plot`: sequences in the batch and (optionally) the fraction of the KV pool booked, per step;
+- `latency_cdfs`: TTFT, TPOT and end-to-end latency empirical CDFs (step functions), one per run;
+- `load_sweep_plot`: latency percentiles against offered load (rows of `bench.workloads.load_sweep`);
 - `step_time_plot`: wall time of each step with its prefill tokens (the prefill stall);
 - `step_cost_plot`: time of one forward against its new tokens, measured and the roofline floor;
 - `tradeoff_plot`: TTFT of the long prompt vs p99 TPOT of the others, one point per chunk size;
@@ -44,25 +45,41 @@ def gantt_chart(traces: dict[str, list[dict]], max_requests: int = 64):
     return fig
 
 
-def occupancy_plot(traces: dict[str, list[dict]], num_blocks: int | None = None):
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
-    for label, trace in traces.items():
-        a.plot([r["num_seqs"] for r in trace], label=label, lw=1)
-        b.plot([r["blocks_used"] for r in trace], label=label, lw=1)
+def occupancy_plot(traces: dict[str, list[dict]], num_blocks: int | dict[str, int] | None = None,
+                   max_num_seqs: int | None = None):
+    """Sequences in the batch per step; with `num_blocks` (one pool size, or one per run) a second
+    panel shows the fraction of the KV pool each run has booked, so a pool that is far from
+    full reads as such. Without `num_blocks` there is no memory panel."""
+    pools = num_blocks if isinstance(num_blocks, dict) else {k: num_blocks for k in traces}
+    memory = num_blocks is not None
+    if memory and any(not isinstance(pools.get(k), int) or pools[k] < 1 for k in traces):
+        raise ValueError(f"num_blocks must be an int >= 1 or a dict giving one per run, got {num_blocks!r}")
+    fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(10 if memory else 6, 3.2), squeeze=False)
+    a = axes[0, 0]
+    for i, (label, trace) in enumerate(traces.items()):
+        a.step(range(len(trace)), [r["num_seqs"] for r in trace], where="post", label=label, lw=1, color=f"C{i}")
+    if max_num_seqs:
+        a.axhline(max_num_seqs, color="gray", ls="--", lw=0.8, label="max_num_seqs")
     a.set(xlabel="engine step", ylabel="sequences in the batch", title="batch occupancy")
-    b.set(xlabel="engine step", ylabel="KV blocks in use", title="KV cache use")
-    if num_blocks:
-        b.axhline(num_blocks, color="gray", ls="--", lw=0.8, label="pool size")
+    a.set_ylim(bottom=0)
     a.legend(fontsize=8)
-    b.legend(fontsize=8)
+    if memory:
+        b = axes[0, 1]
+        for i, (label, trace) in enumerate(traces.items()):
+            b.step(range(len(trace)), [r["blocks_used"] / pools[label] for r in trace], where="post",
+                   label=f"{label} ({pools[label]} blocks)", lw=1, color=f"C{i}")
+        b.axhline(1.0, color="gray", ls="--", lw=0.8)
+        b.set(xlabel="engine step", ylabel="fraction of the KV pool booked", title="KV cache use",
+              ylim=(0, 1.05))
+        b.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
 def _cdf(ax, values, label):
     v = np.sort(np.asarray([x for x in values if x is not None], dtype=float))
-    if len(v):
-        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label)
+    if len(v):   # an empirical CDF is a step function: it jumps by 1/n at each value
+        ax.step(np.r_[v[0], v], np.r_[0.0, np.arange(1, len(v) + 1) / len(v)], where="post", label=label)
 
 
 def latency_cdfs(runs: dict[str, list]):
@@ -77,6 +94,29 @@ def latency_cdfs(runs: dict[str, list]):
         ax.set(xlabel=title, ylabel="fraction of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def load_sweep_plot(rows: list[dict], unit: str = "steps"):
+    """TTFT and TPOT percentiles (p50, p90, p99) against offered load, in engine steps
+    (`unit="steps"`) or milliseconds (`unit="ms"`, from the wall-clock columns)."""
+    if unit not in ("steps", "ms"):
+        raise ValueError(f"unit must be 'steps' or 'ms', got {unit!r}")
+    suffix, scale = ("", 1.0) if unit == "steps" else ("_s", 1e3)
+    loads = [r["load"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for ax, key, title in zip(axes, ("ttft", "tpot"), ("time to first token", "time per output token")):
+        for p, ls in (("50", "-"), ("90", "--"), ("99", ":")):
+            col = f"{key}_p{p}{suffix}"
+            if col in rows[0]:
+                ax.plot(loads, [scale * r[col] for r in rows], ls=ls, marker="o", ms=3, color="C0",
+                        label=f"p{p}")
+        ax.axvline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="offered load (1 = every slot busy)", ylabel=f"{title} ({unit})", title=title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
