@@ -66,14 +66,17 @@ def plot_fact_check(a: float = 0.8, speed_ratio: float = 10.0, k_max: int = 10, 
 
 def plot_policies(acceptance: list[float], history: dict[str, list[int]], speedups: dict[str, float]):
     """K chosen over time by each policy, over the per-step acceptance rate."""
-    fig, ax = plt.subplots(figsize=(8, 3.4))
+    fig, ax = plt.subplots(figsize=(9, 3.4))
     for name, ks in history.items():
         ax.step(range(len(ks)), ks, where="post", label=f"{name}: {speedups[name]:.2f}x")
     ax2 = ax.twinx()
-    ax2.plot(acceptance, color="gray", lw=0.8, alpha=0.6)
-    ax2.set_ylabel("true a", color="gray")
+    ax2.plot(acceptance, color="black", lw=1.5, ls=":", label="true alpha (right axis)")
+    ax2.set(ylabel="true alpha", ylim=(0, 1.05))
     ax.set(xlabel="verify step", ylabel="K", title="choosing K while decoding")
-    ax.legend(fontsize=8, loc="upper left")
+    lines = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.08, 1.0))                 # beside the plot
+    fig.tight_layout()
     return fig
 
 
