@@ -84,6 +84,16 @@ def estimate_acceptance(num_accepted, num_proposed) -> float:
     return float(n.sum() / tested) if tested > 0 else float("nan")
 
 
+def accepted_law(a: float, k: int) -> torch.Tensor:
+    """The law the formula assumes for n, the drafts accepted in one step of K: truncated
+    geometric, P(n) = a^n (1 - a) for n < K and P(K) = a^K. Shape (K + 1,), float64."""
+    _check_a_k_c(a, k)
+    n = torch.arange(k + 1, dtype=torch.float64)
+    law = a ** n * (1 - a)
+    law[k] = a ** k
+    return law
+
+
 def simulate_speculation(a: float, k: int, c: float, steps: int = 100_000,
                          generator: torch.Generator | None = None, verify_cost: float = 1.0) -> float:
     """Monte Carlo of the same model: the speedup measured on `steps` simulated verify steps."""

@@ -52,7 +52,7 @@ HEADLINES = [
     Headline("serving", "stall_ratios.p99_itl_no_chunk_over_chunk",
              "p99 inter-token latency, no chunking / chunked", "x"),
     Headline("spec", "ngram_summary.speedup", "n-gram speculative decoding speedup", "x"),
-    Headline("spec", "ngram_summary.acceptance", "n-gram acceptance rate", ""),
+    Headline("spec", "ngram_summary.acceptance", "n-gram alpha estimate (mean per prompt)", ""),
     Headline("spec", "ngram_summary.hf_speedup", "transformers prompt lookup speedup, same prompts", "x"),
     Headline("spec", "small_batch.speedup", "n-gram speedup, batch of 4 in the engine", "x"),
     Headline("spec", "self_drafts.bf16.summary.measured_over_predicted",

@@ -160,13 +160,20 @@ class RequestMetrics:
         return (self.finish_time - self.first_token_time) / (self.num_generated - 1)
 
     @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / proposed draft tokens (None without speculative decoding)."""
+    def accepted_fraction(self) -> float | None:
+        """Accepted / drafted tokens, as measured (None without speculative decoding). Not the
+        per-token alpha of the theory (`SpecStats.alpha_estimate`), which counts tested drafts only."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Alias of `accepted_fraction` (the name of earlier versions)."""
+        return self.accepted_fraction
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, acceptance_rate=self.acceptance_rate)
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, accepted_fraction=self.accepted_fraction,
+                 acceptance_rate=self.acceptance_rate)
         return d
 
 

@@ -111,5 +111,11 @@ class SpecDecoder:
         return new_tokens, failed
 
     @property
-    def acceptance_rate(self) -> float:
+    def accepted_fraction(self) -> float:
+        """Accepted / drafted tokens over the engine's run (0 before any draft)."""
         return self.num_accepted / max(1, self.num_proposed)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Alias of `accepted_fraction` (the name of earlier versions)."""
+        return self.accepted_fraction

@@ -29,7 +29,17 @@ from minillm.spec.rejection import greedy_verify, rejection_sample
 
 @dataclass
 class SpecStats:
-    """Per-step counts and wall time, filled by `speculative_generate` (plain steps count K = 0)."""
+    """Per-step counts and wall time, filled by `speculative_generate` (plain steps count K = 0).
+
+    Two acceptance numbers, with different names because they answer different questions:
+
+    - `accepted_fraction` = accepted / drafted, what was measured (the engine reports the same);
+    - `alpha_estimate`, the per-token acceptance probability alpha of the i.i.d. theory
+      (`spec_theory.estimate_acceptance`): a draft after the first rejection was never tested,
+      so it counts only tested drafts and is always >= accepted_fraction.
+
+    `acceptance_rate` is the old name of `alpha_estimate`, kept as an alias.
+    """
     num_proposed: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -40,10 +50,21 @@ class SpecStats:
         return len(self.num_proposed)
 
     @property
-    def acceptance_rate(self) -> float:
-        """Per-token rate a (see `spec_theory.estimate_acceptance`)."""
+    def accepted_fraction(self) -> float:
+        """Accepted / drafted tokens over all steps (nan when nothing was drafted)."""
+        drafted = sum(self.num_proposed)
+        return sum(self.num_accepted) / drafted if drafted else float("nan")
+
+    @property
+    def alpha_estimate(self) -> float:
+        """Per-token acceptance probability alpha, maximum likelihood under the i.i.d. model."""
         from minillm.analysis.spec_theory import estimate_acceptance
         return estimate_acceptance(self.num_accepted, self.num_proposed)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Alias of `alpha_estimate` (the name of earlier versions)."""
+        return self.alpha_estimate
 
     @property
     def tokens_per_step(self) -> float:
@@ -56,10 +77,13 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
                          top_k: int | None = None, top_p: float | None = None,
                          generator: torch.Generator | None = None,
                          stop_token_ids: list[int] | None = None,
-                         stats: SpecStats | None = None) -> list[int]:
+                         stats: SpecStats | None = None, adaptive_k=None) -> list[int]:
     """Like `generate(target, ...)`, drafting `num_speculative_tokens` tokens per target pass.
 
-    The output has exactly the law of `generate` (token for token at temperature 0).
+    The output has exactly the law of `generate` (token for token at temperature 0). With
+    `adaptive_k` (a policy with `.k` and `.update(num_accepted, num_proposed)`, e.g.
+    `spec.adaptive.WindowedK`), each step asks for `adaptive_k.k` drafts instead of K; the output
+    law is the same, only the number of target passes changes.
     """
     prompt = _check(target, prompt_ids, max_new_tokens, temperature, top_k, top_p)
     K = num_speculative_tokens
@@ -69,6 +93,9 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
     if draft_vocab != target.config.vocab_size:
         raise ValueError(f"vocab mismatch: the draft model has {draft_vocab} tokens, the target "
                          f"{target.config.vocab_size}; speculative decoding needs one vocabulary")
+    if adaptive_k is not None and not (hasattr(adaptive_k, "k") and callable(getattr(adaptive_k, "update", None))):
+        raise TypeError(f"adaptive_k must have .k and .update(num_accepted, num_proposed), got "
+                        f"{type(adaptive_k).__name__}")
     stats = stats if stats is not None else SpecStats()
     stop, dev = set(stop_token_ids or []), target.device
     # k is capped below at max_new_tokens - len(out) - 1, so a verify never writes past position
@@ -79,8 +106,11 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
                cache, logits_index=torch.tensor([len(prompt) - 2]))           # prefill, (1, 1, V)
     out: list[int] = []
     while len(out) < max_new_tokens and not (out and out[-1] in stop):
-        new = _step(target, proposer, cache, prompt + out, min(K, max_new_tokens - len(out) - 1),
+        k = K if adaptive_k is None else max(1, int(adaptive_k.k))
+        new = _step(target, proposer, cache, prompt + out, min(k, max_new_tokens - len(out) - 1),
                     (temperature, top_k, top_p), generator, stats)
+        if adaptive_k is not None and stats.num_proposed[-1]:
+            adaptive_k.update(stats.num_accepted[-1], stats.num_proposed[-1])
         for tok in new[:max_new_tokens - len(out)]:
             out.append(tok)
             if tok in stop:

@@ -66,36 +66,65 @@ def plot_fact_check(a: float = 0.8, speed_ratio: float = 10.0, k_max: int = 10, 
 
 def plot_policies(acceptance: list[float], history: dict[str, list[int]], speedups: dict[str, float]):
     """K chosen over time by each policy, over the per-step acceptance rate."""
-    fig, ax = plt.subplots(figsize=(8, 3.4))
+    fig, ax = plt.subplots(figsize=(9, 3.4))
     for name, ks in history.items():
         ax.step(range(len(ks)), ks, where="post", label=f"{name}: {speedups[name]:.2f}x")
     ax2 = ax.twinx()
-    ax2.plot(acceptance, color="gray", lw=0.8, alpha=0.6)
-    ax2.set_ylabel("true a", color="gray")
+    ax2.plot(acceptance, color="black", lw=1.5, ls=":", label="true alpha (right axis)")
+    ax2.set(ylabel="true alpha", ylim=(0, 1.05))
     ax.set(xlabel="verify step", ylabel="K", title="choosing K while decoding")
-    ax.legend(fontsize=8, loc="upper left")
+    lines = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.08, 1.0))                 # beside the plot
+    fig.tight_layout()
     return fig
 
 
 def plot_spec_benchmark(result: dict):
-    """Measured vs predicted speedup (n-gram per prompt; each self-draft), with transformers."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [4, 3]})
-    groups = [("n-gram, K = %d" % result["settings"]["k_ngram"], result["ngram"], "predicted_from_steps")]
+    """Measured vs predicted speedup (n-gram per prompt; each self-draft), with transformers.
+
+    Two predictions, labelled by what they are computed from: "from alpha" is the i.i.d. formula
+    E[tokens](alpha, K) / (K c + v) with the measured costs (plus prefills); "from the steps run"
+    (n-gram only) puts the same costs on the steps the run actually took, so only the costs are
+    predicted there, not the acceptance."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [4, 3]})
+    groups = [("n-gram, K = %d" % result["settings"]["k_ngram"], result["ngram"], True)]
     sd = {n: d["summary"] for n, d in result["self_drafts"].items() if "summary" in d}
-    groups.append(("self-drafts, K = %d" % result["settings"]["k_draft"], sd, "predicted"))
-    for ax, (title, entries, pred_key) in zip(axes, groups):
+    groups.append(("self-drafts, K = %d" % result["settings"]["k_draft"], sd, False))
+    for ax, (title, entries, with_steps) in zip(axes, groups):
         names = list(entries)
         x = torch.arange(len(names)).float()
-        ax.bar(x - 0.27, [entries[n]["speedup"] for n in names], 0.27, label="minillm measured")
-        ax.bar(x, [entries[n][pred_key] for n in names], 0.27, label="predicted")
-        ax.bar(x + 0.27, [entries[n]["hf_speedup"] for n in names], 0.27, label="transformers")
+        bars = [("speedup", "measured (minillm)"), ("predicted", "predicted from alpha, c, v")]
+        if with_steps:
+            bars.append(("predicted_from_steps", "predicted from the steps run, c, v"))
+        bars.append(("hf_speedup", "transformers, measured"))
+        w = 0.8 / len(bars)
+        for j, (key, label) in enumerate(bars):
+            ax.bar(x + (j - (len(bars) - 1) / 2) * w, [entries[n][key] for n in names], w, label=label)
         for i, n in enumerate(names):
-            ax.text(float(x[i]) - 0.27, entries[n]["speedup"], f"a={entries[n]['acceptance']:.2f}",
-                    ha="center", va="bottom", fontsize=7)
+            ax.text(float(x[i]) - (len(bars) - 1) / 2 * w, entries[n]["speedup"],
+                    f"alpha={entries[n]['acceptance']:.2f}", ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xticks(list(x), names)
         ax.set(title=title, ylabel="speedup over plain decode (batch 1)")
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_accepted_histogram(observed: dict[str, list[int]], laws: dict[str, list[float]], k: int):
+    """Per prompt: the fraction of verify steps that accepted n = 0..K drafts (bars) against the
+    truncated geometric law of the i.i.d. theory at the same alpha (dots)."""
+    fig, axes = plt.subplots(1, len(observed), figsize=(2.8 * len(observed), 2.8), sharey=True)
+    axes = [axes] if len(observed) == 1 else list(axes)
+    for ax, (name, counts) in zip(axes, observed.items()):
+        steps = max(1, len(counts))
+        freq = [sum(c == n for c in counts) / steps for n in range(k + 1)]
+        ax.bar(range(k + 1), freq, color="C0", label="observed steps")
+        ax.plot(range(k + 1), laws[name], "o", color="C3", label="i.i.d. law at alpha")
+        ax.set(title=name, xlabel="drafts accepted in a step")
+    axes[0].set_ylabel("fraction of steps")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     return fig
 
