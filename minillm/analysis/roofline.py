@@ -219,6 +219,18 @@ def step_time(costs: list[OpCost], hw: Hardware, dtype) -> float:
     return sum(op_time(c, hw, dtype) for c in costs)
 
 
+def _first_reaching(intensity, ridge: float, upper: int) -> int | None:
+    """Smallest n in [1, upper] with intensity(n) >= ridge (intensity grows with n), by
+    bisection; None if even `upper` stays below the ridge."""
+    if intensity(upper) < ridge:
+        return None
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if intensity(mid) >= ridge else (mid + 1, hi)
+    return lo
+
+
 def decode_compute_bound_batch(cfg: ModelConfig, hw: Hardware, context_len: int = 0,
                                dtype="bf16", kv_dtype=None, max_batch: int = 1 << 20) -> int | None:
     """Smallest batch at which a decode step's total intensity reaches the ridge point.
@@ -232,13 +244,7 @@ def decode_compute_bound_batch(cfg: ModelConfig, hw: Hardware, context_len: int 
     def intensity(b: int) -> float:
         return total_cost(decode_costs(cfg, b, context_len, dtype, kv_dtype)).intensity
 
-    if intensity(max_batch) < ridge:
-        return None
-    lo, hi = 1, max_batch
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if intensity(mid) >= ridge else (mid + 1, hi)
-    return lo
+    return _first_reaching(intensity, ridge, max_batch)
 
 
 def chunk_compute_bound_tokens(cfg: ModelConfig, hw: Hardware, dtype="bf16", context_len: int = 0,
@@ -259,10 +265,4 @@ def chunk_compute_bound_tokens(cfg: ModelConfig, hw: Hardware, dtype="bf16", con
     def intensity(t: int) -> float:
         return total_cost(step_costs(cfg, 1, t, context_len, dtype, kv_dtype)).intensity
 
-    if intensity(max_tokens) < ridge:
-        return None
-    lo, hi = 1, max_tokens
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if intensity(mid) >= ridge else (mid + 1, hi)
-    return lo
+    return _first_reaching(intensity, ridge, max_tokens)

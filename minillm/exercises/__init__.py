@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["check", "list_exercises", "numeric", "code", "Exercise"]
+__all__ = ["check", "list_exercises", "numeric", "code", "call_reader", "Exercise"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,15 @@ def code(key: str, question: str, test: Callable[[Any], None], *, hint: str = ""
             return False, f"not yet: {e}" + (f". Hint: {hint}" if hint else "")
         return True, "right"
     return _register(Exercise(key, question, judge))
+
+
+def call_reader(fn, *args):
+    """Run the reader's function inside a code exercise's test: an exception it raises becomes a
+    wrong answer ("not yet: your function raised ...") instead of crashing the check."""
+    try:
+        return fn(*args)
+    except Exception as e:  # the reader's code, not ours
+        raise AssertionError(f"your function raised {type(e).__name__}: {e}") from e
 
 
 def _load(chapter: str) -> None:

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from minillm.exercises import code, numeric
+from minillm.exercises import call_reader, code, numeric
 
 PROMPT = "Give three tips for learning to cook."
 
@@ -77,10 +77,7 @@ def _test_cached_greedy(fn) -> None:
     model = tiny_model(vocab_size=64, seed=5, dtype=torch.float64)
     for prompt, n in (([3, 1, 4, 1, 5, 9], 12), ([7], 5)):
         want = generate_naive(model, prompt, n)
-        try:
-            got = fn(model, list(prompt), n)
-        except Exception as e:  # the reader's code: report it, do not crash the check
-            raise AssertionError(f"your function raised {type(e).__name__}: {e}") from e
+        got = call_reader(fn, model, list(prompt), n)
         got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
         assert len(got) == n, f"prompt {prompt}, {n} new tokens: got {len(got)} tokens"
         i = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)

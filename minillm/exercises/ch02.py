@@ -9,16 +9,8 @@ its MHA / GQA / MQA variants against the package's `kv_bytes_per_token`.
 from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, plan_capacity,
                                       reservation_waste, sample_output_lengths, weight_bytes)
 from minillm.analysis.roofline import dtype_bytes, get_hardware
-from minillm.exercises import code, numeric
+from minillm.exercises import call_reader as _call, code, numeric
 from minillm.model.config import PRESETS, get_config
-
-
-def _call(fn, *args):
-    """Run the reader's function; an exception it raises counts as a wrong answer, with its name."""
-    try:
-        return fn(*args)
-    except Exception as e:  # the reader's code, not ours: report it instead of crashing the check
-        raise AssertionError(f"your function raised {type(e).__name__}: {e}") from e
 
 
 numeric("02.1", "Mistral-7B and Llama-3-8B have the same KV bytes per token. In bf16, how many GB "
