@@ -152,6 +152,21 @@ def test_reservation_waste_heavy_tail():
     assert res[0].waste > 0.75                                           # static: most is waste
 
 
+def test_lognormal_lengths_follow_their_law():
+    """Against the law itself: log(length) ~ Normal(log median, sigma) before rounding up, so the
+    sample median and the log-space spread match, and P(length <= m) = Phi((log m - mu) / sigma)."""
+    from minillm.analysis.kv_math import lognormal_lengths
+    n, median, sigma = 40_000, 100.0, 0.8
+    x = torch.tensor(lognormal_lengths(n, median, sigma, seed=1), dtype=torch.float64)
+    assert abs(x.median().item() / median - 1) < 0.03
+    assert abs((x - 0.5).log().std().item() / sigma - 1) < 0.03        # ceil adds ~0.5 on average
+    for m in (30, 100, 400):
+        phi = 0.5 * (1 + math.erf((math.log(m) - math.log(median)) / (sigma * 2 ** 0.5)))
+        assert abs((x <= m).double().mean().item() - phi) < 0.01        # ceil: length <= m iff draw <= m
+    capped = lognormal_lengths(n, median, sigma, high=150, seed=1)
+    assert capped == [min(int(v), 150) for v in x.tolist()]              # same stream, clipped
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: plan_capacity(get_config("llama-2-70b"), get_hardware("a100-80gb-sxm")),
      "leave no KV memory"),

@@ -136,17 +136,28 @@ def seed_max_batch_tokens(cfg: ModelConfig, memory_bytes: float, dtype="bf16",
     return memory_bytes / (cfg.num_params * 2 + kv_bytes_per_token(cfg, kv_dtype or dtype))
 
 
+def lognormal_lengths(n: int, median: float, sigma: float, high: int | None = None,
+                      generator: torch.Generator | None = None, seed: int = 0) -> list[int]:
+    """n seeded log-normal lengths (ints >= 1, at most `high`): exp(log(median) + sigma * z),
+    z standard normal, rounded up. The one heavy-tailed length law of chapters 2 and 3 (chapter 4's
+    arrival workloads use a bounded Pareto, `bench.workloads.heavy_tailed_lengths`). Pass a
+    `generator` to draw several streams from one seed, else `seed` makes one."""
+    _check_pos_int("n", n)
+    if high is not None:
+        _check_pos_int("high (None or)", high)
+    if not (median > 0 and sigma > 0):
+        raise ValueError(f"median and sigma must be > 0, got {median}, {sigma}")
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    z = torch.randn(n, generator=g, dtype=torch.float64)
+    lengths = torch.exp(math.log(median) + sigma * z).ceil().clamp(1, high)
+    return [int(x) for x in lengths.tolist()]
+
+
 def sample_output_lengths(n: int, max_len: int = 2048, median: float = 128.0,
                           sigma: float = 1.2, seed: int = 0) -> list[int]:
-    """n seeded lognormal output lengths in [1, max_len]: most short, a few very long."""
-    _check_pos_int("n", n)
+    """n seeded log-normal output lengths in [1, max_len]: most short, a few very long."""
     _check_pos_int("max_len", max_len)
-    if median <= 0 or sigma <= 0:
-        raise ValueError(f"median and sigma must be > 0, got {median}, {sigma}")
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, generator=g, dtype=torch.float64)
-    lengths = torch.exp(math.log(median) + sigma * z).ceil().clamp(1, max_len)
-    return [int(x) for x in lengths.tolist()]
+    return lognormal_lengths(n, median, sigma, high=max_len, seed=seed)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,11 @@ out: the scheduler chapter does that), and the KV tensors themselves (minillm.pa
 """
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
+from minillm.analysis.kv_math import lognormal_lengths
 from minillm.paging.block_manager import BlockManager
 
 # Colour means one thing only: which sequence (its row, its arrows). Physical blocks are neutral:
@@ -126,15 +128,15 @@ def plot_block_tables(snapshots: list[dict], titles: list[str] | None = None,
 def heavy_tailed_workload(num_requests: int = 300, max_len: int = 2048, seed: int = 0,
                           prompt_median: float = 96.0, output_median: float = 160.0,
                           sigma: float = 1.0) -> list[tuple[int, int]]:
-    """(prompt_len, output_len) pairs, log-normal (a long right tail), clipped so that
-    prompt + output <= max_len. Medians are in tokens; sigma is the log-space spread."""
+    """(prompt_len, output_len) pairs, log-normal (a long right tail: chapter 2's
+    `lognormal_lengths`), clipped so that prompt + output <= max_len. Medians are in tokens;
+    sigma is the log-space spread."""
     if num_requests < 1 or max_len < 2:
         raise ValueError(f"need num_requests >= 1 and max_len >= 2, got {num_requests}, {max_len}")
-    rng = np.random.default_rng(seed)
-    prompt = np.clip(np.rint(rng.lognormal(np.log(prompt_median), sigma, num_requests)), 1, max_len - 1)
-    output = np.clip(np.rint(rng.lognormal(np.log(output_median), sigma, num_requests)), 1, None)
-    output = np.minimum(output, max_len - prompt)
-    return [(int(p), int(o)) for p, o in zip(prompt, output)]
+    g = torch.Generator().manual_seed(seed)            # one seed, two streams: prompts, outputs
+    prompt = lognormal_lengths(num_requests, prompt_median, sigma, high=max_len - 1, generator=g)
+    output = lognormal_lengths(num_requests, output_median, sigma, generator=g)
+    return [(p, min(o, max_len - p)) for p, o in zip(prompt, output)]
 
 
 def simulate_memory(workload: list[tuple[int, int]], max_len: int, block_size: int,
