@@ -24,8 +24,8 @@ one prefill chunk) reaches SDPA through views, without gathering queries or scat
 
 Left out on purpose: a fused kernel (we gather into a padded dense tensor, which costs memory
 traffic a real PagedAttention kernel avoids) and sliding windows. `kv_cache_dtype` "int8" / "fp8"
-stores the pools as codes and scales (minillm/quant/kv.py): the same write and gather, through
-`KVSlots`, which quantizes on write and dequantizes what it gathers.
+stores one-byte codes (int8 with a scale pool; minillm/quant/kv.py): the same write and gather run
+through `KVSlots`, which quantizes on write and dequantizes what it gathers.
 """
 from array import array
 
@@ -209,7 +209,8 @@ def ragged_dense_attention(q, ks, vs, query_lens):
 
 
 class PagedKVCache:
-    """The model's cache protocol (`attend`) over paged pools of shape (L, N, P, Hkv, D).
+    """The model's cache protocol (`attend`) over paged pools of shape (L, N, P, Hkv, D), in `dtype`
+    or, with `kv_cache_dtype` "int8" / "fp8", as codes (+ scales (L, N, P, Hkv) for int8).
 
     Before each forward pass call `prepare(query_lens, context_lens, block_tables)` (or set
     `metadata`); the model is then called with input_ids (1, M) and positions (M,)."""
