@@ -3,7 +3,9 @@
 Every token a sequence holds keeps one K and one V vector per layer and KV head:
     KV bytes per token = 2 * n_layer * Hkv * D * bytes_per_element
 Grouped-query attention (GQA) shrinks it by n_head / Hkv against multi-head attention (MHA);
-multi-query attention (MQA) keeps a single KV head.
+multi-query attention (MQA) keeps a single KV head. A quantized cache (chapter 7) stores one
+byte per element ("int8", "fp8") and may add a scale per token per KV head:
+    KV bytes per token = 2 * n_layer * Hkv * (D * bytes_per_element + scale_bytes)
 
 Letters: B batch (sequences), S tokens a sequence holds, H query heads, Hkv KV heads, D head
 dim, L layers, N blocks, P block size (tokens per block).
@@ -31,10 +33,15 @@ def _check_cfg(cfg) -> None:
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype="bf16") -> float:
-    """2 (K and V) * n_layer * Hkv * D * bytes."""
+def kv_bytes_per_token(cfg: ModelConfig, dtype="bf16", scale_bytes: float = 0) -> float:
+    """2 (K and V) * n_layer * Hkv * (D * bytes + scale_bytes).
+
+    `scale_bytes`: what a quantized cache stores beside each token's D codes per kv head, e.g.
+    `kv_bytes_per_token(cfg, "int8", scale_bytes=2)` for int8 codes with one fp16 scale per
+    token per head (minillm's int8 KV; its fp8 KV has no scale: "fp8", scale_bytes=0)."""
     _check_cfg(cfg)
-    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * dtype_bytes(dtype)
+    check_real("scale_bytes", scale_bytes, 0)
+    return 2 * cfg.n_layer * cfg.n_kv_head * (cfg.head_dim * dtype_bytes(dtype) + scale_bytes)
 
 
 def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, batch_size: int = 1, dtype="bf16") -> float:

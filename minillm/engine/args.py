@@ -7,6 +7,8 @@ Pool size, in order: `num_blocks` if given (vLLM's num_gpu_blocks_override); on 
 the arithmetic of `kv_math.plan_capacity`, but with the weights and the activation peak measured
 on the device; otherwise `kv_cache_memory_bytes` // bytes per block. On a CPU
 `gpu_memory_utilization` is ignored with a warning, so one script runs on a laptop and a GPU.
+Bytes per block follow `kv_cache_dtype` (scales included): int8 or fp8 KV gets about 2x (bf16)
+or 4x (fp32) the blocks of the same memory.
 
 Left out on purpose: memory held by other processes (vLLM checks free memory at start-up),
 CUDA-graph memory, and vLLM's other speculative methods (eagle, medusa, mtp, suffix).
@@ -64,14 +66,14 @@ def apply_speculative_config(config, spec: dict, draft_model=None):
 
 def num_blocks_for_memory(total_bytes: float, utilization: float, weight_bytes: float,
                           activation_bytes: float, cfg, block_size: int,
-                          dtype=torch.float32) -> int:
+                          dtype=torch.float32, kv_cache_dtype: str = "auto") -> int:
     """N = floor((utilization * total - weights - activations) / (P * KV bytes per token)).
 
     The same arithmetic as `kv_math.plan_capacity`, for measured weight and activation bytes.
     """
     check_real("gpu_memory_utilization", utilization, 0, 1, low_open=True)
     kv_budget = utilization * total_bytes - weight_bytes - activation_bytes
-    per_block = PagedKVCache.bytes_per_block(cfg, block_size, dtype)
+    per_block = PagedKVCache.bytes_per_block(cfg, block_size, dtype, kv_cache_dtype)
     if kv_budget < per_block:
         raise ValueError(f"gpu_memory_utilization={utilization} of {total_bytes / 2**30:.2f} GiB "
                          f"leaves no KV block after weights ({weight_bytes / 2**30:.2f} GiB) and "
@@ -106,7 +108,8 @@ def measure_activation_bytes(model, num_tokens: int) -> int:
 def pool_num_blocks(model, config, draft_model=None) -> int:
     """How many KV blocks the engine's pool gets (the order is in the module docstring)."""
     param = next(model.parameters())
-    per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, param.dtype)
+    per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, param.dtype,
+                                             config.kv_cache_dtype)
     if config.num_blocks is not None:
         return config.num_blocks
     if config.gpu_memory_utilization is not None:
@@ -115,7 +118,7 @@ def pool_num_blocks(model, config, draft_model=None) -> int:
             act = measure_activation_bytes(model, config.max_num_batched_tokens)
             return num_blocks_for_memory(total, config.gpu_memory_utilization,
                                          param_bytes(model, draft_model), act, model.config,
-                                         config.block_size, param.dtype)
+                                         config.block_size, param.dtype, config.kv_cache_dtype)
         warnings.warn(f"gpu_memory_utilization is ignored on {param.device.type}: the pool is "
                       f"sized by kv_cache_memory_bytes={config.kv_cache_memory_bytes}")
     return max(1, config.kv_cache_memory_bytes // per_block)

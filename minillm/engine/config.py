@@ -7,7 +7,9 @@ Pool: `num_blocks`, else `gpu_memory_utilization` on a GPU, else `kv_cache_memor
 Order within a step: decodes first (default), or `prefill_first=True` (prompts first, as vLLM's V0
 scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a long-running
 engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
-dropped first.
+dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int8" and "fp8"
+store one byte per element (quant/kv.py), so the same memory holds about 2x (bf16/fp16) or 4x
+(fp32) the blocks.
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -36,6 +38,7 @@ class EngineConfig:
     retain_finished: int = 4096                   # finished requests kept for inspection
     max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
     gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
+    kv_cache_dtype: str = "auto"                  # "auto" (the model's dtype), "int8" or "fp8"
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -65,5 +68,7 @@ class EngineConfig:
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
                              f"each step) and >= 1 + num_speculative_tokens="
                              f"{1 + self.num_speculative_tokens} (one verify step)")
+        from minillm.quant.kv import check_kv_cache_dtype   # the platform is probed by the cache
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)

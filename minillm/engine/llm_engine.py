@@ -57,7 +57,8 @@ class LLMEngine:
         param = next(model.parameters())
         num_blocks = pool_num_blocks(model, cfg, draft_model)
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
-        self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype)
+        self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype,
+                                  cfg.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         scheduler = StaticScheduler if cfg.scheduling == "static" else Scheduler
         self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,

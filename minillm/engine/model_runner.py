@@ -38,10 +38,10 @@ class ModelRunner:
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         for seq, blocks in out.swap_out:
-            seq.swapped_kv = self.cache.swap_out(blocks)           # (2, L, nb, P, Hkv, D) on CPU
+            seq.swapped_kv = self.cache.swap_out(blocks)   # (2, L, nb, P, Hkv, D) on CPU (+ scales)
         self.cache.copy_blocks(out.copies)
         for seq, blocks, first in out.swap_in:
-            self.cache.swap_in(seq.swapped_kv[:, :, first:], blocks)
+            self.cache.swap_in(seq.swapped_kv, blocks, first)
             seq.swapped_kv = None
 
     def prepare(self, out: SchedulerOutput):

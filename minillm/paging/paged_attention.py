@@ -23,7 +23,9 @@ one prefill chunk) reaches SDPA through views, without gathering queries or scat
 `bench overhead` measures what this saves on a 30-layer tiny model.
 
 Left out on purpose: a fused kernel (we gather into a padded dense tensor, which costs memory
-traffic a real PagedAttention kernel avoids), sliding windows, and KV quantization.
+traffic a real PagedAttention kernel avoids) and sliding windows. `kv_cache_dtype` "int8" / "fp8"
+stores one-byte codes (int8 with a scale pool; minillm/quant/kv.py): the same write and gather run
+through `KVSlots`, which quantizes on write and dequantizes what it gathers.
 """
 from array import array
 
@@ -207,33 +209,50 @@ def ragged_dense_attention(q, ks, vs, query_lens):
 
 
 class PagedKVCache:
-    """The model's cache protocol (`attend`) over paged pools of shape (L, N, P, Hkv, D).
+    """The model's cache protocol (`attend`) over paged pools of shape (L, N, P, Hkv, D), in `dtype`
+    or, with `kv_cache_dtype` "int8" / "fp8", as codes (+ scales (L, N, P, Hkv) for int8).
 
     Before each forward pass call `prepare(query_lens, context_lens, block_tables)` (or set
     `metadata`); the model is then called with input_ids (1, M) and positions (M,)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None,
-                 dtype=torch.float32):
+                 dtype=torch.float32, kv_cache_dtype: str = "auto"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
+        self.kv_cache_dtype = kv_cache_dtype
         shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)              # (L, N, P, Hkv, D)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)              # (L, N, P, Hkv, D)
-        # each layer's pools as one row per slot, viewed once: (N*P, Hkv*D) each
-        flat = (config.n_layer, num_blocks * block_size, config.n_kv_head * config.head_dim)
-        self._k_slots, self._v_slots = list(self.k.view(flat)), list(self.v.view(flat))
+        self.k_scale = self.v_scale = None
+        if kv_cache_dtype == "auto":
+            # each layer's pools as one row per slot, viewed once: (N*P, Hkv*D) each
+            flat = (config.n_layer, num_blocks * block_size, config.n_kv_head * config.head_dim)
+            self.k = torch.zeros(shape, device=device, dtype=dtype)          # (L, N, P, Hkv, D)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)          # (L, N, P, Hkv, D)
+            self._k_slots, self._v_slots = list(self.k.view(flat)), list(self.v.view(flat))
+        else:   # codes (L, N, P, Hkv, D) + scales (L, N, P, Hkv), quantized on write (quant/kv.py)
+            from minillm.quant.kv import kv_pools
+            self.k, self.k_scale, self._k_slots = kv_pools(kv_cache_dtype, shape, device, dtype)
+            self.v, self.v_scale, self._v_slots = kv_pools(kv_cache_dtype, shape, device, dtype)
         self.metadata: PagedAttentionMetadata | None = None
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype=torch.float32) -> int:
-        """K and V bytes of one block across all layers."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * config.n_layer * block_size * config.n_kv_head * config.head_dim * elem
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype=torch.float32,
+                        kv_cache_dtype: str = "auto") -> int:
+        """K and V bytes of one block across all layers (scales included)."""
+        if kv_cache_dtype == "auto":
+            elem = torch.tensor([], dtype=dtype).element_size()
+        else:
+            from minillm.quant.kv import kv_dtype_bytes
+            elem = kv_dtype_bytes(kv_cache_dtype, config.head_dim, dtype)
+        return round(2 * config.n_layer * block_size * config.n_kv_head * config.head_dim * elem)
+
+    def _pairs(self) -> list:
+        """(K, V) pools in block order: the values, then the scales when quantized."""
+        return [(self.k, self.v)] + ([(self.k_scale, self.v_scale)] if self.k_scale is not None else [])
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(k.nbytes + v.nbytes for k, v in self._pairs())
 
     def prepare(self, query_lens, context_lens, block_tables) -> PagedAttentionMetadata:
         self.metadata = PagedAttentionMetadata(query_lens, context_lens, block_tables,
@@ -262,16 +281,20 @@ class PagedKVCache:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.k.device)
         dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for k, v in self._pairs():
+            k[:, dst] = k[:, src]
+            v[:, dst] = v[:, src]
 
-    def swap_out(self, block_ids) -> torch.Tensor:
-        """Copy blocks to CPU memory -> (2, L, len(block_ids), P, Hkv, D)."""
+    def swap_out(self, block_ids):
+        """Copy blocks to CPU memory, in the pool's own format: (2, L, len(block_ids), P, Hkv, D),
+        or for a quantized cache (that codes tensor, the scales (2, L, len(block_ids), P, Hkv))."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        return torch.stack([self.k[:, idx], self.v[:, idx]]).to("cpu")
+        saved = tuple(torch.stack([k[:, idx], v[:, idx]]).to("cpu") for k, v in self._pairs())
+        return saved if self.k_scale is not None else saved[0]
 
-    def swap_in(self, data: torch.Tensor, block_ids) -> None:
-        """Write blocks saved by `swap_out` back into (possibly different) physical blocks."""
+    def swap_in(self, data, block_ids, first: int = 0) -> None:
+        """Write blocks `first:` of what `swap_out` saved back into (possibly other) blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        self.k[:, idx] = data[0].to(self.k.device)
-        self.v[:, idx] = data[1].to(self.k.device)
+        for (k, v), d in zip(self._pairs(), data if isinstance(data, tuple) else (data,)):
+            k[:, idx] = d[0, :, first:].to(k.device)
+            v[:, idx] = d[1, :, first:].to(v.device)
