@@ -39,17 +39,18 @@ def check_path(path) -> str:
     return path
 
 
-def _probe_ok(fast, reference, in_features: int, device) -> bool:
-    """Does `fast(x)` agree with `reference(x)` on a 1-row and a 5-row input? A wrong layout or a
-    wrong zero convention is off by the weight's own size, far beyond bf16's 2**-8."""
+def _probe_ok(fast, weight: torch.Tensor) -> bool:
+    """Does `fast(x)` agree with x @ weight^T (the dequantized weight (N, K), fp32) on a 1-row and
+    a 5-row input? A wrong layout or zero convention is off by the weight's own size, far beyond
+    bf16's 2**-8."""
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 5):
-        x = torch.randn(rows, in_features, generator=gen).to(device=device, dtype=torch.bfloat16)
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device, torch.bfloat16)
         try:
-            y = fast(x).float()
+            y = fast(x).float()                                             # (M, N)
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             return False
-        ref = reference(x.float())
+        ref = x.float() @ weight.t()                                        # (M, N)
         if y.shape != ref.shape or not torch.isfinite(y).all():
             return False
         if (y - ref).abs().max() > 0.03 * ref.abs().max() + 1e-4:
@@ -93,7 +94,7 @@ class _QuantLinear(nn.Module):
                 except (RuntimeError, NotImplementedError, TypeError, ValueError):
                     kernel = None
                 if kernel is not None and not _probe_ok(lambda x: self._fast(x, kernel),
-                                                        self._reference, self.in_features, device):
+                                                        self.dequantize().to(device)):
                     kernel = None
             self._kernels[key] = kernel
         kernel = self._kernels[key]
