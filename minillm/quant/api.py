@@ -191,6 +191,22 @@ def quantize(model, method: str = "int4", group_size: int | None = None, calibra
     return model
 
 
+def set_path(model, path: str):
+    """Send every quantized projection through `path` ("reference", "fast" or "auto"); returns
+    the model. Nothing is changed when some module refuses "fast"."""
+    check_path(path)
+    mods = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    before = [m.path for m in mods]
+    try:
+        for m in mods:
+            m.set_path(path)
+    except ValueError:
+        for m, p in zip(mods, before):
+            m.set_path(p)
+        raise
+    return model
+
+
 def quantized_bytes(model) -> dict:
     """Bytes of the model's weights by format ("int8", "int4", "float32", ...) and "total";
     a tied weight (embedding = lm_head) is counted once. One batch-1 decode step reads all of it

@@ -52,8 +52,10 @@ def decode_q4_1(raw: torch.Tensor) -> Int4Weight:
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]          # (N, K/G); little-endian
     m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]          # (N, K/G)
     qs = blocks[..., 4:]                                                    # (N, K/G, 16)
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1)                              # (N, K/G, 32)
-    return Int4Weight(q.reshape(N, -1).contiguous(), d, m, BLOCK)
+    q = torch.empty(N, blocks.shape[1], BLOCK, dtype=torch.uint8)           # (N, K/G, 32)
+    torch.bitwise_and(qs, 0xF, out=q[..., :16])
+    torch.bitwise_right_shift(qs, 4, out=q[..., 16:])
+    return Int4Weight(q.view(N, -1), d, m, BLOCK)
 
 
 @functools.lru_cache(maxsize=2)
@@ -92,39 +94,31 @@ def tensor_types(path=None) -> dict:
     return out
 
 
-def unpermute_rows(w: Int4Weight, n_head: int) -> Int4Weight:
-    """Undo llama.cpp's q/k row order: GGUF row h*D + 2i + p is row h*D + p*D/2 + i here."""
-    N, K = w.q.shape
-    half = N // n_head // 2
-
-    def fix(t):                                                              # (N, X)
-        return t.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(N, -1)  # (H, 2, D/2, X)
-    return Int4Weight(fix(w.q), fix(w.scale), fix(w.minimum), w.group_size)
-
-
-def stack_rows(parts: list) -> Int4Weight:
-    return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.minimum for p in parts]), parts[0].group_size)
+def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order on any (N, X) tensor of rows (raw blocks or weights):
+    GGUF row h*D + 2i + p becomes row h*D + p*D/2 + i, minillm's "rotate half" order."""
+    N = rows.shape[0]
+    return rows.reshape(n_head, N // n_head // 2, 2, -1).transpose(1, 2).reshape(N, -1)  # (H, 2, D/2, X)
 
 
 def gguf_weights(path=None) -> dict:
-    """module name ("layers.0.attn.qkv_proj", ...) -> Int4Weight, for every projection."""
+    """module name ("layers.0.attn.qkv_proj", ...) -> Int4Weight, for every projection. Rows
+    are moved as whole raw blocks (permuted, stacked), then decoded once per module."""
     cfg, tensors = read_config(path), read_tensors(path)
     heads = {"attn_q": cfg["n_head"], "attn_k": cfg["n_kv_head"]}
 
-    def weight(name):
-        kind, raw = tensors[name]
+    def raw(name):
+        kind, data = tensors[f"{name}.weight"]
         if kind != "Q4_1":
-            raise ValueError(f"{name} is stored as {kind}; only Q4_1 projections are read")
-        w = decode_q4_1(raw)
+            raise ValueError(f"{name}.weight is stored as {kind}; only Q4_1 projections are read")
         short = name.split(".")[2]
-        return unpermute_rows(w, heads[short]) if short in heads else w
+        return unpermute_rows(data, heads[short]) if short in heads else data  # (N, K/32 * 20)
     out = {}
     for i in range(cfg["n_layer"]):
         for gname, ours in PROJECTIONS.items():
-            out[f"layers.{i}.{ours}"] = weight(f"blk.{i}.{gname}.weight")
+            out[f"layers.{i}.{ours}"] = decode_q4_1(raw(f"blk.{i}.{gname}"))
         for ours, parts in FUSED.items():
-            out[f"layers.{i}.{ours}"] = stack_rows([weight(f"blk.{i}.{p}.weight") for p in parts])
+            out[f"layers.{i}.{ours}"] = decode_q4_1(torch.cat([raw(f"blk.{i}.{p}") for p in parts]))
     return out
 
 

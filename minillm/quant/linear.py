@@ -39,20 +39,21 @@ def check_path(path) -> str:
     return path
 
 
-def _probe_ok(fast, weight: torch.Tensor) -> bool:
-    """Does `fast(x)` agree with x @ weight^T (the dequantized weight (N, K), fp32) on a 1-row and
-    a 5-row input? A wrong layout or zero convention is off by the weight's own size, far beyond
-    bf16's 2**-8."""
+def _probe_ok(fast, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does `fast(x)` agree, on the output columns `rows`, with x @ weight^T (those rows of the
+    dequantized weight, fp32), for a 1-row and a 5-row input? A wrong layout or zero convention
+    is off by the weight's own size, far beyond bf16's 2**-8. (A spread of 64 rows keeps the
+    probe cheap next to dequantizing the whole weight.)"""
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 5):
-        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device, torch.bfloat16)
+    for m in (1, 5):
+        x = torch.randn(m, weight.shape[1], generator=gen).to(weight.device, torch.bfloat16)
         try:
             y = fast(x).float()                                             # (M, N)
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             return False
-        ref = x.float() @ weight.t()                                        # (M, N)
-        if y.shape != ref.shape or not torch.isfinite(y).all():
+        if y.shape != (m, fast.out_features) or not torch.isfinite(y).all():
             return False
+        y, ref = y[:, rows], x.float() @ weight.t()                          # (M, R) each
         if (y - ref).abs().max() > 0.03 * ref.abs().max() + 1e-4:
             return False
     return True
@@ -71,7 +72,8 @@ class _QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight_format().dequantize(dtype)                       # (N, K)
 
-    def weight_format(self):
+    def weight_format(self, rows: torch.Tensor | None = None):
+        """The stored weight as an Int8Weight / Int4Weight (only `rows`, if given)."""
         raise NotImplementedError
 
     def _prepare(self, device):              # the kernel's tensors for `device`, or None
@@ -93,8 +95,7 @@ class _QuantLinear(nn.Module):
                     kernel = self._prepare(device)
                 except (RuntimeError, NotImplementedError, TypeError, ValueError):
                     kernel = None
-                if kernel is not None and not _probe_ok(lambda x: self._fast(x, kernel),
-                                                        self.dequantize().to(device)):
+                if kernel is not None and not self._probe(kernel, device):
                     kernel = None
             self._kernels[key] = kernel
         kernel = self._kernels[key]
@@ -103,6 +104,18 @@ class _QuantLinear(nn.Module):
                              f"{self.out_features}x{self.in_features} weight on {device} "
                              f"(use path='auto' or 'reference')")
         return kernel
+
+    def _probe(self, kernel, device) -> bool:
+        def fast(x):
+            return self._fast(x, kernel)
+        fast.out_features = self.out_features
+        rows = torch.linspace(0, self.out_features - 1, min(64, self.out_features)).long().unique()
+        return _probe_ok(fast, rows.to(device), self.weight_format(rows).dequantize().to(device))
+
+    def set_path(self, path: str) -> None:
+        """Switch between "reference", "fast" and "auto" (probing again); "fast" may refuse."""
+        self.path, self._kernels = check_path(path), {}
+        self._kernel_for(self.qweight.device)
 
     def active_path(self, device=None) -> str:
         """"fast" or "reference": what a call on `device` (default: the buffers') runs."""
@@ -155,8 +168,11 @@ class Int8Linear(_QuantLinear):
         self.register_buffer("scales", weight.scale.float().contiguous())    # (N,)
         self._kernel_for(self.qweight.device)          # probe now: path="fast" fails here if it must
 
-    def weight_format(self) -> Int8Weight:
-        return Int8Weight(self.qweight, self.scales)
+    def weight_format(self, rows=None) -> Int8Weight:
+        if rows is None:
+            return Int8Weight(self.qweight, self.scales)
+        rows = rows.to(self.qweight.device)
+        return Int8Weight(self.qweight[rows], self.scales[rows])
 
     def _prepare(self, device):
         if not hasattr(torch, "_weight_int8pack_mm"):
@@ -183,8 +199,12 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("minimums", weight.minimum.contiguous())        # (N, K/G)
         self._kernel_for(self.qweight.device)
 
-    def weight_format(self) -> Int4Weight:
-        return Int4Weight(unpack_int4(self.qweight), self.scales, self.minimums, self.group_size)
+    def weight_format(self, rows=None) -> Int4Weight:
+        if rows is None:
+            return Int4Weight(unpack_int4(self.qweight), self.scales, self.minimums, self.group_size)
+        rows = rows.to(self.qweight.device)
+        return Int4Weight(unpack_int4(self.qweight[rows]), self.scales[rows], self.minimums[rows],
+                          self.group_size)
 
     def _prepare(self, device):
         K, N, G = self.in_features, self.out_features, self.group_size
