@@ -326,3 +326,13 @@ def test_quantized_bytes_counts_every_weight_once():
     fp32 = 4 * (2 * V * C + (2 * L + 1) * C)              # embed, untied lm_head, norms
     assert quantized_bytes(model) == {"int4_g32": int4, "float32": fp32, "total": int4 + fp32}
     assert minillm.quantize is not None and "quantize" in minillm.__all__
+
+
+@pytest.mark.parametrize("method,fmt,group", [("int8", "int8", None), ("int4", "int4", 16)])
+def test_model_bytes_from_the_config_matches_the_quantized_model(method, fmt, group):
+    from minillm.quant.sizes import model_bytes
+    model = quantize(minillm.tiny_model(), method, group_size=group)
+    counted = quantized_bytes(model)
+    predicted = model_bytes(model.config, fmt, group)
+    assert predicted["total"] == counted["total"]
+    assert predicted["projections"] == counted[fmt if fmt == "int8" else f"int4_g{group}"]
