@@ -6,18 +6,19 @@ numbers as int4 g32 here, read from the file instead). Each quantized one runs t
 ("fast", where `auto` found one) and the dequantize-then-matmul reference. Each format's floor
 is its weight bytes (`quantized_bytes`: one decode step reads every weight once, the fp32
 embedding as lm_head) over the read bandwidth measured in the same process. ms/token is
-(t(N new tokens) - t(1)) / (N - 1), as in `bench.decode`, so the prefill is not counted.
+(t(N new tokens) - t(1)) / (N - 1), as in `bench.decode`, so the prefill is not counted; each
+time is the fastest of a few runs, and the bandwidth the higher of two measurements.
 
 Left out on purpose: batch > 1 (the kernels' cost curve), gptq / awq (same format and speed as
 int4: only the numbers in the weights differ), KV-cache formats.
 """
 import copy
 import gc
+import time
 
 import torch
 
-from minillm.bench.common import machine_info, write_result
-from minillm.bench.decode import _ms_per_token
+from minillm.bench.common import machine_info, sync, write_result
 from minillm.bench.measure import measure_bandwidth
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
@@ -29,8 +30,21 @@ QUANTIZED = {"int8": dict(method="int8"), "int4_g32": dict(method="int4", group_
              "gguf": dict(method="gguf")}
 
 
+@torch.inference_mode()
 def _time(model, prompt, n_new, repeat) -> float:
-    return round(_ms_per_token(lambda n: generate(model, prompt, n), n_new, model.device, repeat), 2)
+    """ms per decode step: (t(n_new tokens) - t(1)) / (n_new - 1), each the fastest of `repeat`
+    alternating runs (on a shared machine, interference only ever adds time)."""
+    def run(n):
+        sync(model.device)
+        t0 = time.perf_counter()
+        generate(model, prompt, n)
+        sync(model.device)
+        return time.perf_counter() - t0
+    run(2)                                                      # warm-up: probes, allocations
+    t_n, t_1 = float("inf"), float("inf")
+    for _ in range(repeat):
+        t_n, t_1 = min(t_n, run(n_new)), min(t_1, run(1))
+    return round(1e3 * (t_n - t_1) / (n_new - 1), 2)
 
 
 def _row(model, bandwidth, prompt, n_new, repeat, path=None) -> dict:
@@ -50,9 +64,9 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     if model is None:
         model, tok = load_model(device=device)
     n_new, repeat = (6, 1) if quick else (32, 3)
-    n_ref = 3 if quick else 6                # the reference dequantizes every weight every step
+    n_ref = 3 if quick else 5                # the reference dequantizes every weight every step
     prompt = encode_chat(tok, PROMPT)
-    bandwidth = measure_bandwidth(model.device)
+    bandwidth = max(measure_bandwidth(model.device) for _ in range(2))
     rows = {"fp32": _row(model, bandwidth, prompt, n_new, repeat)}
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     rows["bf16"] = _row(bf16, bandwidth, prompt, n_new, repeat)
@@ -60,8 +74,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     for name, kwargs in QUANTIZED.items():
         q = quantize(copy.deepcopy(model), **kwargs)
         rows[f"{name}_fast"] = _row(q, bandwidth, prompt, n_new, repeat, path="auto")
-        rows[f"{name}_reference"] = _row(set_path(q, "reference"), bandwidth, prompt, n_ref, 1,
-                                         path="reference")
+        rows[f"{name}_reference"] = _row(set_path(q, "reference"), bandwidth, prompt, n_ref,
+                                         min(repeat, 2), path="reference")
         del q
         gc.collect()
     ms = {k: v["ms_per_token"] for k, v in rows.items()}

@@ -171,7 +171,7 @@ def quantize(model, method: str = "int4", group_size: int | None = None, calibra
     "reference" (see `quant.linear`).
 
     >>> model, tok = load_model()
-    >>> quantize(model, "gguf")          # the shipped Q4_1 blocks: the same weights, 4.5 bits each
+    >>> quantize(model, "gguf")          # the shipped Q4_1 blocks: the same weights, 5 bits each
     """
     group, calibration = _check(model, method, group_size, calibration, path)
     weights, folds = _new_weights(model, method, group, calibration)
@@ -179,6 +179,10 @@ def quantize(model, method: str = "int4", group_size: int | None = None, calibra
     if set(weights) != set(mods):
         raise ValueError(f"method={method!r} returned weights for {len(weights)} modules, "
                          f"expected exactly {sorted(mods)[:2]}...")
+    for name, w in weights.items():
+        if tuple(w.q.shape) != tuple(mods[name].weight.shape):
+            raise ValueError(f"method={method!r} returned a {tuple(w.q.shape)} weight for {name}, "
+                             f"whose weight is {tuple(mods[name].weight.shape)}")
     params = _check_folds(model, folds)
     cls = Int8Linear if method == "int8" else Int4Linear
     new = {n: cls(_on(w, model.device), path=path) for n, w in weights.items()}

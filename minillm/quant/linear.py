@@ -39,7 +39,7 @@ def check_path(path) -> str:
     return path
 
 
-def _probe_ok(fast, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+def _probe_ok(fast, out_features: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does `fast(x)` agree, on the output columns `rows`, with x @ weight^T (those rows of the
     dequantized weight, fp32), for a 1-row and a 5-row input? A wrong layout or zero convention
     is off by the weight's own size, far beyond bf16's 2**-8. (A spread of 64 rows keeps the
@@ -51,7 +51,7 @@ def _probe_ok(fast, rows: torch.Tensor, weight: torch.Tensor) -> bool:
             y = fast(x).float()                                             # (M, N)
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             return False
-        if y.shape != (m, fast.out_features) or not torch.isfinite(y).all():
+        if y.shape != (m, out_features) or not torch.isfinite(y).all():
             return False
         y, ref = y[:, rows], x.float() @ weight.t()                          # (M, R) each
         if (y - ref).abs().max() > 0.03 * ref.abs().max() + 1e-4:
@@ -84,7 +84,8 @@ class _QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.weight_format().nbytes
+        """Bytes of the stored weight (its buffers; the kernel's copy is not counted)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def _kernel_for(self, device: torch.device):
         key = str(device)
@@ -106,11 +107,9 @@ class _QuantLinear(nn.Module):
         return kernel
 
     def _probe(self, kernel, device) -> bool:
-        def fast(x):
-            return self._fast(x, kernel)
-        fast.out_features = self.out_features
         rows = torch.linspace(0, self.out_features - 1, min(64, self.out_features)).long().unique()
-        return _probe_ok(fast, rows.to(device), self.weight_format(rows).dequantize().to(device))
+        return _probe_ok(lambda x: self._fast(x, kernel), self.out_features, rows.to(device),
+                         self.weight_format(rows).dequantize().to(device))
 
     def set_path(self, path: str) -> None:
         """Switch between "reference", "fast" and "auto" (probing again); "fast" may refuse."""
