@@ -5,6 +5,7 @@ The folders are the architecture (core first; the core never imports `viz` or `b
 - `paging/`    chapter 3: block manager (no tensors) and paged attention
 - `engine/`    chapters 4-5: sequence, scheduler, model runner, LLMEngine, speculative hook
 - `spec/`      chapter 6: rejection sampling, proposers, the batch-1 speculative loop
+- `quant/`     chapter 7: weight formats, quantized linears, the GGUF blocks, `quantize(model)`
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `analysis/`  chapters 1, 2, 6: roofline, KV-cache math, speculation theory (pure functions)
 - `kernels/`   CPU matmul routes tuned on this machine (chapter 1)
@@ -30,6 +31,15 @@ from minillm.spec.rejection import greedy_verify, rejection_sample
 
 from minillm import _compat
 
+
+def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
+             path: str = "auto"):
+    """Quantize a model's projections in place (chapter 7): method "int8" | "int4" | "gguf" |
+    "gptq" | "awq". See `minillm.quant.api.quantize`; imported on first use."""
+    from minillm.quant.api import quantize as _quantize
+    return _quantize(model, method, group_size, calibration, path)
+
+
 _compat.install(__name__)   # the old flat paths (minillm.roofline, ...) still import
 
 __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat", "encode_chat", "PRESETS", "ModelConfig",
@@ -37,4 +47,4 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "generate_naive", "KVCache", "default_device", "load_model", "tiny_model",
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
            "SamplingParams", "rejection_sample", "greedy_verify", "speculative_generate",
-           "DraftModelProposer", "NgramProposer"]
+           "DraftModelProposer", "NgramProposer", "quantize"]

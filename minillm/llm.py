@@ -10,8 +10,10 @@ vLLM's quickstart runs with only the import and the model name changed:
 
 `LLM(model, tokenizer=None, **options)`: options are `EngineConfig` fields (block_size,
 max_num_seqs, gpu_memory_utilization, ...) plus `dtype`, `device` (how a named model is loaded),
-`draft_model` and `speculative_config` (vLLM's dict; engine_args.py). Prompts may be strings,
-token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts. A model without a
+`draft_model` and `speculative_config` (vLLM's dict; engine_args.py), and `quantization`
+("int8", "int4" or "gguf": `minillm.quantize` applied to the model, in place, before the engine
+is built; gptq / awq need a calibration set: quantize the model first and pass it in).
+Prompts may be strings, token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts. A model without a
 tokenizer (`tiny_model()`) takes token ids only.
 
 Left out on purpose: vLLM's other entry points (`encode`, `embed`, `beam_search`, LoRA requests,
@@ -29,6 +31,9 @@ from minillm.analysis.roofline import torch_dtype
 from minillm.model.loading import DEFAULT_MODEL, load_model
 from minillm.model.llama import Transformer
 from minillm.engine.sequence import RequestOutput, SamplingParams
+
+QUANTIZATIONS = (None, "int8", "int4", "gguf")
+
 
 def _dtype(dtype) -> torch.dtype | None:
     """vLLM's dtype argument: "auto" (float32 here: every chapter's reference), a name
@@ -51,13 +56,17 @@ class LLM:
     """An engine with a model and its tokenizer; `generate` and `chat` run prompts to completion."""
 
     def __init__(self, model=DEFAULT_MODEL, tokenizer=None, *, dtype=None, device=None,
-                 draft_model=None, speculative_config: dict | None = None, **engine_options):
+                 draft_model=None, speculative_config: dict | None = None,
+                 quantization: str | None = None, **engine_options):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_options) - fields)
         if unknown:
             raise TypeError(f"LLM got unknown options {unknown}; engine options are the EngineConfig "
                             f"fields {sorted(fields)} and dtype, device, draft_model, "
-                            f"speculative_config")
+                            f"speculative_config, quantization")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r} "
+                             f"(gptq / awq: minillm.quantize(model, ..., calibration=...) first)")
         dtype = _dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
         if isinstance(model, Transformer):
@@ -70,6 +79,9 @@ class LLM:
         else:
             raise TypeError(f"model must be a model name, a path or a Transformer, "
                             f"got {type(model).__name__}")
+        if quantization is not None:
+            from minillm.quant.api import quantize
+            quantize(model, quantization)
         if isinstance(tokenizer, (str, os.PathLike)):                 # a local folder, never the hub
             if not os.path.isdir(tokenizer):
                 raise ValueError(f"tokenizer must be a tokenizer object or a local folder, "

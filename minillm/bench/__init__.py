@@ -18,6 +18,7 @@ BENCHMARKS = {
     "spec_replay": "minillm.bench.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "minillm.bench.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
     "overhead": "minillm.bench.overhead",   # ch 4: the engine's own cost per decode step
+    "quant": "minillm.bench.quant",         # ch 7: batch-1 decode per weight format vs its floor
 }
 
 

@@ -1,0 +1,229 @@
+"""`minillm.quantize(model, method)`: swap every projection of a model for a quantized one.
+
+Letters: B calibration sequences, T tokens each, N / K a projection's output / input width.
+
+The model is changed **in place** and returned (as `cpu_tuning.accelerate` does): the fp32
+projection weights are freed, and the engine, `generate` and `LLM` run the result unchanged,
+since an `Int8Linear` / `Int4Linear` is called like the `nn.Linear` it replaces. Keep an fp32
+copy with `quantize(copy.deepcopy(model), ...)`.
+
+What is quantized: the four projections of every block (`attn.qkv_proj`, `attn.o_proj`,
+`mlp.gate_up_proj`, `mlp.down_proj`). What is not: the norms and the token embedding, which is
+tied to `lm_head` (one tensor, read as the output projection at every step). It stays fp32:
+exact for "gguf", and `quantized_bytes` counts it, so the tables show what it costs.
+
+Methods: "int8" per output channel (group_size must be None); "int4" round-to-nearest in groups
+(default 32); "gguf" the shipped file's own Q4_1 blocks (groups of 32; only for the shipped
+SmolLM2, checked weight by weight); "gptq" and "awq" int4 from a calibration set (`gptq.py`,
+`awq.py`, imported only when asked for). Everything is checked and every new module built before
+the first swap: a refused call leaves the model as it was.
+
+Left out on purpose: quantizing the embedding / lm_head, mixed formats per layer, saving and
+loading quantized checkpoints.
+"""
+import torch
+import torch.nn as nn
+
+from minillm.quant.formats import check_group_size, quantize_int4, quantize_int8
+from minillm.quant.linear import Int4Linear, Int8Linear, check_path
+
+METHODS = ("int8", "int4", "gguf", "gptq", "awq")
+PROJECTIONS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+DEFAULT_GROUP = 32
+
+
+def projections(model) -> dict:
+    """module name -> the module, for the projections `quantize` replaces."""
+    return {f"layers.{i}.{p}": layer.get_submodule(p)
+            for i, layer in enumerate(model.layers) for p in PROJECTIONS}
+
+
+def is_quantized(model) -> bool:
+    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+
+
+def check_calibration(calibration, vocab_size: int) -> torch.Tensor:
+    """A LongTensor (B, T) or a list of equal-length token-id lists -> LongTensor (B, T), T >= 2."""
+    if isinstance(calibration, (list, tuple)):
+        rows = list(calibration)
+        if not rows or not all(isinstance(r, (list, tuple)) for r in rows):
+            raise ValueError("calibration must be a non-empty list of token-id lists (or a "
+                             "LongTensor (B, T))")
+        if any(isinstance(t, bool) or not isinstance(t, int) for r in rows for t in r):
+            raise TypeError("calibration lists must hold int token ids")
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError(f"calibration lists must all have one length, got "
+                             f"{sorted({len(r) for r in rows})}")
+        calibration = torch.tensor(rows, dtype=torch.long)
+    if not isinstance(calibration, torch.Tensor) or calibration.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"calibration must be a LongTensor (B, T) or a list of token-id lists, got "
+                        f"{calibration.dtype if isinstance(calibration, torch.Tensor) else type(calibration).__name__}")
+    if calibration.dim() != 2 or calibration.shape[0] == 0 or calibration.shape[1] < 2:
+        raise ValueError(f"calibration must be (B, T) with B >= 1 and T >= 2, got shape "
+                         f"{tuple(calibration.shape)}")
+    lo, hi = int(calibration.min()), int(calibration.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"calibration must hold token ids in [0, {vocab_size}) (the model's "
+                         f"vocabulary), got values in [{lo}, {hi}]")
+    return calibration.long()
+
+
+def _check(model, method, group_size, calibration, path):
+    from minillm.model.llama import Transformer
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model must be a minillm Transformer, got {type(model).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_path(path)
+    if is_quantized(model):
+        raise ValueError("model is already quantized; quantize a float model (load it again, or "
+                         "keep a copy.deepcopy before the first quantize)")
+    if method == "int8" and group_size is not None:
+        raise ValueError(f"group_size must be None for int8 (one scale per output channel), "
+                         f"got {group_size!r}")
+    if method == "gguf" and group_size not in (None, 32):
+        raise ValueError(f"group_size must be None or 32 for gguf (Q4_1 blocks hold 32 weights), "
+                         f"got {group_size!r}")
+    if method == "gguf":
+        _check_smollm2_shape(model.config)
+    group = None if method == "int8" else (DEFAULT_GROUP if group_size is None else group_size)
+    if group is not None:
+        for name, module in projections(model).items():
+            try:
+                check_group_size(group, module.in_features)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{e} (the input width of {name})") from None
+    if method in ("gptq", "awq"):
+        if calibration is None:
+            raise ValueError(f"method={method!r} needs calibration token ids (a LongTensor (B, T) "
+                             f"or a list of token-id lists)")
+        calibration = check_calibration(calibration, model.config.vocab_size)
+    elif calibration is not None:
+        raise ValueError(f"calibration is only used by 'gptq' and 'awq', not method={method!r}")
+    return group, calibration
+
+
+def _check_smollm2_shape(cfg) -> None:
+    """The cheap half of "is this the shipped SmolLM2?" (the weights are compared once read)."""
+    from minillm.model.config import get_config
+    ref = get_config("smollm2-135m")
+    fields = ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "vocab_size")
+    if any(getattr(cfg, f) != getattr(ref, f) for f in fields):
+        raise ValueError(f"method='gguf' needs the shipped SmolLM2-135M (minillm.load_model()); "
+                         f"model has the shape of {cfg.name!r}")
+
+
+def _weight(module: nn.Linear) -> torch.Tensor:
+    return module.weight.detach().contiguous()       # tuned CPU layouts may store it transposed
+
+
+@torch.no_grad()
+def _new_weights(model, method, group, calibration):
+    """module name -> Int8Weight / Int4Weight, and parameter name -> new value (AWQ's folds)."""
+    mods = projections(model)
+    if method == "int8":
+        return {n: quantize_int8(_weight(m)) for n, m in mods.items()}, {}
+    if method == "int4":
+        return {n: quantize_int4(_weight(m), group) for n, m in mods.items()}, {}
+    if method == "gguf":
+        from minillm.quant.gguf import gguf_weights
+        weights = gguf_weights()
+        _check_same_model(mods, weights)
+        return weights, {}
+    if method == "gptq":
+        from minillm.quant.gptq import gptq_weights
+        return gptq_weights(model, calibration, group), {}
+    from minillm.quant.awq import awq_weights
+    return awq_weights(model, calibration, group)
+
+
+def _check_same_model(mods: dict, weights: dict) -> None:
+    """gguf replaces the weights by the file's: only right if they are the file's already."""
+    for name, module in mods.items():
+        w = weights.get(name)
+        if w is None or tuple(w.q.shape) != tuple(module.weight.shape) or not torch.equal(
+                w.dequantize(module.weight.dtype).to(module.weight.device), module.weight):
+            raise ValueError(f"method='gguf' needs the shipped SmolLM2 (minillm.load_model()): "
+                             f"model's {name} is not the GGUF file's dequantized weight")
+
+
+def _on(w, device):
+    """An Int8Weight / Int4Weight with its tensors on `device`."""
+    return type(w)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                      for k, v in vars(w).items()})
+
+
+def _check_folds(model, folds: dict) -> dict:
+    params = dict(model.named_parameters())
+    for name, value in folds.items():
+        if name not in params or tuple(value.shape) != tuple(params[name].shape):
+            raise ValueError(f"the calibration method returned a value for {name!r} that does "
+                             f"not match a parameter of the model")
+    return params
+
+
+def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
+             path: str = "auto"):
+    """Replace the model's projections by quantized ones, in place; returns the model.
+
+    method: "int8" | "int4" | "gguf" | "gptq" | "awq"; group_size: int4 groups along the input
+    (default 32; None for int8); calibration: token ids for gptq / awq; path: "auto" | "fast" |
+    "reference" (see `quant.linear`).
+
+    >>> model, tok = load_model()
+    >>> quantize(model, "gguf")          # the shipped Q4_1 blocks: the same weights, 5 bits each
+    """
+    group, calibration = _check(model, method, group_size, calibration, path)
+    weights, folds = _new_weights(model, method, group, calibration)
+    mods = projections(model)
+    if set(weights) != set(mods):
+        raise ValueError(f"method={method!r} returned weights for {len(weights)} modules, "
+                         f"expected exactly {sorted(mods)[:2]}...")
+    for name, w in weights.items():
+        if tuple(w.q.shape) != tuple(mods[name].weight.shape):
+            raise ValueError(f"method={method!r} returned a {tuple(w.q.shape)} weight for {name}, "
+                             f"whose weight is {tuple(mods[name].weight.shape)}")
+    params = _check_folds(model, folds)
+    cls = Int8Linear if method == "int8" else Int4Linear
+    new = {n: cls(_on(w, model.device), path=path) for n, w in weights.items()}
+    with torch.no_grad():                                      # all checked: now swap everything
+        for name, value in folds.items():
+            params[name].copy_(value)
+        for name, module in new.items():
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, module)
+    return model
+
+
+def set_path(model, path: str):
+    """Send every quantized projection through `path` ("reference", "fast" or "auto"); returns
+    the model. Nothing is changed when some module refuses "fast"."""
+    check_path(path)
+    mods = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    before = [m.path for m in mods]
+    try:
+        for m in mods:
+            m.set_path(path)
+    except ValueError:
+        for m, p in zip(mods, before):
+            m.set_path(p)
+        raise
+    return model
+
+
+def quantized_bytes(model) -> dict:
+    """Bytes of the model's weights by format ("int8", "int4", "float32", ...) and "total";
+    a tied weight (embedding = lm_head) is counted once. One batch-1 decode step reads all of it
+    (the embedding as lm_head), so total / bandwidth is the step's floor."""
+    out, seen = {}, set()
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            fmt = module.format + (f"_g{module.group_size}" if module.format == "int4" else "")
+            out[fmt] = out.get(fmt, 0) + module.nbytes
+    for p in model.parameters():                      # the float parameters left: norms, embed
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            fmt = str(p.dtype).replace("torch.", "")
+            out[fmt] = out.get(fmt, 0) + p.numel() * p.element_size()
+    out["total"] = sum(out.values())
+    return out
