@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minillm import get_config, tiny_model
-from minillm.analysis.quant_math import bits_per_weight, projection_shapes, quantized_weight_bytes
+from minillm.analysis.quant_math import bits_per_weight, model_bytes, projection_shapes
 from minillm.quant.formats import quantize_int4, quantize_int8
 
 
@@ -31,10 +31,11 @@ def test_bytes_match_real_quantized_tensors():
         stored = sum(quant(p.weight.data).nbytes for layer in m.layers
                      for p in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                                layer.mlp.down_proj))
-        assert quantized_weight_bytes(cfg, fmt, g)["projections"] == stored
+        assert model_bytes(cfg, fmt, g)["projections"] == stored
     rest = sum(p.numel() for n, p in m.named_parameters() if "proj" not in n)
-    assert quantized_weight_bytes(cfg, "int4", 32, keep="fp32")["other"] == 4 * rest
-    assert quantized_weight_bytes(cfg, "fp32", keep="fp32")["total"] == 4 * sum(
+    b = model_bytes(cfg, "int4", 32, "fp32")
+    assert b["embedding"] + b["lm_head"] + b["norms"] == 4 * rest
+    assert model_bytes(cfg, "fp32", None)["total"] == 4 * sum(
         p.numel() for p in m.parameters())
 
 
@@ -45,8 +46,8 @@ def test_a_70b_model_by_hand():
     per_layer = sum(N * K for N, K in projection_shapes(cfg))
     proj, rest = cfg.n_layer * per_layer, cfg.num_params - cfg.n_layer * per_layer
     assert rest == 2 * 128256 * 8192 + (2 * cfg.n_layer + 1) * 8192
-    assert quantized_weight_bytes(cfg, "fp16")["total"] == 2 * cfg.num_params
-    assert quantized_weight_bytes(cfg, "int4", 128)["total"] == pytest.approx(proj * 4.25 / 8 + 2 * rest)
+    assert model_bytes(cfg, "fp16", None, "fp16")["total"] == 2 * cfg.num_params
+    assert model_bytes(cfg, "int4", 128, "fp16")["total"] == proj * 4.25 / 8 + 2 * rest
 
 
 @pytest.mark.parametrize("call, err, match", [
@@ -54,7 +55,7 @@ def test_a_70b_model_by_hand():
     (lambda: bits_per_weight("int4"), TypeError, "group_size"),
     (lambda: bits_per_weight("int4", 0), ValueError, "group_size"),
     (lambda: bits_per_weight("int8", 32), ValueError, "int4 formats only"),
-    (lambda: quantized_weight_bytes(get_config("llama-3-8b"), "int4", 3000), ValueError, "does not divide"),
+    (lambda: model_bytes(get_config("smollm2-135m"), "int4", 128), ValueError, "does not divide the input width 576"),
 ])
 def test_bad_input(call, err, match):
     with pytest.raises(err, match=match):

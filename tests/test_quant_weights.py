@@ -330,7 +330,7 @@ def test_quantized_bytes_counts_every_weight_once():
 
 @pytest.mark.parametrize("method,fmt,group", [("int8", "int8", None), ("int4", "int4", 16)])
 def test_model_bytes_from_the_config_matches_the_quantized_model(method, fmt, group):
-    from minillm.quant.sizes import model_bytes
+    from minillm.analysis.quant_math import model_bytes
     model = quantize(minillm.tiny_model(), method, group_size=group)
     counted = quantized_bytes(model)
     predicted = model_bytes(model.config, fmt, group)

@@ -11,8 +11,8 @@ A format stores `bits` per weight plus metadata:
   zero points): 32 bits per G weights, 5 bits per weight at G = 32, 4.25 at G = 128;
 - "int4-sym": per group, an fp16 scale only (16 bits per G weights).
 The projections of every layer take the format; the embedding, an untied lm_head and the norms
-keep `keep` (fp16 by default: most int4 checkpoints leave them there; llama.cpp's files quantize
-them too, which this function does not model).
+keep `other_dtype` (`quantize` keeps them in the model's dtype; most published int4 checkpoints
+keep them in fp16; llama.cpp's files quantize them too, which is not modelled here).
 
 Left out on purpose: double-quantized scales (QLoRA's NF4), k-quants' super-blocks, and sparsity.
 """
@@ -52,18 +52,31 @@ def bits_per_weight(fmt: str, group_size: int | None = None, in_features: int | 
     return float(bits)
 
 
-def quantized_weight_bytes(cfg: ModelConfig, fmt: str, group_size: int | None = None,
-                           keep: str = "fp16") -> dict:
-    """Bytes of the model's weights with the projections in `fmt` and the rest in `keep`:
-    {"projections", "other", "total"} (floats, bytes). A group size must divide each K."""
+def format_bytes(n: int, k: int, fmt: str, group_size: int | None = None) -> int:
+    """Bytes of one (N, K) weight stored as `fmt`, metadata included (a group size must divide K)."""
     _check_format(fmt, group_size)
-    proj = 0.0
-    for N, K in projection_shapes(cfg):
-        if FORMATS[fmt][2] == "group" and K % group_size:
-            raise ValueError(f"group_size={group_size} does not divide the input width {K} of {cfg.name}")
-        proj += N * K * bits_per_weight(fmt, group_size, K) / 8
-    proj *= cfg.n_layer
-    per_layer_proj = sum(N * K for N, K in projection_shapes(cfg))
-    other_params = cfg.num_params - cfg.n_layer * per_layer_proj
-    other = other_params * dtype_bytes(keep)
-    return {"projections": proj, "other": other, "total": proj + other}
+    bits, meta, where = FORMATS[fmt]
+    if where == "group" and k % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the input width {k}")
+    groups = n * (k // group_size) if where == "group" else (n if where == "row" else 0)
+    return (n * k * bits + groups * meta) // 8
+
+
+def model_bytes(cfg: ModelConfig, fmt: str = "int4", group_size: int | None = 32,
+                other_dtype: str = "fp32") -> dict:
+    """{"projections", "embedding", "lm_head", "norms", "total"}: bytes of `cfg`'s weights with
+    every projection in `fmt` and the rest in `other_dtype` (lm_head 0 when tied). The same
+    counts `quant.api.quantized_bytes` makes on a real quantized model, for models nobody here
+    can load (Llama-3-70B)."""
+    group = group_size if FORMATS.get(fmt, (0, 0, None))[2] == "group" else None
+    try:
+        per_layer = sum(format_bytes(n, k, fmt, group) for n, k in projection_shapes(cfg))
+    except ValueError as e:
+        raise ValueError(f"{e} (model {cfg.name})") from None
+    other = dtype_bytes(other_dtype)
+    out = {"projections": cfg.n_layer * per_layer,
+           "embedding": int(cfg.vocab_size * cfg.d_model * other),
+           "lm_head": 0 if cfg.tie_embeddings else int(cfg.vocab_size * cfg.d_model * other),
+           "norms": int((2 * cfg.n_layer + 1) * cfg.d_model * other)}
+    out["total"] = sum(out.values())
+    return out

@@ -1,6 +1,6 @@
 """Chapter 7's exercises (weight quantization). Keys "07.N" as numbered in the notebook.
 
-The numeric answers are judged against `quant.sizes` on the configs (no machine dependence);
+The numeric answers are judged against `analysis.quant_math` on the configs (no machine dependence);
 the code exercise (07.3) runs the reader's Q4_1 block decoder against `quant.gguf.decode_q4_1`
 on random blocks made when the reader checks.
 """
@@ -11,7 +11,7 @@ import torch
 
 from minillm.exercises import call_reader, code, numeric
 from minillm.model.config import get_config
-from minillm.quant.sizes import model_bytes
+from minillm.analysis.quant_math import model_bytes
 
 
 def _random_blocks(n: int = 24, seed: int = 7) -> list[bytes]:
