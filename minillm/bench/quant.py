@@ -48,11 +48,13 @@ def _time(model, prompt, n_new, repeat) -> float:
 
 
 def _row(model, bandwidth, prompt, n_new, repeat, path=None) -> dict:
-    nbytes = quantized_bytes(model)["total"]
     ms = _time(model, prompt, n_new, repeat)
+    counted = quantized_bytes(model)                 # after the run: fast-path copies exist now
+    nbytes = counted["total"]
     floor = 1e3 * nbytes / bandwidth
     row = {"weight_bytes": nbytes, "floor_ms": round(floor, 3), "ms_per_token": ms,
-           "fraction_of_floor": round(floor / ms, 3)}
+           "fraction_of_floor": round(floor / ms, 3),
+           "fast_path_copy_bytes": counted.get("fast_path_copies", 0)}
     if path is not None:
         kinds = {m.active_path() for m in model.modules() if hasattr(m, "active_path")}
         row["path"] = path if path == "reference" else "+".join(sorted(kinds))
@@ -101,10 +103,12 @@ def report(r: dict) -> str:
     m = r["machine"]
     lines = [f"quantized decode on {m.get('device_name', m['device'])} ({m['torch_threads']} "
              f"threads), read bandwidth {r['measured_bandwidth_GBps']} GB/s, batch 1:",
-             f"  {'format':<20}{'MB':>8}{'floor ms':>10}{'ms/token':>10}{'of floor':>10}  path"]
+             f"  {'format':<20}{'MB':>8}{'floor ms':>10}{'ms/token':>10}{'of floor':>10}"
+             f"{'+copy MB':>10}  path"]
     for name, row in r["rows"].items():
         lines.append(f"  {name:<20}{row['weight_bytes'] / 1e6:>8.1f}{row['floor_ms']:>10.2f}"
-                     f"{row['ms_per_token']:>10.2f}{100 * row['fraction_of_floor']:>9.0f}%  "
+                     f"{row['ms_per_token']:>10.2f}{100 * row['fraction_of_floor']:>9.0f}%"
+                     f"{row.get('fast_path_copy_bytes', 0) / 1e6:>10.1f}  "
                      f"{row.get('path', '')}")
     lines += [f"  {k}: {v:.2f}x" for k, v in r["ratios"].items()]
     return "\n".join(lines)

@@ -214,7 +214,8 @@ def set_path(model, path: str):
 def quantized_bytes(model) -> dict:
     """Bytes of the model's weights by format ("int8", "int4", "float32", ...) and "total";
     a tied weight (embedding = lm_head) is counted once. One batch-1 decode step reads all of it
-    (the embedding as lm_head), so total / bandwidth is the step's floor."""
+    (the embedding as lm_head), so total / bandwidth is the step's floor. The fast path's own
+    copies of the codes, when any, are under "fast_path_copies": memory, outside "total"."""
     out, seen = {}, set()
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
@@ -226,4 +227,7 @@ def quantized_bytes(model) -> dict:
             fmt = str(p.dtype).replace("torch.", "")
             out[fmt] = out.get(fmt, 0) + p.numel() * p.element_size()
     out["total"] = sum(out.values())
+    extra = sum(m.kernel_nbytes for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    if extra:
+        out["fast_path_copies"] = extra      # held beside the weights, not read by a step: not in total
     return out

@@ -14,8 +14,9 @@ to multiply by it, kept side by side:
   `torch._weight_int4pack_mm`. They take bf16 activations (cast in, cast back out) and compute
   the int4 weight as `(q - 8) * scale + zero`, so Q4_1's `d * q + m` maps to `scale = d`,
   `zero = m + 8 d`, both rounded to bf16: the fast path agrees with the reference to bf16
-  rounding, not bit for bit. The kernel wants its own copy of the codes (a tiled layout), the
-  same size as the stored one, made once per device and kept beside it.
+  rounding, not bit for bit. The int4 kernel wants its own copy of the codes (a tiled layout),
+  the same size as the stored one, made once per device and kept beside it: `kernel_nbytes`
+  counts it, and `quantized_bytes` reports it as "fast_path_copies" (memory held, not read).
 
 `path="auto"` takes the fast path where the kernel exists and, probed once per device on a small
 input, agrees with the reference; anywhere else the reference. Nothing is timed to decide it.
@@ -86,6 +87,17 @@ class _QuantLinear(nn.Module):
     def nbytes(self) -> int:
         """Bytes of the stored weight (its buffers; the kernel's copy is not counted)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def kernel_nbytes(self) -> int:
+        """Extra bytes the fast path keeps beside the stored weight (its own copy of the codes and
+        scales, per device it ran on); 0 on the reference path. Not read by a decode step, but
+        held in memory: int4's tiled copy is as large as the stored codes."""
+        own = {b.untyped_storage().data_ptr() for b in self.buffers()}
+        extra = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for kernel in self._kernels.values() if kernel is not None
+                 for t in kernel if isinstance(t, torch.Tensor)}
+        return sum(n for ptr, n in extra.items() if ptr not in own)
 
     def _kernel_for(self, device: torch.device):
         key = str(device)
