@@ -45,17 +45,17 @@ def _output_error(d: torch.Tensor, X: torch.Tensor, Hx: torch.Tensor | None) -> 
 
 
 def awq_scale(w: torch.Tensor, X: torch.Tensor, group_size: int, n_grid: int = 20,
-              tie=None) -> tuple[torch.Tensor, float]:
-    """The searched scale s (K,) for weight w (N, K) and inputs X (T, K), and its exponent a.
-    `tie(v)` maps a per-channel statistic (K,) to fewer free scales and `tie.expand` back."""
+              tie=None, alpha: float | None = None) -> tuple[torch.Tensor, float]:
+    """The searched scale s (K,) for weight w (N, K) and inputs X (T, K), and its exponent a
+    (searched over k / n_grid, k = 0..n_grid; `alpha` fixes it instead). `tie(v)` maps a
+    per-channel statistic (K,) to fewer free scales and `tie.expand` back."""
     dtype = torch.promote_types(w.dtype, torch.float32)
     w, X = w.to(dtype), X.to(dtype)
     Hx = X.t() @ X if X.shape[0] > X.shape[1] else None            # (K, K)
     stat = X.abs().mean(0).clamp(min=1e-5)                        # (K,)
     base = tie(stat) if tie is not None else stat
     best = (float("inf"), None, 0.0)
-    for k in range(n_grid + 1):
-        a = k / n_grid
+    for a in [k / n_grid for k in range(n_grid + 1)] if alpha is None else [alpha]:
         s = base ** a
         s = s / (s.max() * s.min()).sqrt()
         s = tie.expand(s) if tie is not None else s                # (K,)
@@ -90,14 +90,17 @@ def _subsample(X: torch.Tensor, n: int | None) -> torch.Tensor:
 
 @torch.no_grad()
 def awq_fold(model, calibration, group_size: int, n_grid: int = 20,
-             search_tokens: int | None = None) -> tuple[dict, dict]:
+             search_tokens: int | None = None, alpha: float | None = None) -> tuple[dict, dict]:
     """The searched scales folded in, nothing quantized yet: the scaled fp weights of the four
     projections of every layer (by module name) and the new values of the fp parameters that
     took the 1/s (by `named_parameters()` name). `model` is not modified. `search_tokens` evenly
-    subsamples the calibration tokens the search uses (speed)."""
-    from minillm._validate import check_int
+    subsamples the calibration tokens the search uses (speed); `alpha` in [0, 1] skips the
+    search and uses that exponent everywhere."""
+    from minillm._validate import check_int, check_real
     check_groups(model, group_size)
     check_int("n_grid", n_grid, 1)
+    if alpha is not None:
+        check_real("alpha", alpha, 0, 1)
     if search_tokens is not None:
         check_int("search_tokens", search_tokens, 1)
     cfg = model.config
@@ -111,14 +114,14 @@ def awq_fold(model, calibration, group_size: int, n_grid: int = 20,
         acts, x_next = record(runner, block, i, x, mods)
         acts = {p: _subsample(a, search_tokens) for p, a in acts.items()}
         W = {p: m.weight.detach().clone() for p, m in mods.items()}
-        s = awq_scale(W["attn.o_proj"], acts["attn.o_proj"], group_size, n_grid, tie)[0]
+        s = awq_scale(W["attn.o_proj"], acts["attn.o_proj"], group_size, n_grid, tie, alpha)[0]
         W["attn.o_proj"] *= s
         W["attn.qkv_proj"][v_rows] /= tie.take(s)[:, None]
-        s = awq_scale(W["mlp.down_proj"], acts["mlp.down_proj"], group_size, n_grid)[0]
+        s = awq_scale(W["mlp.down_proj"], acts["mlp.down_proj"], group_size, n_grid, alpha=alpha)[0]
         W["mlp.down_proj"] *= s
         W["mlp.gate_up_proj"][up_rows] /= s[:, None]
         for p, norm in (("attn.qkv_proj", "input_norm"), ("mlp.gate_up_proj", "post_attn_norm")):
-            s = awq_scale(W[p], acts[p], group_size, n_grid)[0]
+            s = awq_scale(W[p], acts[p], group_size, n_grid, alpha=alpha)[0]
             W[p] *= s
             params[f"layers.{i}.{norm}.weight"] = block.get_submodule(norm).weight.detach() / s
         weights.update({f"layers.{i}.{p}": W[p] for p in PROJECTIONS})
@@ -127,8 +130,8 @@ def awq_fold(model, calibration, group_size: int, n_grid: int = 20,
 
 
 def awq_weights(model, calibration, group_size: int, n_grid: int = 20,
-                search_tokens: int | None = None) -> tuple[dict, dict]:
+                search_tokens: int | None = None, alpha: float | None = None) -> tuple[dict, dict]:
     """AWQ int4: `awq_fold`'s scaled weights rounded to nearest in groups (Int4Weight by module
     name), and the folded fp parameters. `model` is not modified."""
-    folded, params = awq_fold(model, calibration, group_size, n_grid, search_tokens)
+    folded, params = awq_fold(model, calibration, group_size, n_grid, search_tokens, alpha)
     return {k: quantize_int4(w, group_size) for k, w in folded.items()}, params

@@ -26,6 +26,7 @@ Metrics, all against a reference model (the shipped fp32 weights):
 Left out on purpose: downstream task accuracy, sampling-based metrics, sliding-window perplexity.
 """
 import copy
+import math
 import importlib
 
 import torch
@@ -97,9 +98,10 @@ def check_ids(name: str, ids, vocab_size: int, min_len: int = 1) -> torch.Tensor
 
 @torch.no_grad()
 def _row_logits(model, ids: torch.Tensor):
-    """Logits of each row in turn (one row's (T, V) in memory at a time): yields (T, V) fp32."""
+    """Logits of each row in turn (one row in memory at a time): (T, V) fp32, or fp64 for an fp64 model."""
     for row in ids:
-        yield model(row[None].to(model.device))[0].float().cpu()       # (T, V)
+        logits = model(row[None].to(model.device))[0].cpu()            # (T, V)
+        yield logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _scores(model, ids, ref_logits=None):
@@ -119,7 +121,7 @@ def perplexity(model, ids) -> float:
     """exp(mean next-token NLL) of `ids` (T,) or (B, T), each row scored on its own."""
     ids = check_ids("ids", ids, model.config.vocab_size, min_len=2)
     nll, n, _, _ = _scores(model, ids)
-    return float(torch.tensor(nll / n, dtype=torch.float64).exp())
+    return math.exp(nll / n)
 
 
 def kl_divergence(ref_model, model, ids) -> float:
@@ -179,7 +181,7 @@ def compare(ref_model, models: dict, ids, prompts: list[list[int]], n: int = 32,
         m = m() if callable(m) and not isinstance(m, torch.nn.Module) else m
         nll, count, kl, positions = _scores(m, ids, ref_logits)
         agree = [_agreement(greedy_matches(m, p, c)) for p, c in zip(prompts, conts)]
-        rows.append({"model": name, "ppl": float(torch.tensor(nll / count).exp()),
+        rows.append({"model": name, "ppl": math.exp(nll / count),
                      "kl": kl / positions,
                      "agree": sum(a["teacher_forced"] for a in agree) / len(agree),
                      "prefix": sum(a["prefix"] for a in agree) / len(agree)})
