@@ -42,7 +42,7 @@ def test_gptq_update_is_the_least_squares_optimum(fixed):
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     U, _ = gptq.inverse_hessian_factor(2 * X.t() @ X, damp=0.0)
     snap = lambda col, p, j: torch.round(col * 3) / 3 if j < fixed else col
-    Q = gptq.gptq_loop(W.clone()[None], U[None], 64, lambda wg: None, snap)[0]    # L = 1
+    Q = gptq.gptq_loop(W.clone(), U, 64, lambda wg: None, snap)
     free = X[:, fixed:]                                            # (T, K - fixed)
     target = X[:, :fixed] @ (W[:, :fixed] - Q[:, :fixed]).t() + free @ W[:, fixed:].t()
     best = torch.linalg.lstsq(free, target).solution.t()          # (N, K - fixed)
@@ -288,23 +288,3 @@ def test_gptq_and_awq_beat_rtn_on_the_real_model():
     rtn = ppl(quality.rtn_weights(model, 4, 64))
     assert ppl(gptq.gptq_weights(model, cal, 64)) < rtn
     assert ppl(*awq.awq_weights(model, cal, 64, n_grid=10, search_tokens=256)) < rtn
-
-
-def test_gptq_batched_loop_equals_one_layer_at_a_time():
-    gen = torch.Generator().manual_seed(14)
-    w = torch.randn(3, 10, 64, generator=gen)
-    H = torch.stack([gptq.hessian(correlated(200, 64, seed=s, dtype=torch.float32))
-                     for s in range(3)])
-    batched = gptq.gptq_quantize_weight(w, H, 32)
-    for i in range(3):
-        one = gptq.gptq_quantize_weight(w[i], H[i], 32)
-        torch.testing.assert_close(batched[i].dequantize(), one.dequantize(), rtol=0, atol=1e-6)
-
-
-def test_gptq_weights_fp32_inputs_mode(tiny, calib):
-    seq = gptq.gptq_weights(tiny, calib, G)
-    fp = gptq.gptq_weights(tiny, calib, G, sequential=False)
-    assert list(fp) == list(seq)
-    # layer 0's first projection sees the same inputs either way: the same weights
-    assert torch.equal(fp["layers.0.attn.qkv_proj"].q, seq["layers.0.attn.qkv_proj"].q)
-    assert not torch.equal(fp["layers.1.mlp.down_proj"].q, seq["layers.1.mlp.down_proj"].q)

@@ -17,9 +17,6 @@ compensation.
 `gptq_weights` quantizes the four projections of every layer in forward order: each layer's
 inputs come from the model with every earlier projection already quantized (standard GPTQ,
 "true sequential" inside a block too), so a layer also compensates for its predecessors' errors.
-`sequential=False` takes every layer's inputs from the fp32 model instead and runs the layers of
-one shape through one batched loop: on a CPU the loop's many small operations, not the flops,
-are what costs, so that is much faster (the notebook's choice), and a little less accurate.
 
 Left out on purpose: act-order (columns by decreasing H diagonal), static groups, the lm_head
 (tied to the embeddings), symmetric formats.
@@ -30,80 +27,66 @@ from contextlib import contextmanager
 
 import torch
 
-from minillm.quant.blocks import BlockRunner, capture, record
+from minillm.quant.blocks import BlockRunner, capture
 from minillm.quant.formats import Int4Weight, check_group_size, int4_params, round_int4
 from minillm.quant.quality import PROJECTIONS
 
 
 def inverse_hessian_factor(H: torch.Tensor, damp: float = 0.01):
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 in float64, for H (..., K, K),
-    and the dead columns (zero diagonal: an input that is always 0), whose diagonal is set to 1."""
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 (K, K) in float64, and the dead
+    columns (zero diagonal: an input that is always 0), whose diagonal is set to 1 first."""
     if not 0 <= damp < 1:
         raise ValueError(f"damp must be in [0, 1), got {damp!r}")
     H = H.double().clone()
-    diag = H.diagonal(dim1=-2, dim2=-1)                                     # (..., K), a view
-    dead = diag == 0
-    diag.masked_fill_(dead, 1)
-    diag.add_(damp * diag.mean(-1, keepdim=True))
-    Hinv = torch.cholesky_inverse(torch.linalg.cholesky(H))                 # (..., K, K)
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1
+    H.diagonal().add_(damp * H.diagonal().mean())
+    Hinv = torch.cholesky_inverse(torch.linalg.cholesky(H))                 # (K, K)
     return torch.linalg.cholesky(Hinv, upper=True), dead
 
 
 def gptq_loop(W: torch.Tensor, U: torch.Tensor, group_size: int, fit, snap) -> torch.Tensor:
-    """The column loop on a working copy W (L, N, K) (L independent layers of one shape, each
-    with its factor in U (L, K, K)), updated in place; returns the quantized weights Q (L, N, K).
-    `fit(W[..., group])` gives a group's parameters when its first column comes up;
-    `snap(column (L, N), params, j)` returns column j on the grid. Both are arguments so a test
-    can put any quantizer in (e.g. one that leaves the later columns free).
+    """The column loop on a working copy W (N, K), updated in place; returns the quantized
+    weights Q (N, K). `fit(W[:, group])` gives a group's parameters when its first column comes
+    up; `snap(column, params, j)` returns column j on the grid. Both are arguments so a test can
+    put any quantizer in (e.g. one that leaves the later columns free).
 
     One group is one block: when it starts, every earlier block's update has reached it, so the
     group is fitted to its updated weights. Inside the block, column j gets the updates of the
     block's earlier columns as one matrix-vector product just before it is snapped (the same
     sums as rank-1 updates after each column, far fewer operations)."""
-    L, N, K = W.shape
+    N, K = W.shape
     U = U.to(W.dtype)
     Q = torch.empty_like(W)
     for b0 in range(0, K, group_size):
         b1 = min(b0 + group_size, K)
-        params = fit(W[..., b0:b1])
-        err = torch.empty(L, b1 - b0, N, dtype=W.dtype, device=W.device).transpose(1, 2)
-        # err (L, N, G): the block's scaled errors, each column contiguous
+        params = fit(W[:, b0:b1])
+        err = torch.empty(b1 - b0, N, dtype=W.dtype, device=W.device).t()  # (N, G), columns contiguous
         for j in range(b0, b1):
-            col = torch.baddbmm(W[..., j:j + 1], err[..., :j - b0], U[:, b0:j, j:j + 1],
-                                alpha=-1)[..., 0]                           # (L, N)
-            Q[..., j] = snap(col, params, j)
-            torch.div(col - Q[..., j], U[:, j, j, None], out=err[..., j - b0])
-        W[..., b1:] -= err @ U[:, b0:b1, b1:]                     # (L, N, G) @ (L, G, rest)
+            col = torch.addmv(W[:, j], err[:, :j - b0], U[b0:j, j], alpha=-1)   # (N,)
+            Q[:, j] = snap(col, params, j)
+            torch.div(col - Q[:, j], U[j, j], out=err[:, j - b0])
+        W[:, b1:] -= err @ U[b0:b1, b1:]                                    # (N, G) @ (G, rest)
     return Q
 
 
-def _check_weight_and_hessian(w, H, group_size):
-    if not isinstance(w, torch.Tensor) or w.dim() not in (2, 3) or not w.is_floating_point():
-        raise TypeError("w must be a floating tensor (N, K) or (L, N, K)")
-    K = w.shape[-1]
-    check_group_size(group_size, K)
-    want = (*w.shape[:-2], K, K)
-    if not isinstance(H, torch.Tensor) or tuple(H.shape) != want:
-        raise ValueError(f"H must be a {want} tensor, got "
-                         f"{tuple(H.shape) if isinstance(H, torch.Tensor) else type(H).__name__}")
-
-
 def gptq_quantize_weight(w: torch.Tensor, H: torch.Tensor, group_size: int,
-                         damp: float = 0.01):
-    """GPTQ of one weight (N, K) given its calibration Hessian H (K, K), in Q4_1-style groups:
-    an Int4Weight. A stack of L same-shape layers, w (L, N, K) and H (L, K, K), is done in one
-    loop and gives a list of L Int4Weight."""
-    _check_weight_and_hessian(w, H, group_size)
-    one = w.dim() == 2
-    w, H = (w[None], H[None]) if one else (w, H)
-    U, dead = inverse_hessian_factor(H.to(w.device), damp)                  # (L, K, K), (L, K)
-    L, N, K = w.shape
+                         damp: float = 0.01) -> Int4Weight:
+    """GPTQ of one weight (N, K) given its calibration Hessian H (K, K), in Q4_1-style groups."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        raise TypeError("w must be a floating 2-D tensor (N, K)")
+    N, K = w.shape
+    check_group_size(group_size, K)
+    if not isinstance(H, torch.Tensor) or tuple(H.shape) != (K, K):
+        raise ValueError(f"H must be a ({K}, {K}) tensor, got "
+                         f"{tuple(H.shape) if isinstance(H, torch.Tensor) else type(H).__name__}")
+    U, dead = inverse_hessian_factor(H.to(w.device), damp)
     # a column-major working copy: the loop reads and writes whole columns
-    W = w.detach().transpose(1, 2).to(torch.promote_types(w.dtype, torch.float32), copy=True)
-    W = W.contiguous().transpose(1, 2).masked_fill_(dead[:, None, :], 0)   # dead inputs: weight 0
+    W = w.detach().t().to(torch.promote_types(w.dtype, torch.float32), copy=True).contiguous().t()
+    W[:, dead] = 0                                      # never multiplied by anything but 0
     scales, mins = [], []
 
-    def fit(wg):                                    # (L, N, G) -> fp16 (L, N) each, as stored
+    def fit(wg):                                        # (N, G) -> fp16 (N,), (N,), as stored
         d, m = int4_params(wg)
         scales.append(d), mins.append(m)
         d, m = d.float(), m.float()
@@ -116,11 +99,9 @@ def gptq_quantize_weight(w: torch.Tensor, H: torch.Tensor, group_size: int,
 
     with _one_thread(W.device):
         Q = gptq_loop(W, U, group_size, fit, snap)
-    d, m = torch.stack(scales, -1), torch.stack(mins, -1)                   # (L, N, K/G)
-    G = group_size
-    codes = round_int4(Q.reshape(L, N, K // G, G), d[..., None], m[..., None]).view(L, N, K)
-    out = [Int4Weight(codes[i], d[i], m[i], G) for i in range(L)]
-    return out[0] if one else out
+    d, m = torch.stack(scales, 1), torch.stack(mins, 1)                     # (N, K/G)
+    codes = round_int4(Q.view(N, K // group_size, group_size), d[..., None], m[..., None])
+    return Int4Weight(codes.view(N, K), d, m, group_size)
 
 
 @contextmanager
@@ -151,23 +132,13 @@ def check_groups(model, group_size) -> None:
 
 
 @torch.no_grad()
-def gptq_weights(model, calibration, group_size: int, damp: float = 0.01,
-                 sequential: bool = True) -> dict:
+def gptq_weights(model, calibration, group_size: int, damp: float = 0.01) -> dict:
     """GPTQ int4 of the four projections of every layer, keyed by module name; `model` is not
-    modified. sequential=True (standard GPTQ): each block is quantized in a copy, projection by
-    projection, and its quantized output feeds the next. sequential=False: every layer's inputs
-    come from the fp32 model in one pass, so the layers of one shape share a single batched
-    column loop (about L times fewer small operations; no compensation of earlier layers)."""
+    modified (each block is quantized in a copy that then feeds the next block)."""
     check_groups(model, group_size)
-    if not isinstance(damp, (int, float)) or not 0 <= damp < 1 or math.isnan(damp):
+    if not 0 <= damp < 1 or math.isnan(damp):
         raise ValueError(f"damp must be in [0, 1), got {damp!r}")
-    if not isinstance(sequential, bool):
-        raise TypeError(f"sequential must be a bool, got {type(sequential).__name__}")
     runner = BlockRunner(model, calibration)
-    return (_sequential if sequential else _batched)(model, runner, group_size, damp)
-
-
-def _sequential(model, runner, group_size, damp) -> dict:
     x, out = runner.x0, {}
     for i, block in enumerate(model.layers):
         qblock = copy.deepcopy(block)
@@ -180,18 +151,3 @@ def _sequential(model, runner, group_size, damp) -> dict:
         x = runner.run(qblock, i, x)                    # the next block sees quantized outputs
         del qblock
     return out
-
-
-def _batched(model, runner, group_size, damp) -> dict:
-    x, hs = runner.x0, {p: [] for p in PROJECTIONS}
-    for i, block in enumerate(model.layers):            # one fp32 pass: a Hessian per projection
-        acts, x = record(runner, block, i, x, {p: block.get_submodule(p) for p in PROJECTIONS})
-        for p in PROJECTIONS:
-            hs[p].append(hessian(acts[p]))
-    out = {}
-    for p in PROJECTIONS:
-        w = torch.stack([block.get_submodule(p).weight.detach() for block in model.layers])
-        for i, wq in enumerate(gptq_quantize_weight(w, torch.stack(hs[p]), group_size, damp)):
-            out[f"layers.{i}.{p}"] = wq                 # (L, N, K) above, one loop per shape
-    return {f"layers.{i}.{p}": out[f"layers.{i}.{p}"]
-            for i in range(len(model.layers)) for p in PROJECTIONS}

@@ -49,7 +49,7 @@ def eval_text() -> str:
 
 
 def calibration_text() -> str:
-    """Calibration English: standard-library module docstrings, apart from the eval text."""
+    """Calibration English: standard-library module docstrings, a source apart from the eval text."""
     docs = []
     for name in CALIBRATION_MODULES:
         try:
@@ -62,7 +62,7 @@ def calibration_text() -> str:
 
 
 def text_ids(tokenizer, text: str, n_seqs: int, seq_len: int) -> torch.Tensor:
-    """The first n_seqs * seq_len tokens of `text` (no special tokens), as (n_seqs, seq_len)."""
+    """The first n_seqs * seq_len tokens of `text` (no special tokens) as rows: (n_seqs, seq_len)."""
     from minillm._validate import check_int
     check_int("n_seqs", n_seqs, 1)
     check_int("seq_len", seq_len, 2)
@@ -98,7 +98,7 @@ def check_ids(name: str, ids, vocab_size: int, min_len: int = 1) -> torch.Tensor
 
 @torch.no_grad()
 def _row_logits(model, ids: torch.Tensor):
-    """Each row's logits in turn, one row in memory at a time: (T, V) fp32 (fp64 for fp64)."""
+    """Logits of each row in turn (one row in memory at a time): (T, V) fp32, or fp64 for an fp64 model."""
     for row in ids:
         logits = model(row[None].to(model.device))[0].cpu()            # (T, V)
         yield logits if logits.dtype == torch.float64 else logits.float()
