@@ -41,8 +41,11 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float = 0.01):
     dead = H.diagonal() == 0
     H[dead, dead] = 1
     H.diagonal().add_(damp * H.diagonal().mean())
-    Hinv = torch.cholesky_inverse(torch.linalg.cholesky(H))                 # (K, K)
-    return torch.linalg.cholesky(Hinv, upper=True), dead
+    # U^T U = H^-1 means H = V V^T with V = U^-1 upper triangular: a Cholesky factor of H with
+    # the index order reversed. One factorization and one triangular inverse, no explicit H^-1.
+    V = torch.linalg.cholesky(H.flip(0, 1)).flip(0, 1)                     # (K, K), upper
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    return torch.linalg.solve_triangular(V, eye, upper=True), dead
 
 
 def gptq_loop(W: torch.Tensor, U: torch.Tensor, group_size: int, fit, snap) -> torch.Tensor:
@@ -64,8 +67,9 @@ def gptq_loop(W: torch.Tensor, U: torch.Tensor, group_size: int, fit, snap) -> t
         err = torch.empty(b1 - b0, N, dtype=W.dtype, device=W.device).t()  # (N, G), columns contiguous
         for j in range(b0, b1):
             col = torch.addmv(W[:, j], err[:, :j - b0], U[b0:j, j], alpha=-1)   # (N,)
-            Q[:, j] = snap(col, params, j)
-            torch.div(col - Q[:, j], U[j, j], out=err[:, j - b0])
+            q = Q[:, j]
+            q.copy_(snap(col, params, j))
+            torch.sub(col, q, out=err[:, j - b0]).div_(U[j, j])
         W[:, b1:] -= err @ U[b0:b1, b1:]                                    # (N, G) @ (G, rest)
     return Q
 
@@ -94,8 +98,8 @@ def gptq_quantize_weight(w: torch.Tensor, H: torch.Tensor, group_size: int,
 
     def snap(col, p, j):                                # round_int4's arithmetic, then dequantize
         d, m, inv = p
-        q = torch.round((col.float() - m) * inv).clamp_(0, 15)
-        return (d * q + m).to(col.dtype)
+        q = (col.float() - m).mul_(inv).round_().clamp_(0, 15)
+        return q.mul_(d).add_(m)                        # (d * q) + m, as Int4Weight.dequantize
 
     with _one_thread(W.device):
         Q = gptq_loop(W, U, group_size, fit, snap)
