@@ -70,7 +70,9 @@ def gptq_loop(W: torch.Tensor, U: torch.Tensor, group_size: int, fit, snap) -> t
             q = Q[:, j]
             q.copy_(snap(col, params, j))
             torch.sub(col, q, out=err[:, j - b0]).div_(U[j, j])
-        W[:, b1:] -= err @ U[b0:b1, b1:]                                    # (N, G) @ (G, rest)
+        # W[:, b1:] -= err @ U[b0:b1, b1:], done on the transposes: W is column-major, so its
+        # (rest, N) transpose is contiguous and takes the product in place
+        W[:, b1:].t().addmm_(U[b0:b1, b1:].t(), err.t(), alpha=-1)       # (rest, G) @ (G, N)
     return Q
 
 
