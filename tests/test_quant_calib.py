@@ -287,4 +287,15 @@ def test_gptq_and_awq_beat_rtn_on_the_real_model():
     ppl = lambda w, p=None: quality.perplexity(quality.dequantized_model(model, w, p), ev)
     rtn = ppl(quality.rtn_weights(model, 4, 64))
     assert ppl(gptq.gptq_weights(model, cal, 64)) < rtn
-    assert ppl(*awq.awq_weights(model, cal, 64, n_grid=10, search_tokens=256)) < rtn
+    assert ppl(*awq.awq_weights(model, cal, 64, n_grid=4, search_tokens=128)) < rtn
+
+
+def test_plot_outliers_draws_every_projection():
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.viz.quant import plot_outliers
+    rows = [{"layer": i, "proj": p, "n_dims": i, "dims": list(range(i)), "token_frac": 0.1 * i,
+             "max_abs": 7.0} for i in range(3) for p in quality.PROJECTIONS]
+    fig = plot_outliers(rows)
+    left, right = fig.axes
+    assert len(left.patches) == 3 * 4 and len(right.lines) == 4

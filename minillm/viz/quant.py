@@ -19,6 +19,7 @@ def plot_outliers(rows: list[dict], threshold: float = 6.0):
         ax_n.bar(xs, [by_layer[layer]["n_dims"] for layer in layers], width, label=p)
         ax_f.plot(layers, [by_layer[layer]["token_frac"] for layer in layers], marker="o",
                   markersize=3, label=p)
+    ax_n.set_yscale("symlog", linthresh=1)              # one dim and five hundred, on one axis
     ax_n.set_title(f"input dims with |x| >= {threshold:g}")
     ax_f.set_title("fraction of tokens with such a value")
     for ax in (ax_n, ax_f):
