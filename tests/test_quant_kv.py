@@ -339,9 +339,9 @@ def test_real_model_kv_perplexity(one_thread):
     """SmolLM2 (fp32) on 384 tokens of pydoc_data.topics in chunks of 128: int8 KV within 1% of
     fp32 KV, fp8 within 5% (the chapter measures 2,048 tokens: +0.002% and +1.4%)."""
     import minillm
-    from minillm.quant.kv import eval_token_ids
+    from minillm.quant.quality import eval_ids
     model, tok = minillm.load_model(device="cpu")
-    ids = eval_token_ids(tok, 384)
+    ids = eval_ids(tok, 1, 384)[0].tolist()
     with torch.inference_mode():
         logits = model(torch.tensor([ids]))[0]
     dense = math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())

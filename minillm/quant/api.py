@@ -118,13 +118,21 @@ def _weight(module: nn.Linear) -> torch.Tensor:
 
 
 @torch.no_grad()
+def rtn_weights(model, bits: int = 4, group_size: int = 32) -> dict:
+    """Round-to-nearest of every projection (module name -> weight): int8 per channel (bits=8)
+    or int4 in groups of `group_size` (bits=4). The model is not changed."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    quant = quantize_int8 if bits == 8 else (lambda w: quantize_int4(w, group_size))
+    return {n: quant(_weight(m)) for n, m in projections(model).items()}
+
+
+@torch.no_grad()
 def _new_weights(model, method, group, calibration):
     """module name -> Int8Weight / Int4Weight, and parameter name -> new value (AWQ's folds)."""
     mods = projections(model)
-    if method == "int8":
-        return {n: quantize_int8(_weight(m)) for n, m in mods.items()}, {}
-    if method == "int4":
-        return {n: quantize_int4(_weight(m), group) for n, m in mods.items()}, {}
+    if method in ("int8", "int4"):
+        return rtn_weights(model, 8 if method == "int8" else 4, group), {}
     if method == "gguf":
         from minillm.quant.gguf import gguf_weights
         weights = gguf_weights()

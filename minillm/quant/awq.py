@@ -34,7 +34,7 @@ import torch
 from minillm.quant.blocks import BlockRunner, record
 from minillm.quant.formats import quantize_int4
 from minillm.quant.gptq import check_groups
-from minillm.quant.quality import PROJECTIONS
+from minillm.quant.api import PROJECTIONS
 
 
 def _output_error(d: torch.Tensor, X: torch.Tensor, Hx: torch.Tensor | None) -> float:

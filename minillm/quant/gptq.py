@@ -29,7 +29,7 @@ import torch
 
 from minillm.quant.blocks import BlockRunner, capture
 from minillm.quant.formats import Int4Weight, check_group_size, int4_params, round_int4
-from minillm.quant.quality import PROJECTIONS
+from minillm.quant.api import PROJECTIONS
 
 
 def inverse_hessian_factor(H: torch.Tensor, damp: float = 0.01):

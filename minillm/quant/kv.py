@@ -161,18 +161,6 @@ class KVSlots:
         return dequantize_kv(codes, scales, self.out_dtype).view(n, -1)      # (n, Hkv*D)
 
 
-def eval_token_ids(tokenizer, num_tokens: int = 2048) -> list[int]:
-    """The first `num_tokens` tokens of Python's own `pydoc_data.topics` (every topic, sorted by
-    name): English text that ships with Python and that no one here wrote.
-    TODO(integrator): take the text from `minillm.quant.quality.eval_text()` once it lands."""
-    from pydoc_data.topics import topics
-    text = "\n\n".join(topics[k] for k in sorted(topics))[: 8 * num_tokens]  # >= 2 chars/token
-    ids = tokenizer.encode(text)[:num_tokens]
-    if len(ids) < num_tokens:
-        raise ValueError(f"num_tokens={num_tokens} is more than the text's {len(ids)} tokens")
-    return ids
-
-
 @torch.inference_mode()
 def kv_perplexity(model, ids, kv_cache_dtype: str = "auto", block_size: int = 16,
                   chunk: int = 256) -> float:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from minillm.quant.blocks import BlockRunner, record
 from minillm.quant.formats import quantize_int8
-from minillm.quant.quality import PROJECTIONS
+from minillm.quant.api import PROJECTIONS
 
 
 def outlier_dims(X: torch.Tensor, threshold: float = 6.0) -> tuple[list[int], float]:

@@ -32,14 +32,14 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from minillm.quant.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from minillm.quant.api import projections, rtn_weights  # noqa: F401 (rtn_weights: the chapter calls it here)
+from minillm.quant.formats import Int4Weight, Int8Weight
 
 EVAL_TOPICS = ("objects", "execmodel", "exceptions", "types")
 CALIBRATION_MODULES = ("re", "statistics", "configparser", "argparse", "json", "csv", "shelve",
                        "wave", "ssl", "hashlib", "cmd")
 CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Give three tips for learning to cook.", "Why is the sky blue?")
-PROJECTIONS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def eval_text() -> str:
@@ -198,16 +198,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def projection_names(model) -> list[str]:
     """The four projections of every layer, in forward order ("layers.0.attn.qkv_proj", ...)."""
-    return [f"layers.{i}.{p}" for i in range(len(model.layers)) for p in PROJECTIONS]
-
-
-def rtn_weights(model, bits: int = 4, group_size: int = 128) -> dict:
-    """Round-to-nearest of every projection: int8 per channel (bits=8) or int4 in groups."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-    quant = quantize_int8 if bits == 8 else (lambda w: quantize_int4(w, group_size))
-    return {name: quant(model.get_submodule(name).weight.detach())
-            for name in projection_names(model)}
+    return list(projections(model))
 
 
 @torch.no_grad()
