@@ -2,6 +2,9 @@
 format's rule, and rejects a wrong one or a broken implementation."""
 import struct
 
+import pytest
+import torch
+
 from minillm import exercises
 from minillm.model.config import get_config
 
@@ -45,3 +48,53 @@ def test_07_3_right_and_wrong_decoders():
     assert not exercises.check("07.3", no_minimum)
     assert not exercises.check("07.3", lambda block: 1 / 0)          # raising is a wrong answer
     assert not exercises.check("07.3", "not a function")
+
+
+def test_07_4_int8_kv_bytes_by_hand():
+    assert exercises.check("07.4", 2 * 32 * 8 * (128 + 2))             # codes + an fp16 scale
+    assert not exercises.check("07.4", 2 * 32 * 8 * 128)               # the scales are not free
+
+
+def fake_quant_int8(x):
+    s = (x.abs().amax(-1, keepdim=True) / 127).half().float()          # the stored fp16 scale
+    return torch.round(x / s).clamp(-127, 127) * s
+
+
+def test_07_5_right_and_wrong_int8_round_trips():
+    assert exercises.check("07.5", fake_quant_int8)
+    assert not exercises.check("07.5", lambda x: torch.round(x / (x.abs().amax(-1, keepdim=True) / 127))
+                               * (x.abs().amax(-1, keepdim=True) / 127))   # scale not rounded to fp16
+    assert not exercises.check("07.5", lambda x: fake_quant_int8(x * 127 / 128) * 128 / 127)
+    assert not exercises.check("07.5", lambda x: 1 / 0)
+
+
+def compensate(W, H, q0):
+    """GPTQ's step written from the normal equations: solve H[1:, 1:] dW = -H[1:, 0] e."""
+    e = W[:, 0] - q0                                                    # (N,)
+    delta = torch.linalg.solve(H[1:, 1:], H[1:, :1]).t()                # (1, K - 1)
+    out = W.clone()
+    out[:, 0] = q0
+    out[:, 1:] += e[:, None] * delta
+    return out
+
+
+def test_07_7_right_and_wrong_compensation():
+    assert exercises.check("07.7", compensate)
+    assert not exercises.check("07.7", lambda W, H, q0: torch.cat([q0[:, None], W[:, 1:]], 1))  # RTN
+    assert not exercises.check("07.7", lambda W, H, q0: compensate(W, H.diag().diag(), q0))
+
+
+@pytest.mark.slow
+def test_07_6_outlier_count_by_a_forward_hook():
+    """Counted independently of quant.outliers: a hook on the real model's last down_proj."""
+    import minillm
+    from minillm.quant.quality import calibration_ids
+    model, tok = minillm.load_model(device="cpu")
+    seen = []
+    handle = model.layers[-1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        model(calibration_ids(tok, 4, 128))
+    handle.remove()
+    count = int((seen[0].abs() >= 6).reshape(-1, seen[0].shape[-1]).any(0).sum())
+    assert exercises.check("07.6", count)
+    assert not exercises.check("07.6", count + 1)
