@@ -5,11 +5,12 @@ The folders are the architecture (core first; the core never imports `viz` or `b
 - `paging/`    chapter 3: block manager (no tensors) and paged attention
 - `engine/`    chapters 4-5: sequence, scheduler, model runner, LLMEngine, speculative hook
 - `spec/`      chapter 6: rejection sampling, proposers, the batch-1 speculative loop
-- `quant/`     chapter 7: weight formats, quantized linears, the GGUF blocks, `quantize(model)`
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
-- `analysis/`  chapters 1, 2, 6: roofline, KV-cache math, speculation theory (pure functions)
+- `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
+- `analysis/`  chapters 1, 2, 6, 7: roofline, KV-cache math, speculation theory, weight bytes (pure functions)
 - `kernels/`   CPU matmul routes tuned on this machine (chapter 1)
 - `viz/`       figures and widgets; `bench/` benchmarks, the GPU script, the results ledger, the demo
+- `exercises/` every chapter's checks: `exercises.check("07.1", answer)`
 
 Earlier flat paths (`minillm.roofline`, `minillm.engine_spec`, ...) still import (`_compat`).
 """

@@ -2,7 +2,8 @@
 with a progress bar, prints a summary table, writes demo_decode.png (to build/figures/, or to
 $MINILLM_FIGURES_DIR, which `make figures` sets to figures/), then serves a mixed workload
 through the engine (continuous batching, chunked prefill) and prints its table, and serves
-input-grounded prompts with and without n-gram speculative decoding.
+input-grounded prompts with and without n-gram speculative decoding, then the chat questions with
+the weights in the shipped file's Q4_1 blocks (chapter 7).
 """
 import argparse
 import time
@@ -56,11 +57,12 @@ def demo(max_new_tokens: int = 48) -> None:
     rows = _decode_demo(model, tok, max_new_tokens)
     print(f"\nwrote {_figure(rows)}")
     try:
-        from minillm.bench.demo import run_demo, run_spec_demo
+        from minillm.bench.demo import run_demo, run_quant_demo, run_spec_demo
     except ImportError:
         return
     run_demo(model, tok)
     run_spec_demo(model, tok)
+    run_quant_demo(model, tok)
 
 
 def main(argv=None) -> None:

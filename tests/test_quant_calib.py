@@ -295,7 +295,7 @@ def test_plot_outliers_draws_every_projection():
     matplotlib.use("Agg")
     from minillm.viz.quant import plot_outliers
     rows = [{"layer": i, "proj": p, "n_dims": i, "dims": list(range(i)), "token_frac": 0.1 * i,
-             "max_abs": 7.0} for i in range(3) for p in quality.PROJECTIONS]
+             "max_abs": 7.0} for i in range(3) for p in PROJECTIONS]
     fig = plot_outliers(rows)
     left, right = fig.axes
     assert len(left.patches) == 3 * 4 and len(right.lines) == 4

@@ -4,7 +4,7 @@ Letters: L layers.
 """
 import matplotlib.pyplot as plt
 
-from minillm.quant.quality import PROJECTIONS
+from minillm.quant.api import PROJECTIONS
 
 
 def plot_outliers(rows: list[dict], threshold: float = 6.0):
