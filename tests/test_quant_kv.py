@@ -19,6 +19,8 @@ from minillm.model.llama import DenseCausalAttention
 from minillm.paging.paged_attention import PagedKVCache, ragged_dense_attention
 from minillm.quant.kv import dequantize_kv, kv_dtype_bytes, kv_perplexity, quantize_kv
 
+from engine_configs import CONFIGS, workload as equivalence_workload
+
 FP8 = torch.float8_e4m3fn
 KINDS = ["int8", "fp8"]
 
@@ -171,27 +173,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def workload(model):
-    rng = random.Random(0)
-    prompts = [[7, 8, 9, 10, 11] + [rng.randrange(256) for _ in range(rng.randint(1, 30))]
-               for _ in range(8)]                             # a shared prefix for prefix caching
-    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    prompts, max_tokens = equivalence_workload(0)             # a shared prefix for prefix caching
     with torch.inference_mode():
         refs = {kind: [greedy_reference(model, p, k, kind) for p, k in zip(prompts, max_tokens)]
                 for kind in KINDS}
     return prompts, max_tokens, refs
-
-
-CONFIGS = {
-    "bs1": dict(block_size=1, num_blocks=300, max_num_seqs=64, max_num_batched_tokens=64),
-    "bs3_chunk8": dict(block_size=3, num_blocks=120, max_num_seqs=4, max_num_batched_tokens=8),
-    "bs16_nochunk": dict(block_size=16, num_blocks=30, max_num_seqs=64, max_num_batched_tokens=64,
-                         enable_chunked_prefill=False),
-    "preempt_recompute": dict(block_size=16, num_blocks=5, max_num_seqs=64, max_num_batched_tokens=64),
-    "preempt_swap": dict(block_size=3, num_blocks=19, max_num_seqs=32, max_num_batched_tokens=32,
-                         preemption_mode="swap"),
-    "prefix_cache_swap": dict(block_size=3, num_blocks=19, max_num_seqs=32, max_num_batched_tokens=32,
-                              enable_prefix_caching=True, preemption_mode="swap"),
-}
 
 
 def record_logits(engine) -> list:

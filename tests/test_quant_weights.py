@@ -18,6 +18,8 @@ from minillm.quant.formats import (Int4Weight, pack_int4, quantize_int4, quantiz
                                    unpack_int4)
 from minillm.quant.linear import Int4Linear, Int8Linear
 
+from engine_configs import CONFIGS, workload as equivalence_workload
+
 BF16_REL = 2 ** -6          # bf16 keeps 8 significant bits: a few roundings per product, summed
 
 
@@ -342,31 +344,17 @@ def test_model_bytes_from_the_config_matches_the_quantized_model(method, fmt, gr
     assert predicted["projections"] == counted[fmt if fmt == "int8" else f"int4_g{group}"]
 
 
-ENGINE_CONFIGS = {   # the engine's equivalence settings (tests/test_engine.py), on a quantized model
-    "bs1": dict(block_size=1, num_blocks=400, max_num_seqs=64, max_num_batched_tokens=64),
-    "bs3_chunk8": dict(block_size=3, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=8),
-    "bs16_nochunk": dict(block_size=16, num_blocks=40, max_num_seqs=64, max_num_batched_tokens=64,
-                         enable_chunked_prefill=False),
-    "preempt_recompute": dict(block_size=16, num_blocks=7, max_num_seqs=64, max_num_batched_tokens=64),
-    "preempt_swap": dict(block_size=3, num_blocks=23, max_num_seqs=32, max_num_batched_tokens=32,
-                         preemption_mode="swap"),
-}
-
-
-@pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_equivalence_holds_for_a_quantized_model(method, name, one_thread):
     """Every request's greedy output through the engine equals `generate` alone on the same
     quantized model (float64 activations, reference path: no ties can flip), whatever the block
     size, chunking or preemption: quantization changes the weights, not the engine's exactness."""
-    import random
     q = quantize(minillm.tiny_model(dtype=torch.float64), method, group_size=16 if method == "int4" else None,
                  path="reference")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(10)]
-    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    prompts, max_tokens = equivalence_workload(0)
     refs = [minillm.generate(q, p, k) for p, k in zip(prompts, max_tokens)]
-    engine = LLMEngine(q, EngineConfig(**ENGINE_CONFIGS[name]))
+    engine = LLMEngine(q, EngineConfig(**CONFIGS[name]))
     outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens], use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
     assert engine.num_free_blocks == engine.num_blocks
