@@ -24,6 +24,8 @@ input, agrees with the reference; anywhere else the reference. Nothing is timed 
 Left out on purpose: biases, autograd, activation quantization (W8A8 lives with the outlier
 study), int4 kernels on platforms other than CPU and CUDA.
 """
+import abc
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -60,28 +62,40 @@ def _probe_ok(fast, out_features: int, rows: torch.Tensor, weight: torch.Tensor)
     return True
 
 
-class _QuantLinear(nn.Module):
-    """What both formats share: the path choice, the kernel copy per device, forward's reshape."""
+class _QuantLinear(nn.Module, abc.ABC):
+    """What both formats share: the checks, the path choice, the kernel copy per device, forward's
+    reshape. A format says how it stores its weight, reads it back and runs its kernel."""
     format = ""
+    weight_type: type = object            # the formats.py class this module holds
 
-    def __init__(self, in_features: int, out_features: int, path: str):
+    def __init__(self, weight, path: str = "auto"):
+        if not isinstance(weight, self.weight_type):
+            raise TypeError(f"weight must be an {self.weight_type.__name__}, got {type(weight).__name__}")
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.out_features, self.in_features = weight.q.shape                # (N, K)
         self.path = check_path(path)
         self._kernels: dict = {}          # device -> the fast path's tensors, or None: no fast path
+        self._store(weight)
+        self._kernel_for(self.qweight.device)          # probe now: path="fast" fails here if it must
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight_format().dequantize(dtype)                       # (N, K)
 
+    @abc.abstractmethod
+    def _store(self, weight) -> None:
+        """Register the weight's tensors as buffers (`qweight` and its scales)."""
+
+    @abc.abstractmethod
     def weight_format(self, rows: torch.Tensor | None = None):
         """The stored weight as an Int8Weight / Int4Weight (only `rows`, if given)."""
-        raise NotImplementedError
 
-    def _prepare(self, device):              # the kernel's tensors for `device`, or None
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _prepare(self, device):
+        """The kernel's tensors for `device`, or None where it has no fused kernel."""
 
-    def _fast(self, x, kernel):              # x bf16 (M, K) -> (M, N)
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _fast(self, x, kernel):
+        """The fused kernel: x bf16 (M, K) -> (M, N)."""
 
     @property
     def nbytes(self) -> int:
@@ -168,16 +182,11 @@ class _QuantLinear(nn.Module):
 
 class Int8Linear(_QuantLinear):
     """int8 codes (N, K) and one fp32 scale per output row (see `Int8Weight`)."""
-    format = "int8"
+    format, weight_type = "int8", Int8Weight
 
-    def __init__(self, weight: Int8Weight, path: str = "auto"):
-        if not isinstance(weight, Int8Weight):
-            raise TypeError(f"weight must be an Int8Weight, got {type(weight).__name__}")
-        N, K = weight.q.shape
-        super().__init__(K, N, path)
+    def _store(self, weight: Int8Weight) -> None:
         self.register_buffer("qweight", weight.q.contiguous())               # (N, K) int8
         self.register_buffer("scales", weight.scale.float().contiguous())    # (N,)
-        self._kernel_for(self.qweight.device)          # probe now: path="fast" fails here if it must
 
     def weight_format(self, rows=None) -> Int8Weight:
         if rows is None:
@@ -197,18 +206,13 @@ class Int8Linear(_QuantLinear):
 
 class Int4Linear(_QuantLinear):
     """int4 codes packed two per byte (N, K/2), fp16 scale and minimum per group (see `Int4Weight`)."""
-    format = "int4"
+    format, weight_type = "int4", Int4Weight
 
-    def __init__(self, weight: Int4Weight, path: str = "auto"):
-        if not isinstance(weight, Int4Weight):
-            raise TypeError(f"weight must be an Int4Weight, got {type(weight).__name__}")
-        N, K = weight.q.shape
-        super().__init__(K, N, path)
+    def _store(self, weight: Int4Weight) -> None:
         self.group_size = weight.group_size
         self.register_buffer("qweight", pack_int4(weight.q))                 # (N, K/2) uint8
         self.register_buffer("scales", weight.scale.contiguous())            # (N, K/G)
         self.register_buffer("minimums", weight.minimum.contiguous())        # (N, K/G)
-        self._kernel_for(self.qweight.device)
 
     def weight_format(self, rows=None) -> Int4Weight:
         if rows is None:
