@@ -70,7 +70,8 @@ class LLM:
         dtype = _dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
         # the name a server announces (vLLM: the --model string); a Transformer: its config's name
-        self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else model.config.name
+        self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else \
+            getattr(getattr(model, "config", None), "name", None)
         if isinstance(model, Transformer):
             if dtype is not None or device is not None:
                 raise ValueError("dtype and device apply to a model given by name; move a "
