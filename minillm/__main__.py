@@ -3,7 +3,9 @@ with a progress bar, prints a summary table, writes demo_decode.png (to build/fi
 $MINILLM_FIGURES_DIR, which `make figures` sets to figures/), then serves a mixed workload
 through the engine (continuous batching, chunked prefill) and prints its table, and serves
 input-grounded prompts with and without n-gram speculative decoding, then the chat questions with
-the weights in the shipped file's Q4_1 blocks (chapter 7).
+the weights in the shipped file's Q4_1 blocks (chapter 7), and last the model behind the
+OpenAI-compatible server: one answer streamed through the official openai client and a short
+load with its latency table (chapter 8). `python -m minillm serve` starts that server alone.
 """
 import argparse
 import time
@@ -63,6 +65,8 @@ def demo(max_new_tokens: int = 48) -> None:
     run_demo(model, tok)
     run_spec_demo(model, tok)
     run_quant_demo(model, tok)
+    from minillm.bench.serve_demo import run_serve_demo
+    run_serve_demo(model, tok)
 
 
 def main(argv=None) -> None:

@@ -10,10 +10,11 @@
     from minillm.serve import running
     with running(LLM("smollm2-135m")) as srv:          # a free loopback port
         openai.OpenAI(base_url=srv.base_url, api_key="none").chat.completions.create(...)
+    srv = start(llm); ...; srv.stop()                  # the same, across notebook cells
 
 `import minillm` does not import this package (Starlette and uvicorn load only when you serve).
 """
-from minillm.serve.server import RunningServer, running, serve
+from minillm.serve.server import RunningServer, running, serve, start
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, max_pending: int = 256,
@@ -23,4 +24,4 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_pending: 
     return _build(engine, model_name, api_key, max_pending, max_body_bytes)
 
 
-__all__ = ["build_app", "running", "serve", "RunningServer"]
+__all__ = ["build_app", "running", "serve", "start", "RunningServer"]

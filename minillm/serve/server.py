@@ -94,17 +94,23 @@ class RunningServer:
         self._sock.close()
 
 
-@contextlib.contextmanager
-def running(llm, host: str = LOOPBACK, port: int | None = None, served_model_name: str | None = None,
-            api_key: str | None = None, max_pending: int = 256, graceful_s: float = 2.0,
-            log_level: str = "warning"):
-    """Serve an `LLM` (or an `LLMEngine` with a tokenizer) in a background thread; port None
-    picks a free one. Yields a RunningServer; stops it on exit."""
+def start(llm, host: str = LOOPBACK, port: int | None = None, served_model_name: str | None = None,
+          api_key: str | None = None, max_pending: int = 256, graceful_s: float = 2.0,
+          log_level: str = "warning") -> RunningServer:
+    """Serve an `LLM` (or an `LLMEngine` with a tokenizer) in a background thread until
+    `.stop()`; port None picks a free one. The name clients send is `served_model_name`, else
+    the name the LLM was loaded by ("smollm2-135m"), else the model config's name."""
     from minillm.serve.app import build_app
     engine = getattr(llm, "llm_engine", llm)
     name = served_model_name or getattr(llm, "model_name", None) or engine.model.config.name
-    srv = RunningServer(build_app(engine, name, api_key, max_pending), host, port or 0,
-                        graceful_s, log_level).start()
+    return RunningServer(build_app(engine, name, api_key, max_pending), host, port or 0,
+                         graceful_s, log_level).start()
+
+
+@contextlib.contextmanager
+def running(llm, **options):
+    """`start(llm, **options)` as a context manager: the server stops when the block ends."""
+    srv = start(llm, **options)
     try:
         yield srv
     finally:
