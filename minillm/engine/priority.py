@@ -12,10 +12,12 @@ with finish_reason "abort" and an `error` saying why. `SEED_CLASSES` are seed 00
 2. priority preemption (vLLM V0's): when the best waiting request has no seat or no blocks and a
    running request has a strictly larger priority value, the lowest-class, latest-arrived
    running requests are preempted (recompute or swap) until it fits; never for an equal class,
-   so two requests of one class never evict each other (no thrashing); a promoted request
-   preempts with its own class (promotion reorders the queue; it does not rank above a class);
+   so two requests of one class never evict each other (no thrashing);
 3. memory pressure: the victim is the lowest class first, then the latest arrival;
 4. running prompt chunks take the token budget in priority order.
+A promoted request ranks above every class (`rank`) in all four, except that it evicts with
+its own class: promotion gets it the next free seat and keeps it there (no priority preemption
+takes the seat back), but it does not throw a better class out of a running batch.
 
 Decisions documented here: the bound applies to the first admission only (a preempted request
 went back to waiting through no fault of its own; it keeps its place by priority and arrival
@@ -129,11 +131,15 @@ def apply_queue_timeouts(scheduler, requests: dict, classes, now: float, step: i
     return [requests[s.request_id] for s in reject]
 
 
+def rank(seq: Sequence) -> tuple[int, int]:
+    """Effective priority: (0, 0) once promoted, ahead of every class (negative ones too), else
+    (1, its priority)."""
+    return (0, 0) if seq.promoted else (1, seq.priority)
+
+
 def queue_key(seq: Sequence) -> tuple:
     """Waiting / swapped order: promoted first (by arrival), then by (priority, arrival)."""
-    if seq.promoted:
-        return (0, 0, seq.arrival_time, seq.seq_id)
-    return (1, seq.priority, seq.arrival_time, seq.seq_id)
+    return (*rank(seq), seq.arrival_time, seq.seq_id)
 
 
 class PriorityScheduler(Scheduler):
@@ -152,10 +158,10 @@ class PriorityScheduler(Scheduler):
             q.extend(items)
 
     def _run_key(self, seq: Sequence) -> tuple:
-        return (seq.num_uncomputed > 1, seq.priority, seq.arrival_time, seq.seq_id)
+        return (seq.num_uncomputed > 1, *rank(seq), seq.arrival_time, seq.seq_id)
 
     def _victim_key(self, seq: Sequence) -> tuple:
-        return (seq.priority, seq.arrival_time, seq.seq_id)
+        return (*rank(seq), seq.arrival_time, seq.seq_id)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         super()._preempt(seq, out)
@@ -176,7 +182,7 @@ class PriorityScheduler(Scheduler):
         if not self.waiting:
             return
         head = self.waiting[0]
-        victims = sorted((s for s in self.running if s.priority > head.priority),
+        victims = sorted((s for s in self.running if rank(s) > (1, head.priority)),
                          key=self._victim_key, reverse=True)
         if not victims or self._fits(head):
             return
