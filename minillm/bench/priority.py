@@ -36,13 +36,15 @@ from minillm.engine.sequence import SamplingParams
 SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot": 6}}
 CLASS_OF = {c.priority: c.name for c in SEED_CLASSES}
 SETTINGS = {  # quick: a smoke run under a minute on 2 cores; full: the recorded numbers
-    False: dict(num_requests=96, seats=8, load=0.9, budget=64, budgets=(16, 32, 64, 128, 256)),
-    True: dict(num_requests=12, seats=4, load=0.9, budget=32, budgets=(8, 32)),
+    # kinds: (prompt_len range, output_len range, priority) of each kind of traffic
+    False: dict(num_requests=96, seats=8, load=0.9, budget=64, budgets=(16, 32, 64, 128, 256),
+                kinds=dict(interactive=((8, 32), (4, 16), 0), batch=((32, 96), (32, 64), 2))),
+    True: dict(num_requests=10, seats=4, load=0.9, budget=16, budgets=(8, 32),
+               kinds=dict(interactive=((4, 12), (2, 4), 0), batch=((8, 24), (6, 10), 2))),
 }
-KINDS = dict(interactive=((8, 32), (4, 16), 0), batch=((32, 96), (32, 64), 2))
 
 
-def solo_step_seconds(model, prompt_len: int = 16, tokens: int = 24) -> float:
+def solo_step_seconds(model, prompt_len: int = 16, tokens: int = 12) -> float:
     """Median wall time of a decode step with one request alone (the SLOs' unit)."""
     engine = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=1, max_num_batched_tokens=64))
     engine.generate([list(range(1, prompt_len + 1))], SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -52,9 +54,9 @@ def solo_step_seconds(model, prompt_len: int = 16, tokens: int = 24) -> float:
 
 def mix(model, s: dict, seed: int = 0) -> list:
     """The workload: arrival rate = load x seats / mean output tokens (requests per step)."""
-    probe = priority_mix_workload(s["num_requests"], 1.0, model.config.vocab_size, seed, **KINDS)
+    probe = priority_mix_workload(s["num_requests"], 1.0, model.config.vocab_size, seed, **s["kinds"])
     rate = s["load"] * s["seats"] / np.mean([w.max_tokens for w in probe])
-    return priority_mix_workload(s["num_requests"], rate, model.config.vocab_size, seed, **KINDS)
+    return priority_mix_workload(s["num_requests"], rate, model.config.vocab_size, seed, **s["kinds"])
 
 
 def serve(model, workload, policy: str, budget: int, seats: int, classes=SEED_CLASSES,
@@ -90,6 +92,38 @@ def class_table(outs, workload, engine, targets: dict) -> dict:
     return table
 
 
+def ttft_steps_by_class(outs, workload) -> dict:
+    """Per class: TTFT in engine steps (1 = the next step), p50 / p95 / max; deterministic."""
+    table = {}
+    for prio, name in CLASS_OF.items():
+        steps = [o.metrics.first_token_step - o.metrics.arrival_step + 1 for o, w in zip(outs, workload)
+                 if w.priority == prio and o.metrics.first_token_step is not None]
+        if steps:
+            table[name] = {"p50": float(np.percentile(steps, 50)), "p95": float(np.percentile(steps, 95)),
+                           "max": max(steps)}
+    return table
+
+
+def try_queue_timeouts(model, workload, waits=(0.05, 0.2, 1.0), seats: int = 4, budget: int = 32,
+                       step_seconds: float = 0.025) -> list[dict]:
+    """Seed 001's queue timeouts on the batch class, each with on_timeout promote and reject, on
+    a simulated clock of `step_seconds` per step (so 50 ms = 2 steps at 25 ms). Per trial: the
+    classes' TTFT steps, batch promotions, rejections and the first rejection's error."""
+    from minillm.engine.priority import PriorityClass
+    rows = []
+    for wait in waits:
+        for how in ("promote", "reject"):
+            classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, wait, how))
+            outs, engine = serve(model, workload, "priority", budget, seats, classes, step_seconds)
+            errors = [o.error for o in outs if o.error]
+            rows.append({"max_queue_wait": wait, "on_timeout": how,
+                         "promoted": sum(o.metrics.num_promotions for o in outs),
+                         "rejected": len(errors), "error": errors[0] if errors else None,
+                         "steps": len(engine.trace), **{f"{k}_ttft_steps": v for k, v in
+                                                        ttft_steps_by_class(outs, workload).items()}})
+    return rows
+
+
 def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name="interactive") -> dict:
     """Seed 001's rule: serve the workload at each budget (priority policy); the choice is the
     largest budget whose class `name` has P95 TPOT <= `sla_tpot_p95` (None if none does)."""
@@ -119,8 +153,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
     t1 = solo_step_seconds(model)
     targets = {k: {m: v * t1 for m, v in d.items()} for k, d in SLO_STEPS.items()}
     work = mix(model, s)
-    res = {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
-           "kinds": {k: [list(x) if isinstance(x, tuple) else x for x in v] for k, v in KINDS.items()},
+    res = {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items() if k != "kinds"},
+           "kinds": {k: [list(x) if isinstance(x, tuple) else x for x in v] for k, v in s["kinds"].items()},
            "solo_step_s": t1, "slo_steps": SLO_STEPS, "targets_s": targets, "policies": {}}
     for policy in ("fcfs", "priority"):
         outs, engine = serve(model, work, policy, s["budget"], s["seats"])
