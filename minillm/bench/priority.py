@@ -3,8 +3,9 @@ interactive traffic, and seed 001's P95-driven choice of `max_num_batched_tokens
 
 1. A mix of interactive requests (short prompts and outputs, priority 0, a tight TTFT target)
    and batch requests (long outputs, priority 2), Poisson arrivals on the step clock (the same
-   arrivals on every machine), served with fcfs and with priority (SEED_CLASSES' bounds:
-   interactive 50 ms, batch 1000 ms, promote). Per class: TTFT / TPOT p50 / p95 / p99 in
+   arrivals on every machine), served with fcfs and with priority (SEED_CLASSES, their bounds
+   of 50 / 200 / 1000 ms read as 2 / 8 / 40 steps of 25 ms and scaled to this machine's solo
+   step, `scaled_classes`; promote). Per class: TTFT / TPOT p50 / p95 / p99 in
    seconds, TTFT in steps, and goodput = requests of the class meeting both of its targets per
    second of the run.
 2. P95-driven budget tuning: the same mix under priority for several budgets; per budget the
@@ -37,11 +38,22 @@ SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot
 CLASS_OF = {c.priority: c.name for c in SEED_CLASSES}
 SETTINGS = {  # quick: a smoke run under a minute on 2 cores; full: the recorded numbers
     # kinds: (prompt_len range, output_len range, priority) of each kind of traffic
-    False: dict(num_requests=96, seats=8, load=0.9, budget=64, budgets=(16, 32, 64, 128, 256),
+    False: dict(num_requests=64, seats=8, load=0.9, budget=64, budgets=(16, 32, 64, 128),
                 kinds=dict(interactive=((8, 32), (4, 16), 0), batch=((32, 96), (32, 64), 2))),
     True: dict(num_requests=10, seats=4, load=0.9, budget=16, budgets=(8, 32),
                kinds=dict(interactive=((4, 12), (2, 4), 0), batch=((8, 24), (6, 10), 2))),
 }
+
+
+SEED_STEP_S = 0.025   # the step the seed's bounds are read against (an assumption, not a measurement)
+
+
+def scaled_classes(solo_step: float, classes=SEED_CLASSES) -> tuple:
+    """The classes with each bound multiplied by solo_step / SEED_STEP_S: the same number of
+    steps on every machine."""
+    from dataclasses import replace
+    return tuple(replace(c, max_queue_wait=None if c.max_queue_wait is None else
+                         c.max_queue_wait * solo_step / SEED_STEP_S) for c in classes)
 
 
 def solo_step_seconds(model, prompt_len: int = 16, tokens: int = 12) -> float:
@@ -84,7 +96,8 @@ def class_table(outs, workload, engine, targets: dict) -> dict:
         met = sum(o.metrics.ttft is not None and o.metrics.ttft <= t["ttft"] and
                   (o.metrics.tpot or 0.0) <= t["tpot"] for o in mine)
         row = {"n": len(mine), "met": met, "goodput_rps": met / wall, "rejected":
-               sum(o.finish_reason == "abort" for o in mine)}
+               sum(o.finish_reason == "abort" for o in mine),
+               "promoted": sum(o.metrics.num_promotions for o in mine)}
         for key, vals in (("ttft", ttft), ("tpot", tpot), ("ttft_steps", steps)):
             for p in (50, 95, 99):
                 row[f"{key}_p{p}"] = float(np.percentile(vals, p)) if vals else None
@@ -124,12 +137,13 @@ def try_queue_timeouts(model, workload, waits=(0.05, 0.2, 1.0), seats: int = 4, 
     return rows
 
 
-def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name="interactive") -> dict:
+def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name="interactive",
+                classes=SEED_CLASSES) -> dict:
     """Seed 001's rule: serve the workload at each budget (priority policy); the choice is the
     largest budget whose class `name` has P95 TPOT <= `sla_tpot_p95` (None if none does)."""
     rows = []
     for budget in sorted(budgets):
-        outs, engine = serve(model, workload, "priority", budget, seats)
+        outs, engine = serve(model, workload, "priority", budget, seats, classes)
         wall = engine.trace[-1]["t_end"] - engine.trace[0]["t_start"]
         prio = next(c.priority for c in SEED_CLASSES if c.name == name)
         mine = [o.metrics for o, w in zip(outs, workload) if w.priority == prio]
@@ -153,11 +167,12 @@ def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
     t1 = solo_step_seconds(model)
     targets = {k: {m: v * t1 for m, v in d.items()} for k, d in SLO_STEPS.items()}
     work = mix(model, s)
+    classes = scaled_classes(t1)
     res = {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items() if k != "kinds"},
            "kinds": {k: [list(x) if isinstance(x, tuple) else x for x in v] for k, v in s["kinds"].items()},
            "solo_step_s": t1, "slo_steps": SLO_STEPS, "targets_s": targets, "policies": {}}
     for policy in ("fcfs", "priority"):
-        outs, engine = serve(model, work, policy, s["budget"], s["seats"])
+        outs, engine = serve(model, work, policy, s["budget"], s["seats"], classes)
         res["policies"][policy] = class_table(outs, work, engine, targets)
         res["policies"][policy]["priority_preemptions"] = getattr(
             engine.scheduler, "num_priority_preemptions", 0)
@@ -165,7 +180,9 @@ def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
     res["ratios"] = {"interactive_ttft_p95_fcfs_over_priority": f["ttft_p95"] / p["ttft_p95"],
                      "interactive_goodput_priority_over_fcfs":
                          p["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else None}
-    res["tuning"] = tune_budget(model, work, s["budgets"], targets["interactive"]["tpot"], s["seats"])
+    res["tuning"] = tune_budget(model, work, s["budgets"], targets["interactive"]["tpot"], s["seats"],
+                                classes=classes)
+    res["classes"] = [c.__dict__ for c in classes]
     res["seconds"] = time.perf_counter() - t0
     path = write_result("priority", res, device=next(model.parameters()).device, out_dir=out_dir)
     from minillm.viz.serving import priority_plot
@@ -183,7 +200,7 @@ def report(res: dict) -> str:
                 lines.append(f"{policy:8s} {name:11s} n={r['n']:3d} ttft p50/p95/p99 "
                              f"{r['ttft_p50']:.3f}/{r['ttft_p95']:.3f}/{r['ttft_p99']:.3f} s "
                              f"({r['ttft_steps_p50']:.0f}/{r['ttft_steps_p95']:.0f}/{r['ttft_steps_p99']:.0f} steps) "
-                             f"tpot p95 {r['tpot_p95'] or 0:.3f} s  met {r['met']}/{r['n']} "
+                             f"tpot p95 {r['tpot_p95'] or 0:.3f} s  met {r['met']}/{r['n']} promoted {r['promoted']} "
                              f"goodput {r['goodput_rps']:.2f} req/s")
     lines += [f"{k}: {v:.2f}x" for k, v in res["ratios"].items() if v is not None]
     tun = res["tuning"]

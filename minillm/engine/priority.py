@@ -34,6 +34,7 @@ from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.engine.sequence import Sequence, SequenceStatus
 
 ON_TIMEOUT = ("promote", "reject")
+WAIT_TOLERANCE = 1e-9   # s: a wait equal to the bound up to the clock's float rounding is not past it
 
 
 def check_priority_value(name: str, value) -> None:
@@ -106,9 +107,9 @@ def queue_timeouts(waiting, requests: dict, classes, now: float) -> tuple[list[S
                 or m.first_scheduled_time is not None):
             continue
         waited = now - m.arrival_time
-        if waited > cls.max_queue_wait:
+        if waited > cls.max_queue_wait + WAIT_TOLERANCE:
             if cls.on_timeout == "reject":
-                seq.error = (f"queue timeout: waited {waited:.2f} s > max_queue_wait "
+                seq.error = (f"queue timeout: waited {waited:.3g} s > max_queue_wait "
                              f"{cls.max_queue_wait:g} s of class {cls.name!r}")
                 reject.append(seq)
             else:
