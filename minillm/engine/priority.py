@@ -185,8 +185,8 @@ class PriorityScheduler(Scheduler):
         head = self.waiting[0]
         victims = sorted((s for s in self.running if rank(s) > (1, head.priority)),
                          key=self._victim_key, reverse=True)
-        if not victims or self._fits(head):
-            return
+        if not victims or self._fits(head) or not self._may_admit(head):
+            return            # room already, or a better swapped-out request comes back first
         seats = sum(map(self._seats, self.running)) + self._seats(head) - self.max_num_seqs
         blocks = self.bm.blocks_needed(len(head.token_ids)) - self.bm.num_free_blocks
         if (seats > sum(map(self._seats, victims)) or
