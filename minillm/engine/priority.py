@@ -97,7 +97,7 @@ def check_request_priority(priority, policy: str, classes) -> None:
 
 def queue_timeouts(waiting, requests: dict, classes, now: float) -> tuple[list[Sequence], list[Sequence]]:
     """Waiting sequences past their class's bound, not yet admitted once: (to promote, to reject).
-    Sets nothing; the engine acts on the lists (`LLMEngine._enforce_queue_wait`)."""
+    Sets nothing but the rejected ones' `error`; `apply_queue_timeouts` acts on the lists."""
     by_prio = {c.priority: c for c in classes}
     promote, reject = [], []
     for seq in waiting:
