@@ -229,3 +229,14 @@ def test_bad_request_priority_changes_nothing(model):
         assert all(r.seqs[0].finish_reason == "abort" for r in engine.requests.values())
     assert EngineConfig(scheduling_policy="priority",
                         priority_classes=list(SEED_CLASSES)).priority_classes == SEED_CLASSES
+
+
+def test_llm_generate_passes_priorities_through(model):
+    """vLLM's front door: LLM(..., scheduling_policy="priority").generate(prompts, priority=[...])."""
+    from minillm import LLM
+    llm = LLM(model, block_size=4, num_blocks=64, max_num_seqs=1, max_num_batched_tokens=32,
+              scheduling_policy="priority")
+    outs = llm.generate(P[:3], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0, 2])
+    assert [o.metrics.first_token_step for o in outs] == [2, 0, 4]
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        LLM(model, num_blocks=64).generate(P[:1], use_tqdm=False, priority=1)
