@@ -112,17 +112,19 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in prompt order.
 
         prompts: a str, a list of str, a token-id list, a list of token-id lists, or vLLM's
         {"prompt": str} / {"prompt_token_ids": list[int]} dicts. sampling_params: one
         SamplingParams for all, or a list with one per prompt; None = SamplingParams().
+        priority: None, an int or one per prompt (lower first; needs scheduling_policy="priority").
         """
         prompts = self._prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        return self.llm_engine.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        return self.llm_engine.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm,
+                                        priority=priority)
 
     def chat(self, messages, sampling_params: SamplingParams | list | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "cuda_graphs": "minillm.bench.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
     "overhead": "minillm.bench.overhead",   # ch 4: the engine's own cost per decode step
     "quant": "minillm.bench.quant",         # ch 7: batch-1 decode per weight format vs its floor
+    "priority": "minillm.bench.priority",   # ch 8: priorities and SLOs, P95-driven token budget
 }
 
 

@@ -1,16 +1,22 @@
 """Seeded serving workloads and a replay loop that feeds them to an `LLMEngine`.
 
-A workload is a list of `WorkloadRequest(arrival, prompt_token_ids, max_tokens)`. Three shapes:
+A workload is a list of `WorkloadRequest(arrival, prompt_token_ids, max_tokens, priority=0)`. Shapes:
 - `poisson_workload`: Poisson arrivals (exponential gaps) with heavy-tailed (bounded Pareto)
   prompt and output lengths: most requests are short, a few are very long, as in real traffic;
 - `long_prompt_workload`: requests decoding steadily when one very long prompt arrives mid-run
   (the prefill stall that chunked prefill removes), optionally with short prompts queued behind it;
-- `shared_prefix_workload`: every prompt starts with the same system prompt (prefix caching).
+- `shared_prefix_workload`: every prompt starts with the same system prompt (prefix caching);
+- `priority_mix_workload`: Poisson arrivals of interactive (short) and batch (long) requests,
+  each tagged with its class's priority (chapter 8).
 Prompts are random token ids: the engine's cost depends on lengths, not on what the words mean.
 
 `replay(engine, workload)` adds each request when its arrival comes due, on the wall clock
 (`time_unit="seconds"`; idle gaps are skipped, not slept) or on the engine's step counter
-(`time_unit="steps"`, deterministic), and steps the engine until everything has finished.
+(`time_unit="steps"`, deterministic), and steps the engine until everything has finished. Each
+request's `priority` is passed on under scheduling_policy="priority" (fcfs serves all at 0, so
+one workload runs under both). `step_seconds` (steps only) replaces the engine's clock by a
+simulated one where every step lasts that long: queue-wait bounds in seconds then act on the
+step count, the same on every machine.
 `request_latencies(outputs, trace)` turns a run into per-request TTFT and decode gaps, in engine
 steps (deterministic) and in seconds.
 
@@ -33,6 +39,7 @@ class WorkloadRequest:
     arrival: float                  # seconds (or steps) after the start
     prompt_token_ids: list[int]
     max_tokens: int
+    priority: int = 0               # lower = served first (scheduling_policy="priority" only)
 
 
 def heavy_tailed_lengths(rng: random.Random, n: int, low: int, high: int, alpha: float = 1.2) -> list[int]:
@@ -89,19 +96,49 @@ def shared_prefix_workload(num_requests: int, vocab_size: int, system_len: int =
             for _ in range(num_requests)]
 
 
+def priority_mix_workload(num_requests: int, rate: float, vocab_size: int, seed: int = 0,
+                          interactive_share: float = 0.5,
+                          interactive: tuple = ((8, 32), (4, 16), 0),
+                          batch: tuple = ((32, 128), (48, 128), 2)) -> list[WorkloadRequest]:
+    """Poisson arrivals (`rate` per second or per step) of two kinds of traffic, each request
+    interactive with probability `interactive_share`. A kind is (prompt_len range, output_len
+    range, priority); lengths are uniform in their ranges."""
+    if num_requests < 1 or not 0 < rate < math.inf or not 0 <= interactive_share <= 1:
+        raise ValueError(f"need num_requests >= 1, finite rate > 0, 0 <= interactive_share <= 1, "
+                         f"got {num_requests}, {rate}, {interactive_share}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(num_requests):
+        (plo, phi), (olo, ohi), prio = interactive if rng.random() < interactive_share else batch
+        out.append(WorkloadRequest(t, _tokens(rng, rng.randint(plo, phi), vocab_size),
+                                   rng.randint(olo, ohi), prio))
+        t += rng.expovariate(rate)
+    return out
+
+
 def replay(engine, workload: list[WorkloadRequest], time_unit: str = "seconds",
-           params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+           params: SamplingParams | None = None, use_tqdm: bool = False,
+           step_seconds: float | None = None) -> list[RequestOutput]:
     """Serve the workload to completion; returns one RequestOutput per request, in workload order.
 
-    Each request uses `params` (greedy, ignore_eos by default) with its own `max_tokens`."""
+    Each request uses `params` (greedy, ignore_eos by default) with its own `max_tokens`.
+    Requests that end early (a queue timeout's "abort") count as done."""
     if time_unit not in ("seconds", "steps"):
         raise ValueError(f"time_unit must be 'seconds' or 'steps', got {time_unit!r}")
+    if step_seconds is not None and (time_unit != "steps" or isinstance(step_seconds, bool) or
+                                     not isinstance(step_seconds, (int, float)) or not 0 < step_seconds < math.inf):
+        raise ValueError(f"step_seconds must be None or a finite number > 0 with time_unit='steps', "
+                         f"got {step_seconds!r} with {time_unit!r}")
     from tqdm.auto import tqdm
     base = params or SamplingParams(ignore_eos=True)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     offset, skipped = [0.0], 0                           # idle time jumped over (s / steps)
     engine.clock = lambda: time.perf_counter() + offset[0]
-    t0, step0 = engine.clock(), engine.step_count
+    step0 = engine.step_count
+    if step_seconds is not None:                         # simulated: every step lasts step_seconds
+        engine.clock = lambda: (engine.step_count - step0 + skipped) * step_seconds
+    t0 = engine.clock()
+    by_class = engine.config.scheduling_policy == "priority"
     rids, done, nxt = {}, {}, 0
     bar = tqdm(total=len(workload), disable=not use_tqdm, desc="requests")
     while len(done) < len(workload):
@@ -118,7 +155,8 @@ def replay(engine, workload: list[WorkloadRequest], time_unit: str = "seconds",
             w = workload[order[nxt]]
             arrival = t0 + w.arrival if time_unit == "seconds" else None
             p = SamplingParams(**{**base.__dict__, "max_tokens": w.max_tokens})
-            rids[engine.add_request(w.prompt_token_ids, p, arrival_time=arrival)] = order[nxt]
+            rids[engine.add_request(w.prompt_token_ids, p, arrival_time=arrival,
+                                    priority=w.priority if by_class else 0)] = order[nxt]
             nxt += 1
         for out in engine.step():
             if out.finished and out.request_id in rids:

@@ -9,10 +9,12 @@ scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a
 engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
 dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int8" and "fp8"
 store one byte per element (quant/kv.py), so the same memory holds about 2x (bf16/fp16) or 4x
-(fp32) the blocks.
+(fp32) the blocks. Order across requests: `scheduling_policy` "fcfs" (arrival order) or "priority"
+(each request's int priority, lower first, with optional `priority_classes`: priority.py).
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
+from minillm.engine.priority import PriorityClass, check_classes
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class EngineConfig:
     max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
     gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
     kv_cache_dtype: str = "auto"                  # "auto" (the model's dtype), "int8" or "fp8"
+    scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
+    priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -56,6 +60,12 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if isinstance(self.priority_classes, list):      # one form: a tuple (the dataclass is frozen)
+            object.__setattr__(self, "priority_classes", tuple(self.priority_classes))
+        check_classes(self.scheduling_policy, self.priority_classes)
+        if self.scheduling_policy == "priority" and self.scheduling == "static":
+            raise ValueError("scheduling_policy='priority' needs scheduling='continuous' "
+                             "(a static batch admits no one until it drains)")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got "
                              f"{self.speculative_method!r}")

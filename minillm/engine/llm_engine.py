@@ -16,6 +16,9 @@ and `gpu_memory_utilization` map onto these fields in args.py. With a tokenizer,
 sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
 `llm.py` wraps the engine in vLLM's offline front door, `LLM`.
 
+`scheduling_policy="priority"` orders requests by their `priority` and may bound their queue wait
+(priority.py); the bound is checked at the start of each step, on `self.clock`.
+
 Left out on purpose: async serving / streaming over HTTP, multiple devices.
 """
 import json
@@ -31,6 +34,7 @@ from minillm.engine.args import apply_speculative_config, check_prompt, pool_num
 from minillm.engine.config import EngineConfig
 from minillm.engine.spec_decoder import SpecDecoder
 from minillm.engine.model_runner import ModelRunner
+from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
 from minillm.paging.paged_attention import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.static_scheduler import StaticScheduler
@@ -60,7 +64,8 @@ class LLMEngine:
         self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype,
                                   cfg.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        scheduler = StaticScheduler if cfg.scheduling == "static" else Scheduler
+        scheduler = (StaticScheduler if cfg.scheduling == "static" else
+                     PriorityScheduler if cfg.scheduling_policy == "priority" else Scheduler)
         self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.preemption_mode,
                                    prefill_first=cfg.prefill_first)
@@ -88,8 +93,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request (token ids, or a str with a tokenizer); returns its request id."""
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """Queue a request (token ids, or a str with a tokenizer); returns its request id.
+        `priority`: lower is served first; non-zero needs scheduling_policy="priority" (priority.py)."""
+        check_request_priority(priority, self.config.scheduling_policy, self.config.priority_classes)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -106,8 +113,9 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r} is already in use")
         self._next_request_id += 1
         now = self.clock() if arrival_time is None else arrival_time
-        seq = Sequence(self._new_seq_id(), rid, ids, params, now)
-        self.requests[rid] = Request(rid, ids, params, [seq], RequestMetrics(now, arrival_step=self.step_count),
+        seq = Sequence(self._new_seq_id(), rid, ids, params, now, priority=priority)
+        metrics = RequestMetrics(now, arrival_step=self.step_count, priority=priority)
+        self.requests[rid] = Request(rid, ids, params, [seq], metrics,
                                      prompt=prompt if isinstance(prompt, str) else None)
         self.scheduler.add(seq)
         return rid
@@ -130,6 +138,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run -> update. Returns the requests it advanced."""
         t0 = self.clock()
+        timed_out = (apply_queue_timeouts(self.scheduler, self.requests, self.config.priority_classes,
+                                          t0, self.step_count) if self.config.priority_classes else [])
         self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
         try:
@@ -137,12 +147,16 @@ class LLMEngine:
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
-        return self._update(out, seqs, logits, t0)
+        for seq, _ in out.scheduled:
+            m = self.requests[seq.request_id].metrics
+            m.first_scheduled_time = t0 if m.first_scheduled_time is None else m.first_scheduled_time
+        return [self._output(r) for r in timed_out] + self._update(out, seqs, logits, t0)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
-                 sampling_params=None) -> list[RequestOutput]:
+                 sampling_params=None, priority=None) -> list[RequestOutput]:
         """Serve a list of prompts to completion; one RequestOutput per prompt, in input order.
-        `params` or (vLLM's name) `sampling_params`: one SamplingParams or one per prompt."""
+        `params` or (vLLM's name) `sampling_params`: one SamplingParams or one per prompt;
+        `priority`: None (0), an int, or a list with one int per prompt."""
         if params is not None and sampling_params is not None:
             raise TypeError("pass params or sampling_params, not both")
         params = sampling_params if params is None else params
@@ -153,10 +167,13 @@ class LLMEngine:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        prios = priority if isinstance(priority, (list, tuple)) else [0 if priority is None else priority] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         rids = []
         try:
-            for p, sp in zip(prompts, plist):
-                rids.append(self.add_request(p, sp))
+            for p, sp, pr in zip(prompts, plist, prios):
+                rids.append(self.add_request(p, sp, priority=pr))
         except (TypeError, ValueError):
             for r in rids:                       # all or nothing: no half-queued batch
                 self.abort_request(r)
@@ -312,7 +329,7 @@ class LLMEngine:
         for i in range(1, req.params.n):
             child = Sequence(self._new_seq_id(), req.request_id, parent.prompt_token_ids,
                              req.params, parent.arrival_time, index=i,
-                             num_computed_tokens=parent.num_computed_tokens)
+                             num_computed_tokens=parent.num_computed_tokens, priority=parent.priority)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             children.append(child)

@@ -20,7 +20,11 @@ decodes share what is left. A long prompt's first token comes sooner; every runn
 until the prompts have had their fill, and a steady stream of new prompts can starve them. Static batching, the baseline that
 continuous batching beats, is a subclass of its own (static_scheduler.py).
 
-Left out on purpose: priorities, fairness across users, and lookahead scheduling.
+Priorities (`scheduling_policy="priority"`) are a subclass, `PriorityScheduler` (priority.py): it
+overrides the small hooks below (`_run_key`, `_victim_key`, `_preempt_for_waiting`, `_may_admit`,
+`_may_swap_in`, `_admission_open`); here they keep fcfs order.
+
+Left out on purpose: fairness across users, and lookahead scheduling.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -109,7 +113,9 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
-        order = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.arrival_time, s.seq_id))
+        self._preempt_for_waiting(out)
+        given = len(out.preempted)      # evicted for a better class, not for memory
+        order = sorted(self.running, key=self._run_key)
         prefill_seen, admitted = False, False
         if self.prefill_first:   # prompts' chunks first, then new prompts, then the decodes
             order = [s for s in order if s.num_uncomputed > 1] + [s for s in order if s.num_uncomputed <= 1]
@@ -124,7 +130,7 @@ class Scheduler:
                     budget -= n
                     prefill_seen = True
                 continue
-            if self.prefill_first and not admitted and not self.swapped:
+            if self.prefill_first and not admitted and self._admission_open():
                 admitted = True
                 budget, prefill_seen = self._admit(out, budget, prefill_seen)
             if budget < 1:
@@ -139,9 +145,9 @@ class Scheduler:
             out.copies += self.bm.append_tokens(seq.seq_id, new)
             out.scheduled.append((seq, 1 + len(seq.draft_token_ids)))
             budget -= 1 + len(seq.draft_token_ids)
-        if not out.preempted:
+        if len(out.preempted) == given:   # nobody lost their blocks to memory pressure this step
             budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
-            if not self.swapped and not admitted:
+            if self._admission_open() and not admitted:
                 self._admit(out, budget, prefill_seen)
         return out
 
@@ -149,6 +155,25 @@ class Scheduler:
         if self.chunked:
             return min(need, budget)
         return need if need <= budget or not prefill_seen else 0
+
+    # ---- policy hooks (fcfs here; PriorityScheduler overrides them) -------------------------------
+    def _run_key(self, seq: Sequence) -> tuple:
+        """Order of running sequences in a step: decodes before prompt chunks, oldest first."""
+        return (seq.num_uncomputed > 1, seq.arrival_time, seq.seq_id)
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        """Memory pressure preempts the running sequence with the largest key: the latest arrival."""
+        return (seq.arrival_time, seq.seq_id)
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """fcfs never evicts a running request for a waiting one."""
+
+    def _may_swap_in(self, seq: Sequence) -> bool:
+        return True
+
+    def _admission_open(self) -> bool:
+        """fcfs admits new prompts only when nothing is swapped out (those come back first)."""
+        return not self.swapped
 
     def _growth(self, seq: Sequence) -> int:
         """Tokens seq adds to its block table this step: the newest token and its drafts."""
@@ -158,7 +183,7 @@ class Scheduler:
         """Preempt latest-arrived running sequences until seq can append; False if seq went."""
         while not self.bm.can_append(seq.seq_id, self._growth(seq)):
             victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING),
-                         key=lambda s: (s.arrival_time, s.seq_id))
+                         key=self._victim_key)
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -187,7 +212,7 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int, prefill_seen: bool):
         while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.swapped[0]
-            if self.bm.num_free_blocks < self.bm.blocks_needed(seq.num_tokens):
+            if not self._may_swap_in(seq) or self.bm.num_free_blocks < self.bm.blocks_needed(seq.num_tokens):
                 break
             n = (self._prefill_size(seq.num_uncomputed, budget, prefill_seen)
                  if seq.num_uncomputed > 1 else 1)

@@ -84,6 +84,8 @@ class Sequence:
     draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
     error: str | None = None             # why it was aborted, when a token could not be drawn
     detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
+    priority: int = 0                    # lower = served first (scheduling_policy="priority")
+    promoted: bool = False               # waited past its class's max_queue_wait (priority.py)
 
     @property
     def num_tokens(self) -> int:
@@ -142,11 +144,19 @@ class RequestMetrics:
     num_draft_tokens: int = 0                  # draft tokens proposed,
     num_accepted_tokens: int = 0               # and those accepted
     token_times: list[float] = field(default_factory=list)   # when each token of completion 0 came
+    priority: int = 0                          # the request's priority (lower = served first)
+    first_scheduled_time: float | None = None  # start of the first step that ran it (vLLM's name)
+    num_promotions: int = 0                    # 1 once it waited past its class's bound
 
     @property
     def ttft(self) -> float | None:
         """Time to first token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first step that ran it (vLLM's time_in_queue)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def e2e(self) -> float | None:
@@ -172,7 +182,7 @@ class RequestMetrics:
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, accepted_fraction=self.accepted_fraction,
+        d.update(ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, queue_time=self.queue_time, accepted_fraction=self.accepted_fraction,
                  acceptance_rate=self.acceptance_rate)
         return d
 
@@ -191,7 +201,9 @@ class CompletionOutput:
 class RequestOutput:
     """What `step()` and `generate()` return for one request. With n > 1, `outputs` holds every
     completion and `token_ids` / `finish_reason` / `text` are those of completion 0. `prompt` is
-    the prompt string when one was given (None for token ids)."""
+    the prompt string when one was given (None for token ids). `error` says why a request ended
+    with finish_reason "abort" when the engine knows (a queue timeout, a token that could not be
+    drawn); None otherwise."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -200,6 +212,7 @@ class RequestOutput:
     metrics: RequestMetrics
     text: str | None = None
     prompt: str | None = None
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -232,5 +245,6 @@ class Request:
         outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason,
                                  s.detok.text if s.detok is not None else ("" if with_text else None))
                 for s in sorted(self.seqs, key=lambda s: s.index)]
+        error = next((s.error for s in self.seqs if s.error), None)
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
-                             self.finished, self.metrics, outs[0].text, self.prompt)
+                             self.finished, self.metrics, outs[0].text, self.prompt, error)

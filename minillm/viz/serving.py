@@ -8,7 +8,9 @@ a matplotlib Figure (save it with `minillm.viz.plotting.save_figure`).
 - `step_time_plot`: wall time of each step with its prefill tokens (the prefill stall);
 - `step_cost_plot`: time of one forward against its new tokens, measured and the roofline floor;
 - `tradeoff_plot`: TTFT of the long prompt vs p99 TPOT of the others, one point per chunk size;
-- `throughput_bars`: tokens/s per method.
+- `throughput_bars`: tokens/s per method;
+- `priority_plot`: per-class TTFT percentiles under fcfs and priority, and tokens/s against the
+  interactive P95 TPOT per token budget (a record of `bench.priority`).
 """
 import matplotlib.pyplot as plt
 import numpy as np
@@ -190,5 +192,40 @@ def throughput_bars(results: dict[str, float], unit: str = "tokens/s"):
         ax.text(results[n], i, f" {results[n]:.1f}", va="center", fontsize=8)
     ax.set_xlabel(unit)
     ax.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def priority_plot(record: dict):
+    """Left: TTFT p50 / p95 / p99 per class and policy (log scale). Right: one point per
+    max_num_batched_tokens, output tokens/s against the interactive class's P95 TPOT, with the SLA."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    labels, x = [], 0
+    for name in ("interactive", "batch"):
+        for policy, color in (("fcfs", "#bdbdbd"), ("priority", "#08519c")):
+            row = record["policies"][policy].get(name)
+            if row is None:
+                continue
+            vals = [row[f"ttft_p{p}"] for p in (50, 95, 99)]
+            ax.bar([x, x + 0.27, x + 0.54], vals, width=0.25, color=color,
+                   label=policy if name == "interactive" else None)
+            labels.append((x + 0.27, f"{name}\n{policy}"))
+            x += 1
+    ax.set_xticks([p for p, _ in labels], [n for _, n in labels])
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (s): p50, p95, p99")
+    ax.legend()
+    tun = record["tuning"]
+    xs = [r["tpot_p95"] for r in tun["rows"]]
+    ys = [r["tokens_per_s"] for r in tun["rows"]]
+    bx.plot(xs, ys, "o-", color="#08519c")
+    for r in tun["rows"]:
+        bx.annotate(str(r["budget"]), (r["tpot_p95"], r["tokens_per_s"]), textcoords="offset points",
+                    xytext=(4, 4))
+    bx.axvline(tun["sla_tpot_p95"], color="#cb181d", ls="--", label="SLA (interactive P95 TPOT)")
+    bx.set_xlabel("interactive P95 TPOT (s)")
+    bx.set_ylabel("output tokens/s")
+    bx.set_title(f"max_num_batched_tokens chosen: {tun['chosen']}")
+    bx.legend()
     fig.tight_layout()
     return fig
