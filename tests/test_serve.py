@@ -161,6 +161,8 @@ BAD = [  # (body or raw bytes, expected status, param or None)
     ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ([1, 2, 3], 400, None),
+    ({"model": MODEL, "messages": _msgs("hi"), "priority": 1}, 400, None),  # fcfs serves at 0
+    ({"model": MODEL, "messages": _msgs("hi"), "priority": "high"}, 400, "priority"),
 ]
 
 
@@ -222,3 +224,24 @@ def test_api_key_and_a_full_queue(llm):
                 assert busy.json()["error"]["code"] == "overloaded"
         assert _wait_idle(s)
         assert httpx.post(url, json=body, headers=auth).status_code == 200
+
+
+def test_priorities_reach_the_engine_and_a_queue_timeout_is_a_503():
+    from minillm.engine.priority import PriorityClass
+    from minillm.model.loading import load_model
+    model, tok = load_model()
+    classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, 1e-6, "reject"))
+    strict = LLM(model, tok, scheduling_policy="priority", priority_classes=classes)
+    with running(strict, served_model_name=MODEL) as s:
+        url = s.base_url + "/chat/completions"
+        body = {"model": MODEL, "messages": _msgs("hi"), "max_tokens": 2}
+        assert httpx.post(url, json={**body, "priority": 0}, timeout=60).status_code == 200
+        r = httpx.post(url, json={**body, "priority": 1}, timeout=60)   # names no class
+        assert r.status_code == 400 and "allowed" in r.json()["error"]["message"]
+        r = httpx.post(url, json={**body, "priority": 2}, timeout=60)   # waits > 1 us: refused
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+        assert "queue timeout" in r.json()["error"]["message"]
+        with httpx.stream("POST", url, json={**body, "priority": 2, "stream": True}, timeout=60) as r:
+            lines = [l for l in r.iter_lines() if l]
+        assert lines[-1] == "data: [DONE]" and "queue_timeout" in lines[-2]
+        assert _wait_idle(s)

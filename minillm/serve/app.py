@@ -202,6 +202,8 @@ async def _events(req, rid, stream):
     try:
         try:
             async for out in stream:
+                if getattr(out, "error", None):
+                    break                        # refused (queue timeout): the error event follows
                 for c in out.outputs:
                     for event in _choice_events(req, rid, c, sent, ended, keep):
                         yield event

@@ -142,8 +142,7 @@ class AsyncEngine:
             return
         ids, params, priority, arrival = args
         try:
-            kwargs = {"priority": priority} if priority else {}
-            self.engine.add_request(ids, params, request_id=rid, arrival_time=arrival, **kwargs)
+            self.engine.add_request(ids, params, request_id=rid, arrival_time=arrival, priority=priority)
         except (TypeError, ValueError) as err:
             fut.set_exception(err)
             return
