@@ -160,3 +160,48 @@ def test_cli_writes_a_strict_json_record_and_figure(tmp_path, capsys):
     assert record["label"] == "stub server" and record["summary"]["completed"] == 3
     assert record["config"]["request_rate"] == 50 and "machine" in record
     assert (tmp_path / "serve_stub-server_cpu.png").is_file()
+
+
+_HEALTH_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_process_waits_for_health_and_frees_the_port(tmp_path):
+    import socket
+    import sys
+    from minillm.bench.server_process import free_port, server_process
+    port = free_port()
+    argv = [sys.executable, "-c", _HEALTH_SERVER, str(port)]
+    with server_process(argv, f"http://127.0.0.1:{port}/health", tmp_path / "log", timeout_s=30) as (proc, _):
+        assert proc.poll() is None
+    assert proc.poll() is not None                                      # stopped
+    with socket.socket() as s:          # the port is free again (REUSEADDR: TIME_WAIT is no listener)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        with server_process([sys.executable, "-c", "raise SystemExit(3)"], "http://127.0.0.1:9/health",
+                            tmp_path / "log2", timeout_s=30):
+            pass
+
+
+def test_compare_targets_from_hand_made_runs():
+    from minillm.bench.serve_compare import server_command, targets
+    def s(tok_s, ttft_p99):
+        return {"summary": {"output_throughput": tok_s, "ttft_ms": {"p99": ttft_p99}}}
+    sweeps = {"minillm": {"runs": [s(120, 900), s(30, 100), s(60, 200)]},
+              "transformers": {"runs": [s(60, 1500), s(30, 150), s(55, 400)]}}
+    t = targets(sweeps, (0.25, 0.5))
+    assert t["output_tok_s_ratio_at_saturation"] == pytest.approx(2.0) and t["output_tok_s_ratio_met"]
+    assert t["ttft_p99_ms_at_half_saturation"] == {"minillm": 200, "transformers": 400} and t["ttft_p99_met"]
+    with pytest.raises(ValueError, match="server must be one of"):
+        server_command("vllm", 1, "cpu", None)

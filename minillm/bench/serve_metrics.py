@@ -132,4 +132,5 @@ def format_table(summary: dict, label: str = "") -> str:
     width = max(len(k) for k, _ in rows) + 2
     title = f" Serving benchmark: {label} " if label else " Serving benchmark "
     lines = [title.center(width + 12, "=")] + [f"{k:<{width}}{v:>12}" for k, v in rows]
+    lines += [f"error: {e}" for e in summary.get("errors", [])]     # why requests failed, if any did
     return "\n".join(lines + ["=" * (width + 12)])
