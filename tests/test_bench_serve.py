@@ -205,3 +205,18 @@ def test_compare_targets_from_hand_made_runs():
     assert t["ttft_p99_ms_at_half_saturation"] == {"minillm": 200, "transformers": 400} and t["ttft_p99_met"]
     with pytest.raises(ValueError, match="server must be one of"):
         server_command("vllm", 1, "cpu", None)
+
+
+def test_save_hf_folder_round_trips_through_transformers(tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+    from minillm.bench.hf_folder import save_hf_folder
+    from minillm.model.loading import tiny_model
+    model = tiny_model(vocab_size=128, seed=5)
+    folder = save_hf_folder(tmp_path / "hf", model=model)
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits[0]                                              # (T, V)
+        got = model(ids, torch.arange(12))                                    # (B, T, V)
+    torch.testing.assert_close(got.reshape(12, 128), want, rtol=1e-4, atol=1e-4)

