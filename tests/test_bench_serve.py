@@ -220,3 +220,16 @@ def test_save_hf_folder_round_trips_through_transformers(tmp_path):
         want = hf(ids).logits[0]                                              # (T, V)
         got = model(ids, torch.arange(12))                                    # (B, T, V)
     torch.testing.assert_close(got.reshape(12, 128), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sweep_offers_fractions_of_the_saturation_rate():
+    from minillm.bench.serve import sweep, sweep_table
+    with running_stub(delay_s=0.002) as (_, url):
+        rows = sweep(url, "stub", fractions=(1.0, 0.5), num_prompts=4, max_tokens=8)
+    sat = rows[-1]["summary"]["request_throughput"]
+    assert math.isinf(rows[-1]["offered_rate"])
+    assert [r["offered_rate"] for r in rows[:-1]] == pytest.approx([0.5 * sat, sat])
+    assert all(r["summary"]["completed"] == 4 for r in rows)
+    assert len(sweep_table(rows).splitlines()) == 4
+    with pytest.raises(ValueError, match="fractions"):
+        sweep(url, "stub", fractions=(0,))

@@ -62,6 +62,44 @@ def benchmark(base_url: str, model: str, *, dataset: str = "chapters", num_promp
     return LoadRun(config, summarize(results, duration, targets), results)
 
 
+def sweep(base_url: str, model: str, fractions=(0.25, 0.5, 1.0), rates=None, verbose: bool = False,
+          label: str = "", **load) -> list[dict]:
+    """Latency against offered load: one run at rate inf (saturation), then one at each rate in
+    `rates` (default: each fraction of the saturation run's request throughput). -> rows
+    {"offered_rate", "summary"}, lowest offered rate first and inf last."""
+    if rates is None:
+        for f in fractions:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+                raise ValueError(f"fractions must be numbers > 0, got {f!r}")
+    rows = [{"offered_rate": math.inf, "summary": benchmark(base_url, model, **load).summary}]
+    if verbose:
+        print(format_table(rows[0]["summary"], f"{label} @ inf req/s"), flush=True)
+    if rates is None:
+        saturation = rows[0]["summary"]["request_throughput"]
+        if not saturation > 0:
+            raise RuntimeError(f"no request completed at saturation: {rows[0]['summary']['errors']}")
+        rates = [f * saturation for f in fractions]
+    for rate in rates:
+        summary = benchmark(base_url, model, request_rate=rate, **load).summary
+        rows.append({"offered_rate": rate, "summary": summary})
+        if verbose:
+            print(format_table(summary, f"{label} @ {rate:.3g} req/s"), flush=True)
+    return sorted(rows, key=lambda r: r["offered_rate"])
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """One line per run: offered and achieved req/s, output tok/s, TTFT and TPOT p50 / p99 (ms)."""
+    head = f"{'offered/s':>10} {'done/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} " \
+           f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>6}"
+    lines = [head]
+    for r in rows:
+        s = r["summary"]
+        lines.append(f"{r['offered_rate']:>10.3g} {s['request_throughput']:>7.2f} {s['output_throughput']:>9.1f} "
+                     f"{s['ttft_ms']['median']:>9.0f} {s['ttft_ms']['p99']:>9.0f} {s['tpot_ms']['median']:>9.1f} "
+                     f"{s['tpot_ms']['p99']:>9.1f} {s['failed']:>6}")
+    return "\n".join(lines)
+
+
 def jsonable(value):
     """nan/inf -> None/"inf" so that records stay strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):

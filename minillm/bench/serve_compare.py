@@ -18,15 +18,13 @@ minutes on 2 CPU cores.
 Left out on purpose: vLLM (documented in chapter 8, not run here), repeated trials.
 """
 import argparse
-import math
 import shlex
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from minillm.bench.serve import benchmark, jsonable
-from minillm.bench.serve_metrics import format_table
+from minillm.bench.serve import benchmark, jsonable, sweep, sweep_table
 from minillm.bench.server_process import free_port, server_process
 
 SERVERS = ("minillm", "transformers")
@@ -64,28 +62,17 @@ def hf_folder_ready(folder: Path | None) -> Path:
 def sweep_one(kind: str, rates: list[float] | None, fractions, load: dict, device: str,
               hf_folder: Path, extra, log_dir: Path) -> dict:
     """Start one server, warm it, run inf then the rates, stop it. `rates` None: derive them
-    from this server's saturation rate (the first server)."""
+    from this server's saturation rate (the first server). Runs: inf first, then `rates` order."""
     port = free_port()
     argv, model = server_command(kind, port, device, hf_folder, extra)
     url = f"http://127.0.0.1:{port}"
-    runs = []
     with server_process(argv, url + "/health", log_dir / f"{kind}.log") as (_, startup_s):
         warm = dict(load, num_prompts=min(8, load["num_prompts"]), seed=load["seed"] + 1)
         benchmark(url + "/v1", model, **warm)                  # first requests compile / allocate
-        runs.append(_one_run(kind, url, model, math.inf, load))
-        if rates is None:
-            saturation = runs[0]["summary"]["request_throughput"]
-            if not saturation > 0:
-                raise RuntimeError(f"{kind}: no request completed at saturation: {runs[0]['summary']['errors']}")
-            rates = [f * saturation for f in fractions]
-        runs += [_one_run(kind, url, model, rate, load) for rate in rates]
-    return {"command": shlex.join(argv), "startup_s": startup_s, "rates": rates, "runs": runs}
-
-
-def _one_run(kind: str, url: str, model: str, rate: float, load: dict) -> dict:
-    run = benchmark(url + "/v1", model, request_rate=rate, **load)
-    print(format_table(run.summary, f"{kind} @ {rate:.3g} req/s"), flush=True)
-    return {"offered_rate": rate, "summary": run.summary}
+        rows = sweep(url + "/v1", model, fractions, rates, verbose=True, label=kind, **load)
+    runs = [rows[-1], *rows[:-1]]                               # inf first: `targets` reads it there
+    return {"command": shlex.join(argv), "startup_s": startup_s,
+            "rates": [r["offered_rate"] for r in rows[:-1]], "runs": runs}
 
 
 def targets(sweeps: dict, fractions) -> dict:
@@ -107,6 +94,7 @@ def compare(servers=SERVERS, fractions=(0.25, 0.5, 1.0), num_prompts: int = 24, 
             device: str = "cpu", hf_folder=None, extra: dict | None = None, out_dir=None,
             seed: int = 0) -> dict:
     """Run the comparison, write the record and figure, and return the record's payload."""
+    fractions = tuple(sorted(fractions))                        # runs come back in rate order
     for kind in servers:
         server_command(kind, 0, device, Path("."))             # an unknown server fails before any run
     folder = hf_folder_ready(hf_folder) if "transformers" in servers else None
@@ -133,6 +121,8 @@ def _write(payload: dict, out_dir) -> None:
     order = {k: sorted(v["runs"], key=lambda r: r["offered_rate"]) for k, v in payload["servers"].items()}
     fig = latency_vs_load_plot({k: [r["summary"] for r in runs] for k, runs in order.items()})
     print("record:", path, "\nfigure:", save_figure_beside(fig, path, "serve_compare"))
+    for kind, sweep_ in payload["servers"].items():
+        print(f"{kind}: {sweep_['command']}\n{sweep_table(order[kind])}")
     print("targets:", payload["targets"])
 
 
