@@ -66,8 +66,15 @@ def demo(max_new_tokens: int = 48) -> None:
 
 
 def main(argv=None) -> None:
+    import sys
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:                   # the HTTP server has its own flags (vLLM's names)
+        from minillm.serve.cli import main as serve_main
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m minillm")
-    parser.add_argument("command", choices=["demo"], help="demo: the real model served by minillm")
+    parser.add_argument("command", choices=["demo", "serve"],
+                        help="demo: the real model served by minillm; serve: the OpenAI-compatible "
+                             "server (python -m minillm serve --help)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -69,6 +69,8 @@ class LLM:
                              f"(gptq / awq: minillm.quantize(model, ..., calibration=...) first)")
         dtype = _dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
+        # the name a server announces (vLLM: the --model string); a Transformer: its config's name
+        self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else model.config.name
         if isinstance(model, Transformer):
             if dtype is not None or device is not None:
                 raise ValueError("dtype and device apply to a model given by name; move a "

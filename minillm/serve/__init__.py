@@ -1,0 +1,26 @@
+"""Chapter 8: serving over HTTP. An OpenAI-compatible server over the engine, in four parts:
+
+- `protocol.py`      request bodies checked and mapped to SamplingParams; OpenAI's response shapes
+- `async_engine.py`  one engine loop per server: commands in, per-request output queues out
+- `app.py`           the Starlette routes, streaming as server-sent events, OpenAI error objects
+- `metrics.py`       `GET /metrics` in Prometheus' text format
+- `server.py`, `cli.py`  uvicorn in the foreground (`python -m minillm serve`) or in a thread
+
+    from minillm import LLM
+    from minillm.serve import running
+    with running(LLM("smollm2-135m")) as srv:          # a free loopback port
+        openai.OpenAI(base_url=srv.base_url, api_key="none").chat.completions.create(...)
+
+`import minillm` does not import this package (Starlette and uvicorn load only when you serve).
+"""
+from minillm.serve.server import RunningServer, running, serve
+
+
+def build_app(engine, model_name: str, api_key: str | None = None, max_pending: int = 256,
+              max_body_bytes: int = 4 * 2**20):
+    """The Starlette app over an LLMEngine with a tokenizer (see app.py)."""
+    from minillm.serve.app import build_app as _build
+    return _build(engine, model_name, api_key, max_pending, max_body_bytes)
+
+
+__all__ = ["build_app", "running", "serve", "RunningServer"]

@@ -1,0 +1,180 @@
+"""One engine loop per server: HTTP handlers never touch the engine, one coroutine does.
+
+    handler --("add", ...)--> command queue --> loop: apply commands, engine.step() in a worker
+    handler <-- RequestOutput snapshots -- per-request queue <-- loop: after each step
+
+The engine is not thread-safe and needs no lock here: only `_run` calls it. It applies the
+waiting commands (add, abort) between steps, then runs `engine.step()` in a worker thread
+(`asyncio.to_thread`), so the event loop keeps accepting connections and writing streams while
+the forward pass runs (torch releases the GIL inside its kernels). Each request's outputs go to
+its own queue; the handler turns them into HTTP.
+
+A request counts as pending from `submit` until it finishes; at `max_pending` pending requests a
+new one gets `QueueFull` (the app answers 503) instead of waiting without bound. A handler whose
+client went away calls `abort`, and the loop frees the request's blocks before its next step.
+If a step raises (it should not: requests are checked on the way in), every request in flight
+ends with that error and the loop goes on serving new ones.
+
+Left out on purpose: several engines (data parallel), and waking early from a step to admit a
+request (vLLM also admits new requests only between steps).
+"""
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+
+log = logging.getLogger("minillm.serve")
+
+
+class QueueFull(Exception):
+    """Too many requests pending: the server is overloaded."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of RequestOutput snapshots."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str):
+        self.owner, self.request_id = owner, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """The client is gone (or gave up): stop the request, free its blocks."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics=None, max_pending: int = 256):
+        self.engine, self.metrics, self.max_pending = engine, metrics, max_pending
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)        # two servers may share one engine
+        self._commands: asyncio.Queue | None = None
+        self._task: asyncio.Task | None = None
+        self._tokens: dict[str, int] = {}          # tokens counted so far, per request
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        self._commands = asyncio.Queue()
+        self._task = asyncio.create_task(self._run(), name="minillm-engine-loop")
+
+    async def stop(self) -> None:
+        """Abort whatever is in flight and end the loop."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for rid in list(self._streams):
+            self._finish_with(rid, RuntimeError("the server is shutting down"))
+            self._abort_in_engine(rid)
+
+    async def submit(self, prompt_token_ids, params, priority: int = 0, arrival_time=None) -> RequestStream:
+        """Queue a request; raises QueueFull, or the engine's ValueError/TypeError for bad input."""
+        if self.num_pending >= self.max_pending:
+            raise QueueFull(f"{self.num_pending} requests are pending (max {self.max_pending})")
+        rid = f"{self._prefix}-{next(self._ids)}"
+        stream = RequestStream(self, rid)
+        self._streams[rid] = stream
+        added = asyncio.get_running_loop().create_future()
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        await self._commands.put(("add", rid, (prompt_token_ids, params, priority, arrival), added))
+        try:
+            await added
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put_nowait(("abort", request_id, None, None))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._apply(await self._commands.get())      # idle: sleep until a request comes
+            while not self._commands.empty():
+                self._apply(self._commands.get_nowait())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as err:                           # should not happen; keep serving
+                log.exception("engine step failed; aborting the requests in flight")
+                for rid in list(self._streams):
+                    self._finish_with(rid, err)
+                    self._abort_in_engine(rid)
+                continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _apply(self, command) -> None:
+        kind, rid, args, fut = command
+        if kind == "abort":
+            if self._streams.pop(rid, None) is not None and self.metrics is not None:
+                self.metrics.add("request_aborted_total")
+            self._tokens.pop(rid, None)
+            self._abort_in_engine(rid)
+            return
+        if fut.cancelled():                       # the handler went away before its turn
+            self._streams.pop(rid, None)
+            return
+        ids, params, priority, arrival = args
+        try:
+            kwargs = {"priority": priority} if priority else {}
+            self.engine.add_request(ids, params, request_id=rid, arrival_time=arrival, **kwargs)
+        except (TypeError, ValueError) as err:
+            fut.set_exception(err)
+            return
+        if self.metrics is not None:
+            self.metrics.add("prompt_tokens_total", len(ids))
+        self._tokens[rid] = 0
+        fut.set_result(rid)
+
+    def _abort_in_engine(self, rid: str) -> None:
+        try:
+            self.engine.abort_request(rid)
+        except ValueError:
+            pass                                  # never added (it failed its checks)
+
+    def _deliver(self, out) -> None:
+        rid = out.request_id
+        if self.metrics is not None and rid in self._tokens:
+            total = sum(len(c.token_ids) for c in out.outputs)
+            self.metrics.add("generation_tokens_total", total - self._tokens[rid])
+            self._tokens[rid] = total
+        stream = self._streams.get(rid)
+        if out.finished:
+            self._streams.pop(rid, None)
+            self._tokens.pop(rid, None)
+            if self.metrics is not None:
+                self.metrics.finished(out)
+        if stream is not None:
+            stream.queue.put_nowait(out)
+
+    def _finish_with(self, rid: str, err: BaseException) -> None:
+        stream = self._streams.pop(rid, None)
+        self._tokens.pop(rid, None)
+        if stream is not None:
+            stream.queue.put_nowait(err)

@@ -1,0 +1,97 @@
+"""`python -m minillm serve`: the OpenAI-compatible server, with vLLM's flag names.
+
+    python -m minillm serve                                  # smollm2-135m on 127.0.0.1:8000
+    python -m minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching \\
+        --scheduling-policy priority --api-key secret
+
+Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...);
+`--num-gpu-blocks-override` is num_blocks; `--load-format dummy` serves SmolLM2-135M's shape with
+random weights (a GPU run without the model file; say so in any number it produces). The server
+binds 127.0.0.1 unless `--host` says otherwise.
+
+Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
+"""
+import argparse
+import os
+
+from minillm.model.loading import DEFAULT_MODEL
+
+ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
+    "--block-size": ("block_size", int), "--num-gpu-blocks-override": ("num_blocks", int),
+    "--max-num-seqs": ("max_num_seqs", int), "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
+    "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int),
+    "--preemption-mode": ("preemption_mode", str), "--scheduling-policy": ("scheduling_policy", str),
+    "--kv-cache-dtype": ("kv_cache_dtype", str), "--seed": ("seed", int),
+    "--num-speculative-tokens": ("num_speculative_tokens", int),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minillm serve",
+                                description="An OpenAI-compatible server over minillm's engine.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a preset name, an HF folder or a .gguf")
+    p.add_argument("--served-model-name", default=None, help="the id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (or set MINILLM_API_KEY)")
+    p.add_argument("--dtype", default=None, help="auto (float32), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: the model's shape with random weights")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--max-pending-requests", type=int, default=256,
+                   help="requests waiting or running before new ones get 503")
+    p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
+    p.add_argument("--log-level", default="info")
+    for flag, (_, typ) in ENGINE_FLAGS.items():
+        p.add_argument(flag, type=typ, default=None)
+    return p
+
+
+def engine_options(args) -> dict:
+    opts = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in ENGINE_FLAGS.items()}
+    opts = {k: v for k, v in opts.items() if v is not None}
+    opts["enable_prefix_caching"] = args.enable_prefix_caching
+    opts["enable_chunked_prefill"] = args.enable_chunked_prefill
+    return opts
+
+
+def build_llm(args):
+    from minillm.llm import LLM, _dtype
+    opts = engine_options(args)
+    if args.load_format == "dummy":
+        from minillm.bench.gpu_model import _tokenizer_or_none, random_smollm2
+        from minillm.model.loading import default_device
+        device = args.device or default_device()
+        model = random_smollm2(device, _dtype(args.dtype) or __import__("torch").float32)
+        llm = LLM(model, _tokenizer_or_none(), quantization=args.quantization, **opts)
+        llm.model_name = args.model
+        return llm
+    return LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, **opts)
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if not 0 <= args.port < 65536:
+        parser().error(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_pending_requests < 1:
+        parser().error(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    from minillm.serve.app import build_app
+    from minillm.serve.server import serve
+    try:
+        llm = build_llm(args)
+    except (TypeError, ValueError) as err:            # a bad engine option: say which
+        parser().error(str(err))
+    name = args.served_model_name or args.model
+    app = build_app(llm.llm_engine, name, args.api_key, args.max_pending_requests)
+    print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
+          f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
+    serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level)
+
+
+if __name__ == "__main__":
+    main()

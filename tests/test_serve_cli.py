@@ -1,0 +1,63 @@
+"""`python -m minillm serve` as a reader starts it: it answers the openai client, binds loopback by
+default, and SIGINT / SIGTERM stop it cleanly (exit 0, the port free again) even mid-stream."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _start(*flags):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", "0",
+                             "--max-num-seqs", "4", "--log-level", "warning", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        if line.startswith("serving on "):
+            url = line.split()[-1]
+            break
+        assert time.monotonic() < deadline, "the server did not start"
+    else:
+        raise AssertionError(f"the server exited: {proc.wait()}")
+    while time.monotonic() < deadline:              # the socket is bound; wait for the app
+        try:
+            if httpx.get(url[:-3] + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("no /health")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_cli_serves_the_openai_client_and_stops_cleanly_on_a_signal(sig):
+    proc, url = _start("--api-key", "k")
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m", max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "Hi"}])
+        assert r.usage.completion_tokens >= 1
+        stream = client.chat.completions.create(model="smollm2-135m", max_tokens=500, stream=True,
+                                                extra_body={"ignore_eos": True},
+                                                messages=[{"role": "user", "content": "Count."}])
+        next(iter(stream))                              # a stream in flight
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(ConnectionRefusedError):         # nobody listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with socket.socket() as s:                          # and a new server may bind it at once
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
