@@ -48,7 +48,8 @@ def main(argv=None) -> None:
     if argv and argv[0] in CLIENTS:             # their own argparse gets the rest of the line
         importlib.import_module(CLIENTS[argv[0]]).main(argv[1:])
         return
-    parser = argparse.ArgumentParser(prog="python -m minillm.bench")
+    parser = argparse.ArgumentParser(prog="python -m minillm.bench", epilog="also: serve ... and "
+                                     "serve_compare ... (load tests of HTTP servers; see their --help)")
     parser.add_argument("name", choices=[*BENCHMARKS, "all"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

@@ -12,7 +12,8 @@ is taken from any event that has it (OpenAI sends it in a last chunk with empty 
 transformers beside the last choice). The stream ends at `data: [DONE]` or when the server closes it.
 
 `run_load` sends every prompt at its arrival time, at most `max_concurrency` in flight (a request
-that arrives while all slots are busy waits for one, as in vLLM's benchmark), and never raises
+that arrives while all slots are busy waits for one, as in vLLM's benchmark, and its latencies
+count from when it is sent), and never raises
 for a failed request: the failure is recorded in its `RequestResult`.
 
 Left out on purpose: retries, non-streamed requests, `n` > 1, and multi-turn chats.
