@@ -17,6 +17,10 @@ serve refuses vLLM's `ignore_eos`; both servers answer greedily, so both emit th
 transformers serve's (it stays saturated at every rate). The committed record added 0.25
 (`--fractions 0.25 0.5 1.0`, 14.5 minutes).
 
+Read one run with care: on a loaded 2-core CPU, transformers serve's speed on the same load swung
+between about 5 and 55 output tokens/s from run to run (multi-second decode steps in its slow
+runs), so the ratio of one comparison is not a constant of the two servers; repeat it.
+
 Left out on purpose: vLLM (documented in chapter 8, not run here), repeated trials.
 """
 import argparse
