@@ -1,5 +1,9 @@
 """`python -m minillm.bench <name|all> [--quick] [--device cpu|cuda] [--out DIR]`.
 
+`python -m minillm.bench serve ...` (load-test a running OpenAI-compatible server) and
+`python -m minillm.bench serve_compare ...` (minillm's server against `transformers serve`) take
+their own flags (`--help` lists them); `all` leaves them out: they need servers.
+
 Each benchmark lives in its own module with `run(quick, device, out_dir) -> dict`, writes a JSON
 record (machine metadata included) to benchmarks/results/ and its figures, and prints the ratios
 it measured in that one run. `all` runs every one of them in turn.
@@ -36,8 +40,17 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
     return record
 
 
+CLIENTS = {"serve": "minillm.bench.serve", "serve_compare": "minillm.bench.serve_compare"}
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minillm.bench")
+    import sys
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in CLIENTS:             # their own argparse gets the rest of the line
+        importlib.import_module(CLIENTS[argv[0]]).main(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="python -m minillm.bench", epilog="also: serve ... and "
+                                     "serve_compare ... (load tests of HTTP servers; see their --help)")
     parser.add_argument("name", choices=[*BENCHMARKS, "all"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
