@@ -1,5 +1,6 @@
 """Chapter 8's exercise checks accept a right answer written here from the rules and reject wrong ones."""
 import json
+import math
 
 from minillm import exercises
 
@@ -49,3 +50,32 @@ def test_08_3_stream_text():
         return {0: "".join(stream_text(lines).values())}
     assert not exercises.check("08.3", only_first)
     assert not exercises.check("08.3", lambda lines: {})
+
+
+def test_08_4_gamma_gap_spread():
+    assert exercises.check("08.4", 0.5)             # mean 1/4 s, CV 1/sqrt(0.25) = 2
+    assert not exercises.check("08.4", 0.25)        # the Poisson (burstiness 1) answer
+
+
+def test_08_5_tpot():
+    def tpot_ms(ttft, e2e, n):
+        return float("nan") if n < 2 else 1e3 * (e2e - ttft) / (n - 1)
+    assert exercises.check("08.5", tpot_ms)
+    assert not exercises.check("08.5", lambda ttft, e2e, n: 1e3 * e2e / max(n, 1))
+
+
+def test_08_6_steps_until_the_reject():
+    # arrival at t = 0.03 (after step 0), steps start at 0.03 k: waited 0.03 (k - 1) > 0.2 first at k = 8,
+    # which is 7 steps after the arrival step
+    assert exercises.check("08.6", 7)
+    assert not exercises.check("08.6", math.floor(0.2 / 0.03))    # a wait of exactly 6 steps is not past it
+
+
+def test_08_7_victim():
+    def victim(running):
+        key = lambda i: ((0, 0) if running[i]["promoted"] else (1, running[i]["priority"]),
+                         running[i]["arrival"])
+        return max(range(len(running)), key=key)
+    assert exercises.check("08.7", victim)
+    assert not exercises.check("08.7", lambda running: max(range(len(running)),
+                                                           key=lambda i: running[i]["arrival"]))

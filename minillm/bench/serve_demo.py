@@ -29,16 +29,25 @@ def stream_one(base_url: str, model: str, question: str, max_tokens: int = 48) -
     return {"ttft_s": first, "total_s": total, "chunks": len(pieces), "text": "".join(pieces)}
 
 
-def run_serve_demo(model, tokenizer, num_prompts: int = 12, request_rate: float = 4.0) -> dict:
+def run_serve_demo(model, tokenizer, num_prompts: int = 12, request_rate: float = 2.0) -> dict:
     from minillm.serve import running
     llm = LLM(model, tokenizer, max_num_seqs=8)
     print("\nchapter 8: the OpenAI-compatible server (python -m minillm serve), on loopback")
     with running(llm, served_model_name="smollm2-135m") as srv:
         print(f"serving on {srv.base_url}")
         result = {"stream": stream_one(srv.base_url, "smollm2-135m", "What is a KV cache?")}
-        try:
-            from minillm.bench.serve import demo_load
-        except ImportError:
-            return result
-        result["load"] = demo_load(srv.base_url, "smollm2-135m", num_prompts, request_rate)
+        result["load"] = short_load(srv.base_url, "smollm2-135m", num_prompts, request_rate)
     return result
+
+
+def short_load(base_url: str, model: str, num_prompts: int, request_rate: float) -> dict:
+    """The chapters' prompts at `request_rate` (Poisson), 32 tokens each, streamed; prints the table."""
+    from minillm.bench.serve import benchmark
+    from minillm.bench.serve_metrics import format_table
+    print(f"\na short load: {num_prompts} chat requests, Poisson arrivals at {request_rate:g}/s, "
+          f"32 tokens each (python -m minillm.bench serve --base-url {base_url} ...)")
+    run = benchmark(base_url, model, dataset="chapters", num_prompts=num_prompts,
+                    request_rate=request_rate, max_tokens=32, ignore_eos=True,
+                    goodput=["ttft:2000", "tpot:500"])
+    print(format_table(run.summary, "minillm serve"))
+    return run.summary

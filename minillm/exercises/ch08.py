@@ -1,12 +1,16 @@
 """Chapter 8's exercises (serving over HTTP). Keys "08.N" as numbered in the notebook.
 
-08.1 is judged against Little's law on the numbers in its question; the code exercises run the
-reader's function on inputs made when they check: Prometheus' histogram quantile (08.2, against a
-plain implementation here, on histograms filled by `serve.metrics.Histogram`) and the text of a
-streamed chat answer (08.3, on event streams written by `serve.protocol` with interleaved
-completions, multi-byte characters and a usage chunk).
+08.1 and 08.4 are judged against the formulas on the numbers in their questions (Little's law, a
+gamma distribution's spread), 08.6 against the engine on a tiny model with a simulated clock. The
+code exercises run the reader's function on inputs made when they check: Prometheus' histogram
+quantile (08.2, against a plain implementation here, on histograms filled by
+`serve.metrics.Histogram`), the text of a streamed chat answer (08.3, on event streams written by
+`serve.protocol` with interleaved completions, multi-byte characters and a usage chunk), the load
+generator's TPOT (08.5, against `bench.serve_metrics.RequestResult`) and the priority scheduler's
+memory-pressure victim (08.7, against `PriorityScheduler`).
 """
 import json
+import math
 import random
 
 from minillm.exercises import call_reader, code, numeric
@@ -102,3 +106,87 @@ code("08.3", "Write stream_text(lines) -> {index: text}: the text of each comple
      "'data: [DONE]').", _test_stream_text,
      hint="skip blank lines and [DONE]; a usage chunk has no choices; add delta.content by "
           "choice index")
+
+
+# ---- section 7: the load generator --------------------------------------------------------------
+def _test_tpot_ms(candidate) -> None:
+    from minillm.bench.serve_metrics import RequestResult
+    if not callable(candidate):
+        raise AssertionError("pass your function tpot_ms(ttft_s, e2e_s, output_tokens)")
+    rng = random.Random(8)
+    cases = [(0.2, 1.2, 11), (0.05, 0.05, 1), (0.5, 0.9, 2), (1.0, 1.0, 0)]
+    cases += [(t, t + rng.uniform(0, 5), rng.randint(1, 300)) for t in (rng.uniform(0, 2) for _ in range(20))]
+    for ttft, e2e, n in cases:
+        want = 1e3 * RequestResult(ok=True, ttft=ttft, e2e=e2e, output_tokens=n).tpot
+        got = float(call_reader(candidate, ttft, e2e, n))
+        if math.isnan(want):
+            if not math.isnan(got):
+                raise AssertionError(f"with {n} output token(s) there is no gap between tokens")
+        elif not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
+            raise AssertionError(f"ttft={ttft:.3f} s, e2e={e2e:.3f} s, {n} tokens: a different value")
+
+
+numeric("08.4", "Arrivals at 4 requests/s with --burstiness 0.25 (gamma gaps of shape 0.25, mean "
+        "1/rate): the standard deviation of the gap between two requests, in seconds.",
+        lambda: math.sqrt(0.25) / (4.0 * 0.25), rtol=0.01,
+        hint="the coefficient of variation of a gamma distribution of shape k is 1/sqrt(k)")
+code("08.5", "Write tpot_ms(ttft_s, e2e_s, output_tokens) -> the time per output token after the "
+     "first, in ms, as the load generator defines it (nan with fewer than 2 output tokens).",
+     _test_tpot_ms, hint="the first token's wait is TTFT; the other n - 1 tokens share e2e - TTFT")
+
+
+# ---- section 8: priorities -----------------------------------------------------------------------
+def _steps_until_rejected() -> float:
+    """One seat held for 20 steps by an interactive request; a batch request (max_queue_wait
+    0.2 s, reject) arrives before step 1; every step lasts 30 ms on a simulated clock."""
+    import torch
+    from minillm.model.loading import tiny_model
+    from minillm.engine.llm_engine import EngineConfig, LLMEngine
+    from minillm.engine.priority import PriorityClass
+    from minillm.engine.sequence import SamplingParams
+    classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, 0.2, "reject"))
+    engine = LLMEngine(tiny_model(vocab_size=64, dtype=torch.float64),
+                       EngineConfig(max_num_seqs=1, num_blocks=32, block_size=4, max_num_batched_tokens=8,
+                                    scheduling_policy="priority", priority_classes=classes))
+    engine.clock = lambda: engine.step_count * 0.03
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=20))
+    engine.step()
+    rid = engine.add_request([4, 5, 6], SamplingParams(max_tokens=4), priority=2)
+    while not engine.requests[rid].finished:
+        engine.step()
+    m = engine.requests[rid].metrics
+    return m.finish_step - m.arrival_step
+
+
+def _running(rng: random.Random, n: int) -> list[dict]:
+    return [{"priority": rng.choice([0, 1, 2]), "arrival": rng.choice([0.0, 1.0, 2.0, 3.0]) + i * 1e-3,
+             "promoted": rng.random() < 0.2} for i in range(n)]
+
+
+def _test_victim(candidate) -> None:
+    from minillm.engine.priority import PriorityScheduler
+    from minillm.engine.sequence import SamplingParams, Sequence
+    if not callable(candidate):
+        raise AssertionError("pass your function victim(running) -> index of the request to preempt")
+    rng = random.Random(8)
+    for n in [1, 2, 3, 5, 8] * 8:
+        running = _running(rng, n)
+        seqs = [Sequence(i, str(i), [1], SamplingParams(), r["arrival"], priority=r["priority"],
+                         promoted=r["promoted"]) for i, r in enumerate(running)]
+        want = max(range(n), key=lambda i: PriorityScheduler._victim_key(None, seqs[i]))
+        got = call_reader(candidate, [dict(r) for r in running])
+        if got != want:
+            raise AssertionError(f"on a batch of {n} running requests your victim is not the scheduler's")
+
+
+numeric("08.6", "Seed 001's 200 ms queue timeout with on_timeout='reject' on the batch class; every "
+        "engine step lasts 30 ms and the bound is checked at the start of each step. A batch request "
+        "arrives (between two steps) when the only seat is taken for the next 20 steps. How many "
+        "steps after it arrived is it rejected (1 = at the very next step)?",
+        _steps_until_rejected, rtol=0, atol=0.01,
+        hint="it is rejected at the first step that starts after strictly more than 200 ms of waiting")
+code("08.7", "Write victim(running) -> the index of the request a priority scheduler preempts when the "
+     "KV pool is empty. running: a list of dicts with 'priority' (lower = more important), 'arrival' "
+     "(seconds, all different) and 'promoted' (waited past its class's bound); checked against "
+     "PriorityScheduler on random lists.", _test_victim,
+     hint="a promoted request ranks above every class; among equals the latest arrival goes first")
