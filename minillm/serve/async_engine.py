@@ -9,7 +9,7 @@ waiting commands (add, abort) between steps, then runs `engine.step()` in a work
 the forward pass runs (torch releases the GIL inside its kernels). Each request's outputs go to
 its own queue; the handler turns them into HTTP, and the loop lets the handlers write this
 step's chunks (`_drain`) before it starts the next step, so their Python code does not compete
-with the step's for the interpreter (measured here: about 6 ms less per step with one stream).
+with the step's for the interpreter (on a 2-core CPU that saved a few ms per step).
 
 A request counts as pending from `submit` until it finishes; at `max_pending` pending requests a
 new one gets `QueueFull` (the app answers 503) instead of waiting without bound. A handler whose
