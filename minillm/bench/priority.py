@@ -44,6 +44,10 @@ SETTINGS = {  # quick: a smoke run under a minute on 2 cores; full: the recorded
                kinds=dict(interactive=((4, 12), (2, 4), 0), batch=((8, 24), (6, 10), 2))),
 }
 
+UNITS = {"solo_step_s / targets_s / seconds": "seconds", "ttft_* / tpot_*": "seconds per request (p50, p95, p99)",
+         "*_steps*": "engine steps", "goodput_rps": "requests per second meeting both targets",
+         "tokens_per_s": "generated tokens per second", "slo_steps": "targets in solo steps"}
+
 
 SEED_STEP_S = 0.025   # the step the seed's bounds are read against (an assumption, not a measurement)
 
@@ -184,6 +188,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
                                 classes=classes)
     res["classes"] = [c.__dict__ for c in classes]
     res["seconds"] = time.perf_counter() - t0
+    res["units"] = UNITS
     path = write_result("priority", res, device=next(model.parameters()).device, out_dir=out_dir)
     from minillm.viz.serving import priority_plot
     save_figure_beside(priority_plot(res), path, "priority")

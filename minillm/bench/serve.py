@@ -122,8 +122,10 @@ def write_record(run: LoadRun, label: str, out_dir=None, extra: dict | None = No
     per_request = {"ok": [r.ok for r in run.results], "ttft_s": [r.ttft for r in run.results],
                    "e2e_s": [r.e2e for r in run.results],
                    "output_tokens": [r.output_tokens for r in run.results]}
+    from minillm.bench.serve_metrics import UNITS
     payload = {"label": label, "config": run.config, "summary": run.summary,
-               "per_request": per_request, **(extra or {})}
+               "per_request": per_request, "units": {**UNITS, "per_request": "seconds, tokens"},
+               **(extra or {})}
     name = f"serve_{safe_label(label)}"
     path = write_result(name, jsonable(payload), device="cpu", out_dir=out_dir)
     fig = serve_run_plot(run.results, title=f"{label}: rate {run.config['request_rate']} req/s")

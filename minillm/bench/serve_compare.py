@@ -112,7 +112,8 @@ def compare(servers=SERVERS, fractions=(0.5, 1.0), num_prompts: int = 24, max_to
             sweeps[kind] = sweep_one(kind, rates, fractions, load, device, folder,
                                      (extra or {}).get(kind, ()), Path(logs))
             rates = sweeps[kind]["rates"]
-    payload = {"servers": sweeps, "load": load, "fractions_of_first_saturation": list(fractions),
+    from minillm.bench.serve_metrics import UNITS
+    payload = {"units": UNITS, "servers": sweeps, "load": load, "fractions_of_first_saturation": list(fractions),
                "targets": targets(sweeps, fractions), "note": "loads run one server at a time"}
     _write(payload, out_dir)
     return payload

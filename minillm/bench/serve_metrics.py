@@ -22,6 +22,11 @@ from minillm._validate import check_real
 STATS = ("mean", "median", "p95", "p99")
 GOODPUT_KEYS = ("ttft", "tpot", "e2e")
 
+UNITS = {"ttft_ms / tpot_ms / itl_ms / e2e_ms": "milliseconds (mean, median, p95, p99 over requests)",
+         "request_throughput / goodput": "requests per second", "output_throughput": "tokens per second",
+         "offered_rate / rates": "requests per second offered (inf: all at once)",
+         "duration_s": "seconds of wall clock for the whole load"}
+
 
 @dataclass
 class RequestResult:
