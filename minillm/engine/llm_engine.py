@@ -147,9 +147,6 @@ class LLMEngine:
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
-        for seq, _ in out.scheduled:
-            m = self.requests[seq.request_id].metrics
-            m.first_scheduled_time = t0 if m.first_scheduled_time is None else m.first_scheduled_time
         return [self._output(r) for r in timed_out] + self._update(out, seqs, logits, t0)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
@@ -216,7 +213,7 @@ class LLMEngine:
     def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
         """Apply one forward pass's results, in named phases. Sampling is per sequence: a row
         that fails to sample (say, NaN logits) aborts its own request and nobody else's."""
-        num_decode, prefill_ids = self._commit_computed(out)
+        num_decode, prefill_ids = self._commit_computed(out, t0)
         rows = self._rows(seqs)                      # before verification clears the drafts
         drafting = [(s, r) for s, r in zip(seqs, rows) if s.draft_token_ids]
         plain = [(s, r) for s, r in zip(seqs, rows) if not s.draft_token_ids]
@@ -246,7 +243,7 @@ class LLMEngine:
         prune(self.trace, self.requests, self._forgotten, self._pinned, self.config,
               self.scheduler.num_unfinished)
 
-    def _commit_computed(self, out) -> tuple[int, list[str]]:
+    def _commit_computed(self, out, t0: float) -> tuple[int, list[str]]:
         """The scheduled tokens' KV is written: advance each sequence and register full blocks
         in the prefix cache (not while drafts are pending: their KV may be rolled back)."""
         num_decode, prefill_ids = 0, []
@@ -256,6 +253,8 @@ class LLMEngine:
             else:
                 prefill_ids.append(seq.request_id)
             m = self.requests[seq.request_id].metrics
+            if m.first_scheduled_time is None:     # the end of its queue wait (vLLM's name)
+                m.first_scheduled_time = t0
             if seq.index == 0 and m.first_token_time is None:
                 m.num_cached_tokens = seq.num_cached_tokens
             seq.num_computed_tokens += n
