@@ -489,3 +489,19 @@ def test_block_table_figure_draws_every_block():
     assert len(fig.axes) == 1 and len(fig.axes[0].patches) >= 5 + 2 * 2
     with pytest.raises(ValueError, match="one entry per snapshot"):
         plot_block_tables([snapshot(bm)], ["a", "b"])
+
+
+def test_a_stand_in_that_takes_over_a_hash_keeps_the_blocks_cached_behind_it():
+    """Found by the random-operations test: [0, 1] is cached in block A; a second sequence
+    computes [0, 1] again in its own block B (a stand-in for A) and then [0, 0] in block C,
+    chained behind A. When the pool evicts A, B takes over the hash of [0, 1], and C, whose KV is
+    still right, must stay reachable: the same 5 tokens then hit 2 full blocks (4 tokens)."""
+    bm = BlockManager(7, 2, True)
+    bm.allocate(0, [0, 1]); bm.mark_computed(0, 2); bm.free(0)          # A, freed but cached
+    bm.allocate(1, [0, 1]); bm.mark_computed(1, 2)                      # B: the same KV as A
+    bm.append_tokens(1, [0, 0, 0]); bm.mark_computed(1, 5)              # C behind [0, 1]
+    bm.allocate(3, [0]); bm.allocate(4, [0, 0, 0, 0, 0])                # 7 blocks: A is evicted
+    assert bm.stats["evicted_blocks"] == 1
+    toks = bm.token_ids(1)
+    bm.free(1)
+    assert bm.allocate(5, toks) == 4

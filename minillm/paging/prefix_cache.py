@@ -13,7 +13,8 @@ always has a query to run.
 
 Two rules keep hits from being lost when blocks come and go:
 - a block computed while another block already caches the same KV is kept as a stand-in; when
-  the owner leaves the cache, the stand-in takes over its hash;
+  the owner leaves the cache, the stand-in takes over its hash, and the blocks cached behind the
+  owner (and live sequences' chains through it) are re-parented to the stand-in;
 - an orphan (a cached block whose parent block has left the cache: no chain reaches it any
   more) gives its hash up to the same block computed again after a live parent.
 
@@ -60,12 +61,24 @@ class PrefixCache:
             if self._by_hash.get(entry.hash) == b:
                 del self._by_hash[entry.hash]
                 if dups:                   # a copy of the same KV takes over the hash
-                    self._by_hash[entry.hash] = dups.pop(0)
+                    heir = dups.pop(0)
+                    self._by_hash[entry.hash] = heir
+                    self._reparent((b, self._gen[b]), (heir, self._gen[heir]))
             elif b in dups:
                 dups.remove(b)
             if not dups:
                 self._dups.pop(entry.hash, None)
         self._gen[b] += 1  # blocks cached behind this one can no longer chain to it
+
+    def _reparent(self, old: tuple[int, int], new: tuple[int, int]) -> None:
+        """The block with identity `old` leaves the cache and `new`, holding the same KV, takes
+        over its hash: blocks cached behind `old`, and the chains of live sequences that went
+        through it, now go through `new` (their KV is still right: it depends on tokens only)."""
+        for blk, e in list(self._entry.items()):
+            if e.parent == old:
+                self._entry[blk] = _CacheEntry(e.hash, e.tokens, new)
+        for seq in getattr(self, "_seqs", {}).values():
+            seq.chain = [(h, new if ident == old else ident) for h, ident in seq.chain]
 
     def _is_orphan(self, b: int) -> bool:
         """A cached block whose parent block has since left the cache: no chain reaches it."""
