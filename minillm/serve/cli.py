@@ -67,7 +67,8 @@ def build_llm(args):
         from minillm.bench.gpu_model import _tokenizer_or_none, random_smollm2
         from minillm.model.loading import default_device
         device = args.device or default_device()
-        model = random_smollm2(device, _dtype(args.dtype) or __import__("torch").float32)
+        import torch
+        model = random_smollm2(device, _dtype(args.dtype) or torch.float32)
         llm = LLM(model, _tokenizer_or_none(), quantization=args.quantization, **opts)
         llm.model_name = args.model
         return llm
