@@ -84,6 +84,12 @@ def serve(model, workload, policy: str, budget: int, seats: int, classes=SEED_CL
     return replay(engine, workload, time_unit="steps", step_seconds=step_seconds), engine
 
 
+def ttft_steps(out) -> int | None:
+    """A request's TTFT in engine steps (1 = the step right after it arrived), None without one."""
+    m = out.metrics
+    return None if m.first_token_step is None else m.first_token_step - m.arrival_step + 1
+
+
 def class_table(outs, workload, engine, targets: dict) -> dict:
     """Per class: percentiles of TTFT / TPOT (s), TTFT in steps, goodput and the share meeting."""
     wall = engine.trace[-1]["t_end"] - engine.trace[0]["t_start"]
@@ -94,8 +100,7 @@ def class_table(outs, workload, engine, targets: dict) -> dict:
             continue
         ttft = [o.metrics.ttft for o in mine if o.metrics.ttft is not None]
         tpot = [o.metrics.tpot for o in mine if o.metrics.tpot is not None]
-        steps = [o.metrics.first_token_step - o.metrics.arrival_step + 1 for o in mine
-                 if o.metrics.first_token_step is not None]
+        steps = [n for n in map(ttft_steps, mine) if n is not None]
         t = targets[name]
         met = sum(o.metrics.ttft is not None and o.metrics.ttft <= t["ttft"] and
                   (o.metrics.tpot or 0.0) <= t["tpot"] for o in mine)
@@ -113,8 +118,8 @@ def ttft_steps_by_class(outs, workload) -> dict:
     """Per class: TTFT in engine steps (1 = the next step), p50 / p95 / max; deterministic."""
     table = {}
     for prio, name in CLASS_OF.items():
-        steps = [o.metrics.first_token_step - o.metrics.arrival_step + 1 for o, w in zip(outs, workload)
-                 if w.priority == prio and o.metrics.first_token_step is not None]
+        steps = [n for o, w in zip(outs, workload) if w.priority == prio
+                 for n in [ttft_steps(o)] if n is not None]
         if steps:
             table[name] = {"p50": float(np.percentile(steps, 50)), "p95": float(np.percentile(steps, 95)),
                            "max": max(steps)}
