@@ -194,3 +194,25 @@ def test_old_names_still_work():
     for ctx in (linear_route("skinny"), skinny_route(True), skinny_route(False)):
         with torch.inference_mode(), ctx:
             torch.testing.assert_close(lin(x), x @ lin.weight.detach().t())
+
+
+def test_tuning_rounds_go_on_until_the_fastest_two_agree(monkeypatch):
+    """A disturbed round (another process on the machine) must not decide the table: the rounds
+    go on until each case's two fastest samples agree, up to max_rounds."""
+    assert ct.settled([10.0, 10.5, 30.0]) and not ct.settled([10.0, 30.0]) and not ct.settled([1.0])
+    now = [0.0]
+    script = iter([50.0, 9.0, 40.0, 9.5] + [100.0] * 50)       # ms per pass, round by round
+
+    def fake_matmul(*args, **kwargs):
+        now[0] += next(script)
+
+    monkeypatch.setattr(ct, "matmul", fake_matmul)
+    monkeypatch.setattr(ct, "_works", lambda *a: True)
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: now[0] / 1e3)
+    w = [torch.zeros(4, 3)]
+    out = ct.time_rows(w, [1], rounds=2, candidates=("F.linear",), max_rounds=6)
+    assert out["F.linear"][1] == pytest.approx(9.0)              # stopped after round 4: 9.0, 9.5
+    assert next(script) == 100.0                                # ... and took no 5th sample
+    script = iter([50.0, 9.0, 40.0, 20.0, 30.0, 60.0, 1.0])     # never settles within 6 rounds
+    out = ct.time_rows(w, [1], rounds=2, candidates=("F.linear",), max_rounds=6)
+    assert out["F.linear"][1] == pytest.approx(9.0) and next(script) == 1.0

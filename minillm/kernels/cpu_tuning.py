@@ -82,12 +82,25 @@ def _works(route, w, splits, packed) -> bool:
     return y.shape == ref.shape and bool(torch.allclose(y, ref, rtol=1e-4, atol=1e-4))
 
 
+def settled(samples: list, tol: float = 0.1) -> bool:
+    """The two fastest samples agree within `tol`: their minimum is a time the machine can
+    repeat, not one lucky or one disturbed run (other work on a machine only ever adds time)."""
+    if len(samples) < 2:
+        return False
+    a, b = sorted(samples)[:2]
+    return b <= a * (1 + tol)
+
+
 @torch.inference_mode()
-def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES) -> dict:
+def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
+              max_rounds: int | None = None, tol: float = 0.1) -> dict:
     """{route: {R: ms}}: one pass over `weights` (each (O, I), laid out as the route wants) with
-    R rows, the fastest of `rounds` interleaved rounds (other work on the machine only ever adds
-    time). Routes that fail or give a wrong product on this platform are left out."""
+    R rows, the fastest of at least `rounds` interleaved rounds. On a busy machine the rounds go
+    on (up to `max_rounds`, default 3x `rounds`) until every case has `settled`: a table tuned
+    while other work ran would otherwise be kept for good. Routes that fail or give a wrong
+    product on this platform are left out."""
     splits = torch.get_num_threads()
+    max_rounds = max(rounds, 3 * rounds if max_rounds is None else max_rounds)
     layouts = {"out_in": [w.contiguous() for w in weights],
                "in_out": [w.t().contiguous().t() for w in weights]}
     packs = [None] * len(weights)
@@ -106,7 +119,7 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES) -> di
     samples = {(route, r): [] for route, _ in runnable for r in rows}
     xs = {r: torch.randn(r, weights[0].shape[1], device=weights[0].device) for r in rows}
     sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)
-    for _ in range(rounds):
+    for done in range(1, max_rounds + 1):
         for r in rows:
             for route, ws in runnable:
                 sync()
@@ -115,6 +128,8 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES) -> di
                     matmul(xs[r], w, route, splits, p)
                 sync()
                 samples[(route, r)].append(1e3 * (time.perf_counter() - t0))
+        if done >= rounds and all(settled(s, tol) for s in samples.values()):
+            break
     return {route: {r: min(samples[(route, r)]) for r in rows} for route, _ in runnable}
 
 
