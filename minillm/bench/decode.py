@@ -44,10 +44,19 @@ def _equal_length_prompts(tok, n: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _ms_per_token(run, n_new: int, device, repeat: int) -> float:
-    t_n = time_fn(lambda: run(n_new), device, warmup=1, repeat=repeat)
-    t_1 = time_fn(lambda: run(1), device, warmup=1, repeat=repeat)
-    return 1e3 * (t_n - t_1) / (n_new - 1)
+def _ms_per_token(runs: dict, n_new: int, device, repeat: int) -> dict:
+    """{name: ms per decode step} of each `runs[name](n)`, from the median of `repeat` rounds of
+    (t(n_new) - t(1)) / (n_new - 1). Every round times every run in turn, so a slow spell of a
+    shared machine falls on all of them alike and their ratio holds."""
+    for run in runs.values():                          # warm-up: weights and code paths touched
+        run(1)
+    samples = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            t_n = time_fn(lambda: run(n_new), device, warmup=0, repeat=1)
+            t_1 = time_fn(lambda: run(1), device, warmup=0, repeat=1)
+            samples[name].append(1e3 * (t_n - t_1) / (n_new - 1))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 @torch.inference_mode()
@@ -88,9 +97,9 @@ def _decode_rows(model, tok, hf, n_new, repeat) -> dict:
             ours = {"engine": lambda n: engine.generate(
                         prompts, SamplingParams(max_tokens=n, ignore_eos=True)),
                     "generate_batch": lambda n: generate_batch(model, prompts, n)}
-        row = {f"minillm_{k}_ms_per_step": round(_ms_per_token(f, n_new, device, repeat), 3)
-               for k, f in ours.items()}
-        ms_hf = _ms_per_token(theirs, n_new, device, repeat)
+        ms = _ms_per_token({**ours, "transformers": theirs}, n_new, device, repeat)
+        ms_hf = ms.pop("transformers")
+        row = {f"minillm_{k}_ms_per_step": round(v, 3) for k, v in ms.items()}
         best = row[f"minillm_{next(iter(ours))}_ms_per_step"]
         row.update(minillm_ms_per_step=best, transformers_ms_per_step=round(ms_hf, 3),
                    minillm_tok_per_s=round(1e3 * batch / best, 2),
@@ -106,7 +115,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
         model, tok = load_model(device=device)
     device = model.device
     hf = to_hf_model(model)
-    n_new, repeat = (8, 1) if quick else (64, 3)
+    n_new, repeat = (8, 1) if quick else (64, 5)
     rows = COST_ROWS[:3] if quick else COST_ROWS
     bandwidth = measure_bandwidth(device)
     weight_bytes = model.config.num_params * model.dtype.itemsize

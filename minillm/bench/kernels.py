@@ -30,13 +30,14 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     bandwidth = measure_bandwidth("cpu")
     weight_bytes = model.config.num_params * model.dtype.itemsize
     prompt = _equal_length_prompts(tok, 1)[0]
-    paths = {}
-    for route in ["auto"] + PINNED:
-        with linear_route(route):
-            paths[route] = round(_ms_per_token(lambda n: generate(model, prompt, n), n_new, "cpu",
-                                               repeat), 2)
-    theirs = transformers_run(to_hf_model(model), [prompt])
-    paths["transformers"] = round(_ms_per_token(theirs, n_new, "cpu", repeat), 2)
+    def pinned(route):
+        def run(n):
+            with linear_route(route):
+                return generate(model, prompt, n)
+        return run
+    runs = {route: pinned(route) for route in ["auto"] + PINNED}
+    runs["transformers"] = transformers_run(to_hf_model(model), [prompt])
+    paths = {k: round(v, 2) for k, v in _ms_per_token(runs, n_new, "cpu", repeat).items()}
     paths["floor"] = round(1e3 * weight_bytes / bandwidth, 2)
     hw = Hardware("this CPU", {"fp32": 1e11}, mem_bandwidth=bandwidth, mem_bytes=1e9)
     rows = (1, 2) if quick else (1, 2, 4, 8)
