@@ -8,7 +8,11 @@ Three numbers per batch size B (1, 8, 32; every request decoding, steady state):
   (8..15 tokens, so attention needs its padding mask as in real serving);
 - `bare_ms`: median ms of the same model's bare forward of one token per row over a contiguous
   `KVCache` at the engine's mean context (what the model costs with the least machinery);
-- `overhead_ms` = engine_ms - bare_ms: the engine's own cost.
+- `overhead_ms` = engine_ms - bare_ms: the engine's own cost;
+and a count that explains them: `ops_per_step`, the ATen ops one engine step sends through
+PyTorch's dispatcher (about 45 per layer), and `us_per_op` = engine_ms / ops_per_step. With
+arithmetic this small every op costs about the same fixed few microseconds, so an eager step
+costs roughly ops x that; fewer or fused ops (a compiler, a CUDA graph) is what makes it cheaper.
 The engine and the bare forward are timed in turn, step by step, with wall-clock medians: on a
 shared machine the absolute numbers move from run to run, their difference much less.
 Beside them (not in quick mode, or when `model` is given) the real model's bare decode step at the
@@ -17,10 +21,12 @@ same batch sizes, so the reader sees what fraction of a real step the overhead i
 Left out on purpose: prefill steps and mixed batches (their overhead is paid once per prompt, the
 decode step's on every token), and GPUs' launch overhead (cuda_graphs.py measures that).
 """
+import collections
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm.bench.common import prefilled, write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
@@ -74,6 +80,32 @@ def bare_decoder(model, batch: int, context: int):
     return lambda: forward(x)
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops that reach the dispatcher (each pays PyTorch's fixed cost per op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def ops_per_step(model, batch: int) -> dict:
+    """ATen ops of one decode `engine.step()` at `batch`: {"total": n, "per_layer": n / L,
+    "top": the ten most frequent}. A count, the same on every machine: the engine's own cost is
+    about this many ops times PyTorch's fixed cost per op (a few microseconds on a CPU)."""
+    engine = decoding_engine(model, batch, 4)
+    engine.step()                                        # one decode step first (warm paths)
+    with _OpCounter() as counter:
+        engine.step()
+    total = sum(counter.counts.values())
+    return {"total": total, "per_layer": round(total / model.config.n_layer, 1),
+            "top": dict(counter.counts.most_common(10))}
+
+
 @torch.inference_mode()
 def step_ms(model, batch: int, warmup: int = 3, steps: int = 20) -> dict:
     """Median ms per decode step at `batch`: {"engine": LLMEngine.step(), "bare": bare forward}
@@ -98,9 +130,13 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
     try:
         for b in BATCHES:
             ms = step_ms(tiny, b, warmup, steps)
+            ops = ops_per_step(tiny, b)
             rows[f"batch{b}"] = {"engine_ms": round(ms["engine"], 3),
                                  "bare_ms": round(ms["bare"], 3),
-                                 "overhead_ms": round(ms["engine"] - ms["bare"], 3)}
+                                 "overhead_ms": round(ms["engine"] - ms["bare"], 3),
+                                 "ops_per_step": ops["total"], "ops_per_layer": ops["per_layer"],
+                                 "us_per_op": round(1e3 * ms["engine"] / ops["total"], 2),
+                                 "top_ops": ops["top"]}
     finally:
         torch.set_num_threads(saved)
     if model is None and not quick:
@@ -119,7 +155,9 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
               "tiny_model_threads": threads or saved,
               "units": {"engine_ms": "ms per engine.step() (median)",
                         "bare_ms": "ms per bare model forward, contiguous KVCache (median)",
-                        "overhead_ms": "ms", "real_model_bare_ms": "ms per decode step (median)"},
+                        "overhead_ms": "ms", "real_model_bare_ms": "ms per decode step (median)",
+                        "ops_per_step": "ATen ops per engine.step()",
+                        "us_per_op": "engine_ms / ops_per_step, in microseconds"},
               **rows}
     if real is not None:
         record["real_model"] = model.config.name
@@ -137,6 +175,9 @@ def report(r: dict) -> str:
         x = r[f"batch{b}"]
         line = (f"  batch {b:>2}: engine step {x['engine_ms']:.2f} ms, bare forward "
                 f"{x['bare_ms']:.2f} ms -> engine overhead {x['overhead_ms']:.2f} ms")
+        if "ops_per_step" in x:
+            line += (f"; {x['ops_per_step']} ATen ops ({x['ops_per_layer']:.0f} per layer, "
+                     f"{x['us_per_op']:.1f} us each)")
         if real is not None:
             line += f"; {r['real_model']} step {real[f'batch{b}']:.1f} ms"
         lines.append(line)
