@@ -178,7 +178,11 @@ def teacher_forced_acceptance(target, draft, token_ids: list[int], start: int,
 def replay_greedy(proposer, prompt_ids: list[int], reference: list[int], k: int) -> SpecStats:
     """The steps greedy speculative decoding would take to produce `reference` (the target's own
     greedy output), without running the target: each step accepts the longest prefix of the
-    proposal that matches the reference. Same counts as `speculative_generate` at temperature 0."""
+    proposal that matches the reference. The same steps and accepted counts as
+    `speculative_generate` at temperature 0 when its output is `reference`. The drafted counts
+    match too when the answer runs to max_new_tokens; for an answer that stops early (EOS) the
+    replay drafts nothing past the end it knows, while the live loop drafts past an end it cannot
+    foresee, so it lists more drafted tokens in its last steps."""
     stats, done = SpecStats(), 0
     while done < len(reference):
         kk = min(k, len(reference) - done - 1)
