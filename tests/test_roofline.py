@@ -340,3 +340,12 @@ def test_chunk_compute_bound_tokens_none_and_bad_input():
         chunk_compute_bound_tokens(cfg, hw, "bf16", context_len=-1)
     with pytest.raises(ValueError, match="max_tokens"):
         chunk_compute_bound_tokens(cfg, hw, "bf16", max_tokens=0)
+
+
+def test_bandwidth_buffer_outgrows_the_last_level_cache(monkeypatch):
+    import minillm.bench.measure as rm
+    monkeypatch.setattr(rm, "last_level_cache_bytes", lambda: 300 * 2**20)     # a 300 MiB L3
+    ram = rm._memory_bytes(torch.device("cpu"))
+    assert rm.bandwidth_buffer_bytes() == max(256 * 2**20, min(1200 * 2**20, int(ram) // 8))
+    monkeypatch.setattr(rm, "last_level_cache_bytes", lambda: None)            # unknown: 256 MiB
+    assert rm.bandwidth_buffer_bytes() == 256 * 2**20

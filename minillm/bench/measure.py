@@ -13,7 +13,10 @@ as a real step's hundreds of MB of weights cannot.
 """
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -31,9 +34,38 @@ def _device(device) -> torch.device:
     return default_device() if device is None else torch.device(device)
 
 
-def measure_bandwidth(device=None, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: sum a fp32 buffer far larger than any cache."""
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache as the OS reports it (Linux sysfs, macOS sysctl), or None."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1))
+        except (OSError, ValueError, IndexError):
+            pass
+    if not sizes and sys.platform == "darwin":
+        for key in ("hw.l3cachesize", "hw.l2cachesize"):
+            try:
+                out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5)
+                sizes.append(int(out.stdout.strip()))
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+    return max(sizes) if sizes else None
+
+
+def bandwidth_buffer_bytes() -> int:
+    """A buffer no cache holds: 4x the last-level cache, at least 256 MiB, at most 1/8 of RAM."""
+    llc = last_level_cache_bytes() or 0
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(max(256 * 2**20, min(4 * llc, ram // 8)))
+
+
+def measure_bandwidth(device=None, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: sum a fp32 buffer far larger than any cache (on a CPU by
+    default 4x its last-level cache, `bandwidth_buffer_bytes`; 1 GiB on a GPU)."""
     device = _device(device)
+    if nbytes is None:
+        nbytes = 2**30 if device.type == "cuda" else bandwidth_buffer_bytes()
     x = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=device)
     return x.numel() * 4 / time_fn(lambda: x.sum(), device, repeat=repeats)
 
@@ -62,7 +94,7 @@ def measure_hardware(device=None, quick: bool = False, dtypes=None,
     if dtypes is None:
         dtypes = ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
     big = device.type == "cuda"
-    nbytes = (2**30 if big else 256 * 2**20) // (2 if quick else 1)
+    nbytes = (2**30 if big else bandwidth_buffer_bytes()) // (2 if quick else 1)
     steps = tqdm(["bandwidth", *dtypes], desc="measuring", disable=not progress)
     peak, bw = {}, 0.0
     for step in steps:
