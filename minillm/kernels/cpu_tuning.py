@@ -231,7 +231,7 @@ def kernel_report(model: nn.Module) -> dict:
 def format_plan(report: dict) -> str:
     """`kernel_report` as a table: one row per weight group, one column per row bucket."""
     key = report["key"]
-    lines = [f"{key['cpu']}, torch {key['torch']}, {key['threads']} threads; "
+    lines = [f"{key['cpu']}, torch {key['torch']}, {key['threads']} thread(s); "
              f"extra bytes {report['extra_bytes']}",
              f"{'weights (out x in x count)':>27} layout  rows<=" + "".join(f"{b:>9}" for b in BUCKETS)]
     for group, p in report["plan"].items():
