@@ -1,0 +1,164 @@
+"""Flash-decoding: decode attention over the paged cache, split along the context and merged.
+
+Letters: B sequences (one query each), H query heads, Hkv kv heads, G = H / Hkv queries per kv
+head, D head dim, S_i context length of sequence i, Sg the longest, C chunk (keys per split),
+nC = ceil(Sg / C) chunks, N*P slot rows of a layer's pool.
+
+At decode time each sequence has one query and S keys: the work is a read of the whole KV,
+which no single query row can spread over many cores. Flash-decoding cuts the context into
+chunks of C keys; each chunk gives its own softmax-normalised partial output o_c and its
+log-sum-exp l_c = log sum_{s in c} exp(score_s). The exact answer is a weighted mean of the
+partials (`merge_partials`):
+
+    o = sum_c exp(l_c - L) o_c,   L = log sum_c exp(l_c)
+
+with the largest l_c subtracted first so no exp overflows. Here every chunk of every sequence
+runs in one batched matmul (what a GPU grid does in parallel), followed by one merge.
+
+The cache is read as the engine stores it: per layer one row per slot, (N*P, Hkv*D). A
+`DecodePlan`, built once per step from the step's metadata, holds the gather index that puts
+head h of slot s at row s*Hkv + h of the pool viewed as (N*P*Hkv, D), so the gather lands as
+(B, Hkv, nC, C, D) and q viewed as (B, Hkv, 1, G, D) meets its kv head without a K/V repeat.
+
+Left out on purpose: prefill (T > 1 queries go through `paged_attention`), a fused kernel (the
+gather copies the KV once more than a real kernel would), and choosing C by timing it here.
+"""
+import math
+
+import torch
+
+from minillm._validate import check_int
+from minillm.paging.paged_attention import PagedAttentionMetadata, long_tensor
+
+ATTENTION_BACKENDS = ("paged", "flash_decoding")    # EngineConfig / PagedKVCache(attention_backend=)
+CHUNK = 256          # keys per split, the engine's choice: a fixed round number, not tuned here
+
+
+def merge_partials(outs, lses, dim: int = 0):
+    """Merge softmax partials: outs (..., D) normalised per part, lses (...) their log-sum-exps,
+    parts along `dim` of lses (and of outs) -> (out without `dim`, its lse).
+
+    A part that saw no key has lse -inf and weight 0. Subtracting the largest lse first keeps
+    every exp <= 1 (without it, scores of ~100 overflow float32)."""
+    top = lses.amax(dim, keepdim=True)                                        # (.., 1, ..)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)           # all parts empty
+    w = torch.exp(lses - top)                                                 # (...), in [0, 1]
+    total = w.sum(dim)                                                        # (...)
+    out = (w.unsqueeze(-1) * outs).sum(dim) / total.clamp_min(torch.finfo(w.dtype).tiny).unsqueeze(-1)
+    return out, top.squeeze(dim) + torch.log(total)
+
+
+class DecodePlan:
+    """Gather index and key mask of one decode step, shared by every layer.
+
+    slots (B, Sg): slot row of key s of sequence i (entries past context_lens[i] are ignored);
+    context_lens[i] >= 1 keys seen by sequence i's query."""
+
+    def __init__(self, slots, context_lens, n_kv_head: int, chunk: int,
+                 max_context: int | None = None):
+        check_int("chunk", chunk, 1)
+        check_int("n_kv_head", n_kv_head, 1)
+        if slots.dim() != 2 or slots.shape[0] != len(context_lens) or not context_lens:
+            raise ValueError(f"slots must be (B, Sg) with B = len(context_lens) = "
+                             f"{len(context_lens)} >= 1, got {tuple(slots.shape)}")
+        if min(context_lens) < 1 or max(context_lens) > slots.shape[1]:
+            raise ValueError(f"context_lens must be in [1, {slots.shape[1]}] (slots' width), "
+                             f"got {min(context_lens)}..{max(context_lens)}")
+        if max_context is not None and max(context_lens) > max_context:
+            raise ValueError(f"context_lens: a context of {max(context_lens)} tokens is beyond the "
+                             f"model's maximum max_context={max_context}")
+        B, Sg = len(context_lens), max(context_lens)
+        nC = -(-Sg // chunk)
+        slots = slots[:, :Sg]
+        if nC * chunk > Sg:            # pad to whole chunks with each row's first key (masked)
+            slots = torch.cat([slots, slots[:, :1].expand(B, nC * chunk - Sg)], 1)  # (B, nC*C)
+        heads = torch.arange(n_kv_head, device=slots.device)
+        idx = slots[:, None, :] * n_kv_head + heads[:, None]                  # (B, Hkv, nC*C)
+        self.index = idx.reshape(-1)                                          # (B*Hkv*nC*C,)
+        self.slots = slots.reshape(-1)                                        # (B*nC*C,)
+        s = torch.arange(nC * chunk)                                          # (nC*C,)
+        seen = s < long_tensor(list(context_lens))[:, None]                   # (B, nC*C)
+        self.mask = None if bool(seen.all()) else seen.view(B, 1, nC, 1, chunk).to(slots.device)
+        self._bias = {}
+        self.shape, self.n_kv_head, self.chunk = (B, nC, chunk), n_kv_head, chunk
+
+    @classmethod
+    def from_tables(cls, context_lens, block_tables, block_size: int, n_kv_head: int,
+                    chunk: int, device=None, max_context: int | None = None) -> "DecodePlan":
+        """The plan from block tables: key s of sequence i is slot table[s // P] * P + s % P."""
+        check_int("block_size", block_size, 1)
+        Sg = max(context_lens)
+        rows = [[t[p // block_size] * block_size + p % block_size for p in range(n)]
+                + [t[0] * block_size] * (Sg - n) for t, n in zip(block_tables, context_lens)]
+        slots = long_tensor([x for r in rows for x in r], device).view(len(rows), Sg)
+        return cls(slots, context_lens, n_kv_head, chunk, max_context)
+
+    @classmethod
+    def from_metadata(cls, meta: PagedAttentionMetadata, n_kv_head: int, chunk: int,
+                      max_context: int | None = None) -> "DecodePlan":
+        """The plan of a decode-only step (every query_len 1) from the paged metadata."""
+        if any(t != 1 for t in meta.query_lens):
+            raise ValueError("flash_decode needs a decode-only step (every query_len 1), got "
+                             f"query_lens {meta.query_lens[:8]}")
+        g = meta.groups[0]       # the decode group: kv_slots (B*Sg,), each row padded with key 0
+        B, _, Sg = g.shape
+        return cls(g.kv_slots.view(B, Sg), meta.context_lens, n_kv_head, chunk, max_context)
+
+    def bias(self, dtype):
+        """The key mask as 0 / -inf, (B, 1, nC, 1, C), made once per step and dtype."""
+        if self.mask is None:
+            return None
+        if dtype not in self._bias:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
+        return self._bias[dtype]
+
+
+def _gather(slots_2d, plan: DecodePlan, D: int):
+    """Slot rows (N*P, Hkv*D) -> the plan's keys as (B, Hkv, nC, C, D)."""
+    B, nC, C = plan.shape
+    Hkv = plan.n_kv_head
+    if isinstance(slots_2d, torch.Tensor):       # one row per (slot, head): lands in order
+        rows = slots_2d.view(-1, D).index_select(0, plan.index)              # (B*Hkv*nC*C, D)
+        return rows.view(B, Hkv, nC, C, D)
+    rows = slots_2d.index_select(0, plan.slots)  # a quantized pool (quant/kv.py KVSlots)
+    return rows.view(B, nC, C, Hkv, D).permute(0, 3, 1, 2, 4)                 # (B, Hkv, nC, C, D)
+
+
+def flash_decode(q, k_slots, v_slots, n_kv_head: int, meta, *, chunk: int = CHUNK,
+                 max_context: int | None = None):
+    """Decode attention of q (B, H, D), one query per sequence, over one layer's slot rows
+    k_slots, v_slots (N*P, Hkv*D) -> (B, H, D).
+
+    meta: the step's `PagedAttentionMetadata` (decode-only) or a `DecodePlan` built once per
+    step (then `chunk` and `max_context` are the plan's). chunk: keys per split (>= 1)."""
+    check_int("n_kv_head", n_kv_head, 1)
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, D) with one query per sequence, got {tuple(q.shape)}")
+    B, H, D = q.shape
+    if H % n_kv_head:
+        raise ValueError(f"n_kv_head={n_kv_head} must divide the {H} query heads of q")
+    widths = [(x if isinstance(x, torch.Tensor) else x.codes).shape for x in (k_slots, v_slots)]
+    if any(len(w) != 2 or w[1] != n_kv_head * D for w in widths):
+        raise ValueError(f"k_slots/v_slots must be (N*P, n_kv_head*D) = (., {n_kv_head * D}), "
+                         f"got {tuple(widths[0])}, {tuple(widths[1])}")
+    plan = meta if isinstance(meta, DecodePlan) else DecodePlan.from_metadata(
+        meta, n_kv_head, chunk, max_context)
+    if plan.shape[0] != B or plan.n_kv_head != n_kv_head:
+        raise ValueError(f"q holds {B} sequences and {n_kv_head} kv heads; the plan has "
+                         f"{plan.shape[0]} and {plan.n_kv_head}")
+    k = _gather(k_slots, plan, D)                                             # (B, Hkv, nC, C, D)
+    v = _gather(v_slots, plan, D)                                             # (B, Hkv, nC, C, D)
+    qg = q.reshape(B, n_kv_head, 1, H // n_kv_head, D) * (1.0 / math.sqrt(D))  # (B, Hkv, 1, G, D)
+    scores = qg @ k.transpose(-1, -2)                                         # (B, Hkv, nC, G, C)
+    bias = plan.bias(scores.dtype)
+    if bias is not None:
+        scores = scores + bias
+    m = scores.amax(-1, keepdim=True)                                         # (B, Hkv, nC, G, 1)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)                   # a chunk of padding
+    p = torch.exp(scores - m)                                                 # (B, Hkv, nC, G, C)
+    denom = p.sum(-1, keepdim=True)                                           # (B, Hkv, nC, G, 1)
+    outs = (p @ v) / denom.clamp_min(torch.finfo(p.dtype).tiny)               # (B, Hkv, nC, G, D)
+    lses = (m + torch.log(denom)).squeeze(-1)                                 # (B, Hkv, nC, G)
+    out, _ = merge_partials(outs, lses, dim=2)                                # (B, Hkv, G, D)
+    return out.reshape(B, H, D)
