@@ -56,12 +56,17 @@ def test_equals_dense_per_sequence_and_paged(chunk, dtype, tol):
     torch.testing.assert_close(out, paged_attention(q, k, v, meta), atol=tol, rtol=0)
 
 
-def test_plan_from_tables_equals_plan_from_metadata():
+@pytest.mark.parametrize("chunk,tile_keys", [(8, 1), (8, 45), (3, 60), (16, 10_000)])
+def test_tiles_and_plans_from_tables_equal_dense(chunk, tile_keys):
+    """Chunks computed tile by tile (1 chunk per tile .. all in one) give the same answer."""
     q, k, v, tables = _batch(LENS, torch.float64, seed=3)
     meta = PagedAttentionMetadata([1] * len(LENS), LENS, tables, P)
-    plan = DecodePlan.from_tables(LENS, tables, P, HKV, chunk=8)
-    out = flash_decode(q, k.view(N * P, -1), v.view(N * P, -1), HKV, plan)
-    torch.testing.assert_close(out, _dense_per_sequence(q, k, v, LENS, tables), atol=1e-12, rtol=0)
+    want = _dense_per_sequence(q, k, v, LENS, tables)
+    for plan in (DecodePlan.from_tables(LENS, tables, P, HKV, chunk, tile_keys=tile_keys),
+                 DecodePlan.from_metadata(meta, HKV, chunk, tile_keys=tile_keys)):
+        for _ in range(2):                       # the plan's buffers are reused by a 2nd layer
+            out = flash_decode(q, k.view(N * P, -1), v.view(N * P, -1), HKV, plan)
+            torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
 
 
 def _softmax_mean(scores, values):
@@ -155,6 +160,18 @@ def test_engine_option_gives_the_same_greedy_tokens(monkeypatch):
         outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs, backend
         assert bool(calls) == (backend == "flash_decoding")      # decode-only steps went there
+
+
+def test_engine_option_with_int8_kv_matches_paged_int8():
+    model = tiny_model(vocab_size=128, seed=0, dtype=torch.float64)
+    prompts = [list(range(3, 40)), [9, 8, 7]]
+    toks = {}
+    for backend in ("paged", "flash_decoding"):
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, kv_cache_dtype="int8",
+                                               attention_backend=backend))
+        toks[backend] = [o.token_ids for o in engine.generate(
+            prompts, SamplingParams(max_tokens=10, ignore_eos=True))]
+    assert toks["flash_decoding"] == toks["paged"]
 
 
 @pytest.mark.slow
