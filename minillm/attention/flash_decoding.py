@@ -12,16 +12,20 @@ partials (`merge_partials`):
 
     o = sum_c exp(l_c - L) o_c,   L = log sum_c exp(l_c)
 
-with the largest l_c subtracted first so no exp overflows. Here every chunk of every sequence
-runs in one batched matmul (what a GPU grid does in parallel), followed by one merge.
+with the largest l_c subtracted first so no exp overflows. A GPU runs every chunk in parallel
+and merges after; here the chunks of all sequences run in batched matmuls, a tile of chunks at
+a time (`TILE_KEYS` slot rows), and one merge follows.
 
 The cache is read as the engine stores it: per layer one row per slot, (N*P, Hkv*D). A
-`DecodePlan`, built once per step from the step's metadata, holds the gather index that puts
-head h of slot s at row s*Hkv + h of the pool viewed as (N*P*Hkv, D), so the gather lands as
-(B, Hkv, nC, C, D) and q viewed as (B, Hkv, 1, G, D) meets its kv head without a K/V repeat.
+`DecodePlan`, built once per step from the step's metadata, holds per tile the gather index
+that puts head h of slot s at row s*Hkv + h of the pool viewed as (N*P*Hkv, D), so a tile lands
+as (B, Hkv, n, C, D) and q viewed as (B, Hkv, 1, G, D) meets its kv head without a K/V repeat.
+A tile's K and V go into two buffers the plan owns and every layer reuses: they stay small
+enough to be read back from the CPU's cache, and no layer asks the OS for fresh pages.
 
-Left out on purpose: prefill (T > 1 queries go through `paged_attention`), a fused kernel (the
-gather copies the KV once more than a real kernel would), and choosing C by timing it here.
+Left out on purpose: prefill (T > 1 queries go through `paged_attention`), a fused kernel (we
+still copy each tile once, which a real kernel would not), and choosing C or the tile size by
+timing them here (both are fixed round numbers).
 """
 import math
 
@@ -42,6 +46,7 @@ def merge_partials(outs, lses, dim: int = 0):
 
     A part that saw no key has lse -inf and weight 0. Subtracting the largest lse first keeps
     every exp <= 1 (without it, scores of ~100 overflow float32)."""
+    dim = dim % lses.dim()                       # outs has one more (last) dim than lses
     top = lses.amax(dim, keepdim=True)                                        # (.., 1, ..)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)           # all parts empty
     w = torch.exp(lses - top)                                                 # (...), in [0, 1]
