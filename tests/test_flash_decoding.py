@@ -174,6 +174,23 @@ def test_engine_option_with_int8_kv_matches_paged_int8():
     assert toks["flash_decoding"] == toks["paged"]
 
 
+def test_benchmarks_run_at_small_sizes():
+    """A smoke test of the benchmark code (no timing is judged): rows, ratios and shares."""
+    from minillm.analysis.roofline import Hardware
+    from minillm.bench.attention_decode import decode_table, run_decode
+    from minillm.bench.long_context import long_context_table, run_long_context
+    table = run_decode(contexts=(20, 300), batches=(1, 2), rounds=1, repeat=1)
+    assert [(r["batch"], r["context"]) for r in table["rows"]] == [(1, 20), (1, 300), (2, 20), (2, 300)]
+    assert all(r["paged_over_sdpa"] > 0 and r["flashdec_ms"] > 0 for r in table["rows"])
+    hw = Hardware("made up", {"fp32": 1e11}, mem_bandwidth=1e10, mem_bytes=1e10)
+    model = tiny_model(vocab_size=64, seed=0)
+    rec = run_long_context(model, hw, decode_contexts=(40, 300), prefill_lengths=(32,), rounds=1,
+                           repeat=1)
+    assert [r["context"] for r in rec["decode"]] == [40, 300]
+    assert all(0 < r["paged"]["share"] and 0 < r["roofline_share"] < 1 for r in rec["decode"])
+    assert "fd share" in long_context_table(rec) and "flashdec/sdpa" in decode_table(table)
+
+
 @pytest.mark.slow
 def test_real_model_flash_decoding_matches_paged_and_generate():
     from minillm import load_model

@@ -129,15 +129,17 @@ def run_long_context(model, hw, decode_contexts=DECODE_CONTEXTS, prefill_lengths
 
 
 def long_context_table(record: dict) -> str:
-    """Decode and prefill rows as text."""
+    """Decode and prefill rows as text (the flash-decoding columns when they were measured)."""
+    fd = "flash_decoding" in record["decode"][0]
     lines = [f"decode, batch 1 (KV passes the weights at {record['crossover_tokens']:.0f} tokens):",
              f"{'S':>5} {'KV/W':>5} {'step ms':>8} {'attn ms':>8} {'share':>6} {'by diff':>7} "
-             f"{'fd step':>8} {'fd share':>8} {'roofline':>8}"]
+             + (f"{'fd step':>8} {'fd share':>8} " if fd else "") + f"{'roofline':>8}"]
     for r in record["decode"]:
-        p, f = r["paged"], r.get("flash_decoding", r["paged"])
+        p, f = r["paged"], r.get("flash_decoding")
         lines.append(f"{r['context']:>5} {r['kv_over_weight_bytes']:>5.2f} {p['step_ms']:>8.1f} "
                      f"{p['attention_ms']:>8.1f} {p['share']:>6.2f} {p['share_by_difference']:>7.2f} "
-                     f"{f['step_ms']:>8.1f} {f['share']:>8.2f} {r['roofline_share']:>8.2f}")
+                     + (f"{f['step_ms']:>8.1f} {f['share']:>8.2f} " if fd else "")
+                     + f"{r['roofline_share']:>8.2f}")
     lines.append("prefill (one forward of T tokens, paged):")
     lines.append(f"{'T':>5} {'step ms':>9} {'attn ms':>9} {'share':>6} {'roofline':>8}")
     for r in record["prefill"]:
