@@ -135,6 +135,10 @@ def test_bad_input_names_the_argument():
         flash_decode(q, ks, vs, 2, meta)                      # 9 heads, 2 kv heads
     with pytest.raises(ValueError, match="max_context"):
         flash_decode(q, ks, vs, HKV, meta, max_context=64)    # a context of 70
+    with pytest.raises(ValueError, match="block_tables"):
+        DecodePlan.from_tables([9], [[0, 1]], 4, HKV, 8)          # 8 slots for 9 keys
+    with pytest.raises(ValueError, match="tile_keys"):
+        DecodePlan.from_tables([5], [[0, 1]], 4, HKV, 8, tile_keys=0)
     prefill = PagedAttentionMetadata([1, 3], [5, 16], tables[1:3], P)
     with pytest.raises(ValueError, match="decode-only"):
         flash_decode(q[:2], ks, vs, HKV, prefill)

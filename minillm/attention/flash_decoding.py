@@ -103,6 +103,10 @@ class DecodePlan:
                     tile_keys: int = TILE_KEYS) -> "DecodePlan":
         """The plan from block tables: key s of sequence i is slot table[s // P] * P + s % P."""
         check_int("block_size", block_size, 1)
+        for i, (t, n) in enumerate(zip(block_tables, context_lens)):
+            if len(t) * block_size < n:
+                raise ValueError(f"block_tables[{i}]: {len(t)} blocks x {block_size} cannot hold "
+                                 f"context_lens[{i}] = {n}")
         Sg = max(context_lens)
         rows = [[t[p // block_size] * block_size + p % block_size for p in range(n)]
                 + [t[0] * block_size] * (Sg - n) for t, n in zip(block_tables, context_lens)]
