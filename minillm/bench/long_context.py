@@ -142,7 +142,10 @@ def long_context_table(record: dict) -> str:
                      + f"{r['roofline_share']:>8.2f}")
     lines.append("prefill (one forward of T tokens, paged):")
     lines.append(f"{'T':>5} {'step ms':>9} {'attn ms':>9} {'share':>6} {'roofline':>8}")
-    for r in record["prefill"]:
+    extra = record.get("prefill_extra", [])          # rows run on their own (marked *)
+    for r in record["prefill"] + extra:
         lines.append(f"{r['tokens']:>5} {r['step_ms']:>9.1f} {r['attention_ms']:>9.1f} "
-                     f"{r['share']:>6.2f} {r['roofline_share']:>8.2f}")
+                     f"{r['share']:>6.2f} {r['roofline_share']:>8.2f}" + (" *" if r in extra else ""))
+    if extra:
+        lines.append("* " + extra[0].get("note", "run separately"))
     return "\n".join(lines)
