@@ -11,6 +11,9 @@ dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int
 store one byte per element (quant/kv.py), so the same memory holds about 2x (bf16/fp16) or 4x
 (fp32) the blocks. Order across requests: `scheduling_policy` "fcfs" (arrival order) or "priority"
 (each request's int priority, lower first, with optional `priority_classes`: priority.py).
+Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache) or
+"flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
+minillm/attention/flash_decoding.py); steps with prefill chunks always take the paged path.
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -43,6 +46,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"                  # "auto" (the model's dtype), "int8" or "fp8"
     scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
+    attention_backend: str = "paged"              # or "flash_decoding" for decode-only steps
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -78,6 +82,10 @@ class EngineConfig:
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
                              f"each step) and >= 1 + num_speculative_tokens="
                              f"{1 + self.num_speculative_tokens} (one verify step)")
+        from minillm.attention.flash_decoding import ATTENTION_BACKENDS
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of "
+                             f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         from minillm.quant.kv import check_kv_cache_dtype   # the platform is probed by the cache
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.gpu_memory_utilization is not None:

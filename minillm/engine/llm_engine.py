@@ -62,7 +62,7 @@ class LLMEngine:
         num_blocks = pool_num_blocks(model, cfg, draft_model)
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
         self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype,
-                                  cfg.kv_cache_dtype)
+                                  cfg.kv_cache_dtype, cfg.attention_backend)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         scheduler = (StaticScheduler if cfg.scheduling == "static" else
                      PriorityScheduler if cfg.scheduling_policy == "priority" else Scheduler)

@@ -216,9 +216,18 @@ class PagedKVCache:
     `metadata`); the model is then called with input_ids (1, M) and positions (M,)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None,
-                 dtype=torch.float32, kv_cache_dtype: str = "auto"):
+                 dtype=torch.float32, kv_cache_dtype: str = "auto",
+                 attention_backend: str = "paged"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        from minillm.attention.flash_decoding import ATTENTION_BACKENDS
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {attention_backend!r}")
+        # "flash_decoding": decode-only steps split the context into chunks merged by their
+        # log-sum-exp (minillm/attention/flash_decoding.py); steps with a prefill chunk stay here
+        self.attention_backend = attention_backend
+        self._decode_plan = self._plan_meta = None          # built once per step, for every layer
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.kv_cache_dtype = kv_cache_dtype
         shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
@@ -272,6 +281,15 @@ class PagedKVCache:
         k_slots, v_slots = self._k_slots[layer_idx], self._v_slots[layer_idx]   # (N*P, Hkv*D)
         _write_slots(k_slots, v_slots, k.transpose(1, 2).reshape(M, -1),
                      v.transpose(1, 2).reshape(M, -1), meta.slot_mapping)     # (M, Hkv*D)
+        if self.attention_backend == "flash_decoding" and M == len(meta.query_lens):
+            from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
+            if self._plan_meta is not meta:                 # a new step: its plan, once
+                self._decode_plan = DecodePlan.from_metadata(meta, k.shape[1], CHUNK,
+                                                             self.config.max_seq_len)
+                self._plan_meta = meta
+            out = flash_decode(q[0].transpose(0, 1), k_slots, v_slots, k.shape[1],
+                               self._decode_plan)                             # (M, H, D)
+            return out.transpose(0, 1)[None]                                  # (1, H, M, D)
         out = _attend_slots(q[0], k_slots, v_slots, k.shape[1], meta)        # (H, M, D)
         return out[None]                                                      # (1, H, M, D)
 

@@ -1,0 +1,138 @@
+"""Benchmark for chapter 9: decode attention alone at long context, three ways, in one process.
+
+One layer of SmolLM2-135M's shape (H 9, Hkv 3, D 64), B sequences of S cached tokens each, one
+new query per sequence:
+- "paged": the engine's default, `_attend_slots` (gather through the block table, then SDPA);
+- "flashdec": `flash_decode` over the same slot rows (chunks merged by log-sum-exp);
+- "sdpa": `F.scaled_dot_product_attention` over a contiguous cache (B, Hkv, S, D), as `KVCache`
+  attends: the floor a paged layout pays its gather against.
+The block tables are a random permutation of the pool, as in a long-running engine. Variants
+run in interleaved rounds (every point and variant once per round), so the bandwidth drift of a
+shared machine spreads over all of them; the record keeps per-round medians and the ratios
+paged/sdpa and flashdec/sdpa taken within each round.
+
+`run_decode(...)` returns the record; `write_result("attention_decode", ...)` is the caller's
+(`minillm/bench/long_context.py` adds the real model's step shares and writes both).
+Left out on purpose: ragged batches (SDPA over a contiguous cache has one length) and
+quantized KV.
+"""
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
+from minillm.bench.common import time_fn
+from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_slots
+
+CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
+BATCHES = (1, 8)
+VARIANTS = ("paged", "flashdec", "sdpa")
+
+
+def decode_point(B: int, S: int, H: int = 9, Hkv: int = 3, D: int = 64, block_size: int = 16,
+                 chunk: int = CHUNK, dtype=torch.float32, seed: int = 0) -> dict:
+    """Inputs of one (B, S) point and a zero-argument function per variant -> {name: fn}."""
+    g = torch.Generator().manual_seed(seed)
+    P = block_size
+    nb = -(-S // P)
+    N = B * nb
+    k_slots = torch.randn(N * P, Hkv * D, generator=g, dtype=dtype)          # (N*P, Hkv*D)
+    v_slots = torch.randn(N * P, Hkv * D, generator=g, dtype=dtype)
+    perm = torch.randperm(N, generator=g).tolist()
+    tables = [perm[i * nb:(i + 1) * nb] for i in range(B)]
+    meta = PagedAttentionMetadata([1] * B, [S] * B, tables, P)
+    plan = DecodePlan.from_metadata(meta, Hkv, chunk)
+    q = torch.randn(B, H, D, generator=g, dtype=dtype)                       # (B, H, D)
+    k = torch.randn(B, Hkv, S, D, generator=g, dtype=dtype)                  # (B, Hkv, S, D)
+    v = torch.randn(B, Hkv, S, D, generator=g, dtype=dtype)
+    q4 = q[:, :, None]                                                       # (B, H, 1, D)
+    return {
+        "paged": lambda: _attend_slots(q.transpose(0, 1), k_slots, v_slots, Hkv, meta),
+        "flashdec": lambda: flash_decode(q, k_slots, v_slots, Hkv, plan),
+        "sdpa": lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True),
+    }
+
+
+def check_point(fns: dict, atol: float = 1e-4) -> None:
+    """The paged and flash-decoding outputs agree (the contiguous cache holds other values)."""
+    a, b = fns["paged"]().transpose(0, 1), fns["flashdec"]()                 # (B, H, D) each
+    if not torch.allclose(a, b, atol=atol, rtol=0):
+        raise AssertionError(f"flash_decode differs from paged attention by {(a - b).abs().max()}")
+
+
+@torch.inference_mode()
+def run_decode(contexts=CONTEXTS, batches=BATCHES, rounds: int = 3, repeat: int = 3,
+               chunk: int = CHUNK, block_size: int = 16, num_threads: int | None = None) -> dict:
+    """Time the three variants at every (B, S); returns rows with median ms and median ratios."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    points = {(B, S): decode_point(B, S, block_size=block_size, chunk=chunk)
+              for B in batches for S in contexts}
+    for fns in points.values():
+        check_point(fns)
+    samples = {key: {name: [] for name in VARIANTS} for key in points}
+    for _ in range(rounds):
+        for key, fns in points.items():
+            for name in VARIANTS:
+                samples[key][name].append(time_fn(fns[name], warmup=1, repeat=repeat))
+    rows = []
+    for (B, S), s in samples.items():
+        row = {"batch": B, "context": S}
+        row.update({f"{n}_ms": 1e3 * statistics.median(s[n]) for n in VARIANTS})
+        for n in ("paged", "flashdec"):
+            row[f"{n}_over_sdpa"] = statistics.median(a / b for a, b in zip(s[n], s["sdpa"]))
+        rows.append(row)
+    return {"rows": rows, "rounds": rounds, "repeat": repeat, "chunk": chunk,
+            "block_size": block_size, "torch_threads": torch.get_num_threads(),
+            "shape": {"H": 9, "Hkv": 3, "D": 64, "dtype": "fp32"}}
+
+
+def decode_table(record: dict) -> str:
+    """The rows as a text table."""
+    lines = [f"{'B':>2} {'S':>5} {'paged ms':>9} {'flashdec ms':>11} {'sdpa ms':>8} "
+             f"{'paged/sdpa':>10} {'flashdec/sdpa':>13}"]
+    for r in record["rows"]:
+        lines.append(f"{r['batch']:>2} {r['context']:>5} {r['paged_ms']:>9.3f} "
+                     f"{r['flashdec_ms']:>11.3f} {r['sdpa_ms']:>8.3f} {r['paged_over_sdpa']:>10.2f} "
+                     f"{r['flashdec_over_sdpa']:>13.2f}")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None = 1,
+        prefill_lengths=None) -> dict:
+    """The decode-attention table, then the real model's long-context shares; writes
+    `attention_decode_<device>.json` and returns the record. num_threads=1 by default: on a
+    shared machine one thread gives steadier ratios (threads that wait on busy cores spin)."""
+    import os
+    from minillm.bench.common import write_result
+    from minillm.bench.long_context import PREFILL_LENGTHS, run_long_context
+    from minillm.bench.measure import measure_hardware
+    from minillm.model.loading import load_model
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    load_before = os.getloadavg()[0]
+    contexts = (128, 1024, 8192) if quick else CONTEXTS
+    table = run_decode(contexts, rounds=2 if quick else 3, repeat=2 if quick else 3)
+    hw = measure_hardware("cpu", quick=True, dtypes=("fp32",), progress=False)
+    model, _ = load_model(device="cpu")
+    prefill = prefill_lengths or ((128, 512) if quick else PREFILL_LENGTHS)
+    longctx = run_long_context(model, hw, contexts, prefill, rounds=2 if quick else 3,
+                               repeat=2 if quick else 3)
+    record = {"quick": quick, "decode_attention": table, "long_context": longctx,
+              "load_avg_1min": [load_before, os.getloadavg()[0]],
+              "units": {"*_ms": "ms (median over rounds of medians)", "*_over_sdpa": "ratio, "
+                        "median over rounds", "context": "tokens cached", "tokens": "prefill tokens",
+                        "share": "attention time / step time", "share_by_difference":
+                        "(step(S) - step(base_context)) / step(S)", "roofline_share":
+                        "attention's predicted share of the roofline step time",
+                        "kv_over_weight_bytes": "KV bytes at that context / weight bytes (fp32)",
+                        "crossover_tokens": "context where KV bytes reach the weight bytes",
+                        "mem_bandwidth": "bytes/s", "peak_flops": "FLOP/s",
+                        "load_avg_1min": "runnable processes, 1-minute average, before and after"}}
+    return {**record, "path": str(write_result("attention_decode", record, "cpu", out_dir))}
+
+
+def report(record: dict) -> str:
+    from minillm.bench.long_context import long_context_table
+    return decode_table(record["decode_attention"]) + "\n" + long_context_table(record["long_context"])
