@@ -61,3 +61,16 @@ def test_the_cli_serves_the_openai_client_and_stops_cleanly_on_a_signal(sig):
     with socket.socket() as s:                          # and a new server may bind it at once
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+def test_engine_flags_reach_the_engine_config():
+    from minillm.engine.config import EngineConfig
+    from minillm.serve.cli import engine_options, parser
+    args = parser().parse_args(["--attention-backend", "flash_decoding", "--max-num-seqs", "3",
+                                "--kv-cache-dtype", "int8"])
+    opts = engine_options(args)
+    assert opts["attention_backend"] == "flash_decoding" and opts["max_num_seqs"] == 3
+    assert EngineConfig(**opts).attention_backend == "flash_decoding"
+    bad = engine_options(parser().parse_args(["--attention-backend", "fast"]))
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(**bad)
