@@ -122,3 +122,13 @@ def test_the_scores_matrix_is_what_disappears():
     # tiled: the same tiles at any N; what grows is the output and its log-sum-exp, 256 rows more
     assert peaks[512][1] - peaks[256][1] == 9 * 256 * (64 + 1) * 4
     assert peaks[512][1] * 8 < peaks[512][0]
+
+
+def test_bench_prefill_quick_record(tmp_path):
+    import json
+    from minillm.bench.attention import run_prefill
+    r = run_prefill(quick=True, out_dir=tmp_path)
+    saved = json.loads((tmp_path / "attention_cpu.json").read_text())
+    assert saved["units"] and saved["memory"]["1024"]["tiled64_over_dense"] < 1 / 8
+    assert r["memory"]["512"]["scores_bytes"] == 9 * 512 * 512 * 4
+    assert set(saved["timing"]["256"]) >= {"sdpa", "dense", "tiled128", "dense_over_sdpa"}
