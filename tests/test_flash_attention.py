@@ -86,10 +86,12 @@ def test_scores_increasing_along_the_keys_need_the_rescale():
     torch.testing.assert_close(out, attention_reference(q, k, v, causal=False), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
 def test_fp32_and_bf16_within_tolerance(dtype, atol):
-    """Against the float64 reference on the same (rounded) inputs. bf16: the output is rounded to
-    bf16 (8 bits of mantissa: |v| < 4 here, so an ulp is <= 2^-6); fp32 accumulates over 200 keys."""
+    """Against the float64 reference on the same (rounded) inputs. fp32: rounding of sums over 200
+    keys (measured ~4e-7). bf16: accumulated in fp32, so the error is the output's rounding to bf16
+    (8 bits of mantissa: an ulp is 2^-7 for |out| in [1, 2), half an ulp ~4e-3); dense attention in
+    bf16 rounds the scores and probabilities too and is worse (~8e-3 measured)."""
     q, k, v = qkv(2, 9, 3, 100, 200, D=16, dtype=dtype, spread=1.0)
     ref = attention_reference(q.double(), k.double(), v.double())
     out = flash_attention(q, k, v, block_q=32, block_k=32)
