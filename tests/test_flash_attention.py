@@ -26,18 +26,18 @@ def python_attention(q, k, v, causal):
     """Attention with Python floats and math.exp, one query row at a time: (B, H, T, D) lists."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    out = torch.zeros(B, H, T, D, dtype=F64)
+    q, k, v = q.tolist(), k.tolist(), v.tolist()
+    out = [[[[0.0] * D for _ in range(T)] for _ in range(H)] for _ in range(B)]
     for b in range(B):
         for h in range(H):
             kh = h // (H // Hkv)
             for t in range(T):
                 keys = [j for j in range(S) if not causal or j <= S - T + t]
-                s = [sum(float(q[b, h, t, i]) * float(k[b, kh, j, i]) for i in range(D)) / math.sqrt(D)
-                     for j in keys]
+                s = [sum(q[b][h][t][i] * k[b][kh][j][i] for i in range(D)) / math.sqrt(D) for j in keys]
                 w = [math.exp(x - max(s)) for x in s]
                 for i in range(D):
-                    out[b, h, t, i] = sum(wj * float(v[b, kh, j, i]) for wj, j in zip(w, keys)) / sum(w)
-    return out
+                    out[b][h][t][i] = sum(wj * v[b][kh][j][i] for wj, j in zip(w, keys)) / sum(w)
+    return torch.tensor(out, dtype=F64)
 
 
 @pytest.mark.parametrize("causal", [True, False])
