@@ -4,6 +4,7 @@ The folders are the architecture (core first; the core never imports `viz` or `b
 - `model/`     chapter 0: config, the Llama layers, loading, the contiguous cache, sampling, generate
 - `paging/`    chapter 3: block manager (no tensors) and paged attention
 - `engine/`    chapters 4-5: sequence, scheduler, model runner, LLMEngine, speculative hook
+- `attention/` chapter 9: the materialized reference, FlashAttention's tiled forward, IO model, peak memory
 - `spec/`      chapter 6: rejection sampling, proposers, the batch-1 speculative loop
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
@@ -15,6 +16,7 @@ The folders are the architecture (core first; the core never imports `viz` or `b
 Earlier flat paths (`minillm.roofline`, `minillm.engine_spec`, ...) still import (`_compat`).
 """
 from minillm.paging.block_manager import BlockManager, NoFreeBlocksError
+from minillm.attention.tiled import flash_attention
 from minillm.model.chat import chat, encode_chat
 from minillm.model.config import PRESETS, ModelConfig, get_config
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
@@ -48,4 +50,4 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "generate_naive", "KVCache", "default_device", "load_model", "tiny_model",
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
            "SamplingParams", "rejection_sample", "greedy_verify", "speculative_generate",
-           "DraftModelProposer", "NgramProposer", "quantize"]
+           "DraftModelProposer", "NgramProposer", "quantize", "flash_attention"]

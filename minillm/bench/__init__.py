@@ -24,6 +24,7 @@ BENCHMARKS = {
     "overhead": "minillm.bench.overhead",   # ch 4: the engine's own cost per decode step
     "quant": "minillm.bench.quant",         # ch 7: batch-1 decode per weight format vs its floor
     "priority": "minillm.bench.priority",   # ch 8: priorities and SLOs, P95-driven token budget
+    "attention": "minillm.bench.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
 }
 
 

@@ -1,0 +1,13 @@
+"""Chapter 9: attention at long context.
+
+- `reference.py`  the five-line materialized attention (the trusted reference) and the input checks
+- `tiled.py`      FlashAttention's forward: query tiles x key tiles with the online softmax
+- `io_model.py`   main-memory traffic of standard vs tiled attention for an on-chip memory of M elements
+- `memory.py`     `peak_bytes(fn, ...)`: the peak of live tensor bytes a call allocates (any device)
+"""
+from minillm.attention.reference import attention_reference, check_attention_inputs
+from minillm.attention.tiled import (TileStats, flash_attention, flash_attention_stats, key_tiles,
+                                     online_softmax_step)
+
+__all__ = ["attention_reference", "check_attention_inputs", "flash_attention", "flash_attention_stats",
+           "TileStats", "key_tiles", "online_softmax_step"]
