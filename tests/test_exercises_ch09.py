@@ -49,3 +49,30 @@ def test_09_3_online_step():
         return m_new, scale * l + p.sum(-1, keepdim=True), scale * acc + p @ v
     assert not exercises.check("09.3", nan_on_empty_rows)
     assert not exercises.check("09.3", 3)
+
+
+def test_09_4_crossover_by_hand():
+    from minillm.model.config import get_config
+    cfg = get_config("smollm2-135m")
+    kv_per_token = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 2          # K and V, bf16
+    weights = cfg.num_params * 2
+    assert exercises.check("09.4", weights / (8 * kv_per_token))
+    assert not exercises.check("09.4", weights / kv_per_token)                 # one sequence
+    assert not exercises.check("09.4", weights / (8 * kv_per_token / 2))       # K only
+
+
+def test_09_5_merge():
+    def merge(outs, lses):
+        top = lses.max()
+        w = torch.exp(lses - top)
+        return (w[:, None] * outs).sum(0) / w.sum()
+    assert exercises.check("09.5", merge)
+
+    def no_shift(outs, lses):                   # overflows for scores near 800
+        w = torch.exp(lses)
+        return (w[:, None] * outs).sum(0) / w.sum()
+    assert not exercises.check("09.5", no_shift)
+
+    def plain_mean(outs, lses):                 # ignores how many keys each chunk saw
+        return outs[torch.isfinite(lses)].mean(0)
+    assert not exercises.check("09.5", plain_mean)

@@ -4,10 +4,15 @@
 - `tiled.py`      FlashAttention's forward: query tiles x key tiles with the online softmax
 - `io_model.py`   main-memory traffic of standard vs tiled attention for an on-chip memory of M elements
 - `memory.py`     `peak_bytes(fn, ...)`: the peak of live tensor bytes a call allocates (any device)
+- `flash_decoding.py`  decode attention over the paged cache split along the context, partials merged
+                   by log-sum-exp (`EngineConfig(attention_backend="flash_decoding")`)
 """
 from minillm.attention.reference import attention_reference, check_attention_inputs
+from minillm.attention.flash_decoding import (ATTENTION_BACKENDS, DecodePlan, flash_decode,
+                                              merge_partials)
 from minillm.attention.tiled import (TileStats, flash_attention, flash_attention_stats, key_tiles,
                                      online_softmax_step)
 
 __all__ = ["attention_reference", "check_attention_inputs", "flash_attention", "flash_attention_stats",
-           "TileStats", "key_tiles", "online_softmax_step"]
+           "TileStats", "key_tiles", "online_softmax_step", "flash_decode", "merge_partials", "DecodePlan",
+           "ATTENTION_BACKENDS"]

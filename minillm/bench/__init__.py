@@ -25,6 +25,7 @@ BENCHMARKS = {
     "quant": "minillm.bench.quant",         # ch 7: batch-1 decode per weight format vs its floor
     "priority": "minillm.bench.priority",   # ch 8: priorities and SLOs, P95-driven token budget
     "attention": "minillm.bench.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
+    "attention_decode": "minillm.bench.attention_decode",  # ch 9: paged / flash-decoding / SDPA decode, long context
 }
 
 

@@ -4,11 +4,16 @@
 against the IO model `attention.io_model` (no machine dependence). 09.3 runs the reader's
 online-softmax step on random tiles made when they check, including masked (-inf) scores and a
 row whose first tile is entirely masked, against softmax(scores) @ v computed in one go in float64.
-09.4 and 09.5 (flash-decoding) are registered by part B of the chapter.
+09.4 against chapter 2's byte counts (`analysis.kv_math`); 09.5 runs the reader's merge of
+flash-decoding partials against one softmax over all keys, written in plain Python.
 """
+import math
+
 import torch
 
+from minillm.analysis.kv_math import kv_bytes_per_token, weight_bytes
 from minillm.exercises import call_reader, code, numeric
+from minillm.model.config import get_config
 
 
 def _tiles_computed() -> float:
@@ -66,3 +71,51 @@ code("09.3", "Write step(m, l, acc, s, v) -> (m, l, acc): fold one tile of score
      "softmax(all scores) @ v, masked (-inf) scores included.", _test_online_step,
      hint="when the max grows from m to m', multiply l and acc by exp(m - m'); a row whose max is "
           "still -inf must not compute -inf - (-inf)")
+
+
+def _test_merge(candidate) -> None:
+    """The reader's merge(outs (n, D), lses (n,)) -> (D,) against one softmax over all keys,
+    written here in plain Python: scores near 800 (exp overflows float64 past 709 unless the
+    largest lse is subtracted first), uneven chunks, and a chunk that saw no key."""
+    if not callable(candidate):
+        raise AssertionError("pass your function merge(outs, lses) -> the merged output (D,)")
+    g = torch.Generator().manual_seed(9)
+    for offset, sizes in ((0.0, (3, 1, 6)), (800.0, (5, 2, 4, 1)), (-50.0, (7,))):
+        n = sum(sizes)
+        scores = (offset + 3 * torch.randn(n, generator=g, dtype=torch.float64)).tolist()
+        values = torch.randn(n, 4, generator=g, dtype=torch.float64)
+        outs, lses, start = [], [], 0
+        for size in sizes:
+            s = torch.tensor(scores[start:start + size], dtype=torch.float64)
+            outs.append(torch.softmax(s, 0) @ values[start:start + size])
+            lses.append(torch.logsumexp(s, 0))
+            start += size
+        outs.append(torch.zeros(4, dtype=torch.float64))       # a chunk of padding only
+        lses.append(torch.tensor(-math.inf, dtype=torch.float64))
+        top = max(scores)
+        w = [math.exp(s - top) for s in scores]
+        want = [sum(wi * values[i, d].item() for i, wi in enumerate(w)) / sum(w) for d in range(4)]
+        got = call_reader(candidate, torch.stack(outs), torch.stack(lses))
+        if isinstance(got, tuple):                              # (out, lse) is fine too
+            got = got[0]
+        got = torch.as_tensor(got, dtype=torch.float64).reshape(-1)
+        if got.numel() != 4:
+            raise AssertionError(f"return the merged output (D,) = (4,), got {got.numel()} numbers")
+        if not torch.isfinite(got).all():
+            raise AssertionError(f"the merge is not finite for scores near {offset:.0f}")
+        if not torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-9, rtol=0):
+            raise AssertionError(f"the merged output differs from one softmax over all keys "
+                                 f"(scores near {offset:.0f}, chunks {sizes} + an empty one)")
+
+
+numeric("09.4", "A batch of 8 SmolLM2-135M sequences decodes together. At what context length "
+        "(tokens per sequence) do the batch's KV bytes equal the model's weight bytes, both in "
+        "the same dtype?",
+        lambda: weight_bytes(get_config("smollm2-135m"), "bf16")
+        / (8 * kv_bytes_per_token(get_config("smollm2-135m"), "bf16")),
+        rtol=0.01, hint="KV per token is 2 x layers x kv heads x head dim elements")
+code("09.5", "Write merge(outs, lses): outs (n, D) are n chunks' softmax-normalized outputs, "
+     "lses (n,) their log-sum-exps -> the output (D,) of one softmax over all the keys. It must "
+     "hold for scores near 800 and for a chunk that saw no key (lse = -inf).",
+     _test_merge, hint="each chunk's weight is exp(lse_c - L), L the log-sum-exp of all the lses; "
+                       "subtract the largest lse before any exp")
