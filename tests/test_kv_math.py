@@ -184,3 +184,15 @@ def test_bad_inputs(call, match):
         call()
     with pytest.raises(TypeError, match="ModelConfig"):
         kv_bytes_per_token("llama")
+
+
+def test_kv_crossover_by_hand():
+    from minillm.analysis.kv_math import kv_crossover_tokens
+    from minillm.model.config import get_config
+    cfg = get_config("smollm2-135m")
+    per_token = 2 * 30 * 3 * 64 * 4                       # K and V, 30 layers, 3 kv heads, fp32
+    assert kv_crossover_tokens(cfg, 1, "fp32", "fp32") == pytest.approx(cfg.num_params * 4 / per_token)
+    assert kv_crossover_tokens(cfg, 8, "fp32", "fp32") == pytest.approx(cfg.num_params * 4 / per_token / 8)
+    assert kv_crossover_tokens(cfg, 1, "int8", "fp32") == pytest.approx(4 * kv_crossover_tokens(cfg, 1, "fp32", "fp32"))
+    with pytest.raises(ValueError, match="batch_size"):
+        kv_crossover_tokens(cfg, 0)

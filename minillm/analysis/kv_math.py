@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.model.config import ModelConfig
-from minillm._validate import check_real
+from minillm._validate import check_int, check_real
 from minillm.analysis.roofline import Hardware, _check_pos_int, dtype_bytes
 
 
@@ -55,6 +55,14 @@ def weight_bytes(cfg: ModelConfig, dtype="bf16") -> float:
     """Parameter bytes (int4 = half a byte per weight; scales and zero points left out)."""
     _check_cfg(cfg)
     return cfg.num_params * dtype_bytes(dtype)
+
+
+def kv_crossover_tokens(cfg: ModelConfig, batch_size: int = 1, kv_dtype="bf16",
+                        weight_dtype="bf16") -> float:
+    """Context per sequence at which a batch's KV cache weighs as much as the weights: beyond it
+    a decode step reads more KV than weights (chapters 2 and 9)."""
+    check_int("batch_size", batch_size, 1)
+    return weight_bytes(cfg, weight_dtype) / (batch_size * kv_bytes_per_token(cfg, kv_dtype))
 
 
 def attention_variants(cfg: ModelConfig) -> dict[str, ModelConfig]:

@@ -6,8 +6,9 @@ its MHA / GQA / MQA variants against the package's `kv_bytes_per_token`.
     >>> exercises.check("02.1", 0)                # doctest: +SKIP
     02.1 not yet: too low
 """
-from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, plan_capacity,
-                                      reservation_waste, sample_output_lengths, weight_bytes)
+from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, kv_crossover_tokens,
+                                      plan_capacity, reservation_waste, sample_output_lengths,
+                                      weight_bytes)
 from minillm.analysis.roofline import dtype_bytes, get_hardware
 from minillm.exercises import call_reader as _call, code, numeric
 from minillm.model.config import PRESETS, get_config
@@ -40,8 +41,7 @@ numeric("02.3", "With sigma=2.0 in sample_output_lengths (2000 lengths, max 2048
 numeric("02.4", "A KV cache in int4 (half a byte per element, no overhead): at what context S "
         "(tokens per sequence) does Llama-2-7B's cache for a batch of 32 weigh as much as its "
         "bf16 weights?",
-        lambda: weight_bytes(get_config("llama-2-7b"), "bf16")
-        / (32 * kv_bytes_per_token(get_config("llama-2-7b"), "int4")),
+        lambda: kv_crossover_tokens(get_config("llama-2-7b"), 32, kv_dtype="int4"),
         rtol=0.01, hint="weights / (B * KV bytes per token)")
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from minillm.analysis.kv_math import kv_bytes_per_token, weight_bytes
+from minillm.analysis.kv_math import kv_crossover_tokens
 from minillm.exercises import call_reader, code, numeric
 from minillm.model.config import get_config
 
@@ -111,8 +111,7 @@ def _test_merge(candidate) -> None:
 numeric("09.4", "A batch of 8 SmolLM2-135M sequences decodes together. At what context length "
         "(tokens per sequence) do the batch's KV bytes equal the model's weight bytes, both in "
         "the same dtype?",
-        lambda: weight_bytes(get_config("smollm2-135m"), "bf16")
-        / (8 * kv_bytes_per_token(get_config("smollm2-135m"), "bf16")),
+        lambda: kv_crossover_tokens(get_config("smollm2-135m"), 8),
         rtol=0.01, hint="KV per token is 2 x layers x kv heads x head dim elements")
 code("09.5", "Write merge(outs, lses): outs (n, D) are n chunks' softmax-normalized outputs, "
      "lses (n,) their log-sum-exps -> the output (D,) of one softmax over all the keys. It must "
