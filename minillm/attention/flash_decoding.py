@@ -34,7 +34,9 @@ import torch
 from minillm._validate import check_int
 from minillm.paging.paged_attention import PagedAttentionMetadata, long_tensor
 
-ATTENTION_BACKENDS = ("paged", "flash_decoding")    # EngineConfig / PagedKVCache(attention_backend=)
+ATTENTION_BACKENDS = ("paged", "flash_decoding", "auto")   # EngineConfig / PagedKVCache(attention_backend=)
+# "auto": flash-decoding for decode steps at least as large as this machine's timed crossover
+# (attention/backend_tuning.py), the paged path otherwise
 CHUNK = 256          # keys per split, the engine's choice: a fixed round number, not tuned here
 TILE_KEYS = 2048     # slot rows gathered at once (~1.5 MiB of K for SmolLM2 fp32): a round
                      # number near a core's L2 size, not measured here

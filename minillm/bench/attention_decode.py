@@ -76,26 +76,37 @@ def run_decode(contexts=CONTEXTS, batches=BATCHES, rounds: int = 3, repeat: int 
         for key, fns in points.items():
             for name in VARIANTS:
                 samples[key][name].append(time_fn(fns[name], warmup=1, repeat=repeat))
+    from minillm.attention.backend_tuning import decode_threshold
+    threshold = decode_threshold(9, 3, 64)          # "auto"'s crossover here (cached, or timed now)
     rows = []
     for (B, S), s in samples.items():
         row = {"batch": B, "context": S}
         row.update({f"{n}_ms": 1e3 * statistics.median(s[n]) for n in VARIANTS})
         for n in ("paged", "flashdec"):
             row[f"{n}_over_sdpa"] = statistics.median(a / b for a, b in zip(s[n], s["sdpa"]))
+        flash = threshold is not None and S > chunk and B * S >= threshold
+        row["auto_backend"] = "flash_decoding" if flash else "paged"
+        row["auto_over_sdpa"] = row["flashdec_over_sdpa" if flash else "paged_over_sdpa"]
         rows.append(row)
-    return {"rows": rows, "rounds": rounds, "repeat": repeat, "chunk": chunk,
+    return {"rows": rows, "auto_threshold_keys": threshold, "rounds": rounds, "repeat": repeat,
+            "chunk": chunk,
             "block_size": block_size, "torch_threads": torch.get_num_threads(),
             "shape": {"H": 9, "Hkv": 3, "D": 64, "dtype": "fp32"}}
 
 
 def decode_table(record: dict) -> str:
     """The rows as a text table."""
+    auto = "auto_over_sdpa" in record["rows"][0]
     lines = [f"{'B':>2} {'S':>5} {'paged ms':>9} {'flashdec ms':>11} {'sdpa ms':>8} "
-             f"{'paged/sdpa':>10} {'flashdec/sdpa':>13}"]
+             f"{'paged/sdpa':>10} {'flashdec/sdpa':>13}" + ("   auto/sdpa (path)" if auto else "")]
     for r in record["rows"]:
         lines.append(f"{r['batch']:>2} {r['context']:>5} {r['paged_ms']:>9.3f} "
                      f"{r['flashdec_ms']:>11.3f} {r['sdpa_ms']:>8.3f} {r['paged_over_sdpa']:>10.2f} "
-                     f"{r['flashdec_over_sdpa']:>13.2f}")
+                     f"{r['flashdec_over_sdpa']:>13.2f}"
+                     + (f"   {r['auto_over_sdpa']:>9.2f} ({r['auto_backend']})" if auto else ""))
+    if auto:
+        lines.append(f'"auto" uses flash-decoding from {record.get("auto_threshold_keys")} keys '
+                     f"(batch x context) on this machine (None: never)")
     return "\n".join(lines)
 
 

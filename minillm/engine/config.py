@@ -11,9 +11,10 @@ dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int
 store one byte per element (quant/kv.py), so the same memory holds about 2x (bf16/fp16) or 4x
 (fp32) the blocks. Order across requests: `scheduling_policy` "fcfs" (arrival order) or "priority"
 (each request's int priority, lower first, with optional `priority_classes`: priority.py).
-Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache) or
+Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
 "flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
-minillm/attention/flash_decoding.py); steps with prefill chunks always take the paged path.
+minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from the step size where
+it wins on this machine, timed once: attention/backend_tuning.py); prefill chunks take the paged path.
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -46,7 +47,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"                  # "auto" (the model's dtype), "int8" or "fp8"
     scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
-    attention_backend: str = "paged"              # or "flash_decoding" for decode-only steps
+    attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)

@@ -228,6 +228,7 @@ class PagedKVCache:
         # log-sum-exp (minillm/attention/flash_decoding.py); steps with a prefill chunk stay here
         self.attention_backend = attention_backend
         self._decode_plan = self._plan_meta = None          # built once per step, for every layer
+        self._threshold = False                             # "auto": the crossover, once asked
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.kv_cache_dtype = kv_cache_dtype
         shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
@@ -281,7 +282,7 @@ class PagedKVCache:
         k_slots, v_slots = self._k_slots[layer_idx], self._v_slots[layer_idx]   # (N*P, Hkv*D)
         _write_slots(k_slots, v_slots, k.transpose(1, 2).reshape(M, -1),
                      v.transpose(1, 2).reshape(M, -1), meta.slot_mapping)     # (M, Hkv*D)
-        if self.attention_backend == "flash_decoding" and M == len(meta.query_lens):
+        if M == len(meta.query_lens) and self._flash_decoding(q, meta):
             from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
             if self._plan_meta is not meta:                 # a new step: its plan, once
                 self._decode_plan = DecodePlan.from_metadata(meta, k.shape[1], CHUNK,
@@ -292,6 +293,22 @@ class PagedKVCache:
             return out.transpose(0, 1)[None]                                  # (1, H, M, D)
         out = _attend_slots(q[0], k_slots, v_slots, k.shape[1], meta)        # (H, M, D)
         return out[None]                                                      # (1, H, M, D)
+
+    def _flash_decoding(self, q, meta) -> bool:
+        """Whether this decode-only step goes through flash-decoding: always with that backend;
+        with "auto" when the longest context spans more than one chunk and the step's keys
+        (batch x longest context) reach this machine's timed crossover (timed once, cached)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend == "flash_decoding"
+        from minillm.attention.flash_decoding import CHUNK
+        B, _, Sg = meta.groups[0].shape
+        if Sg <= CHUNK:
+            return False
+        if self._threshold is False:                       # not asked yet in this cache's life
+            from minillm.attention.backend_tuning import decode_threshold
+            self._threshold = decode_threshold(q.shape[1], self.config.n_kv_head,
+                                               self.config.head_dim, q.dtype, q.device)
+        return self._threshold is not None and B * Sg >= self._threshold
 
     def copy_blocks(self, pairs) -> None:
         """Copy-on-write: copy block src to dst in every layer, for each (src, dst) pair."""

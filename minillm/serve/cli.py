@@ -24,7 +24,7 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--preemption-mode": ("preemption_mode", str), "--scheduling-policy": ("scheduling_policy", str),
     "--kv-cache-dtype": ("kv_cache_dtype", str), "--seed": ("seed", int),
     "--num-speculative-tokens": ("num_speculative_tokens", int),
-    "--attention-backend": ("attention_backend", str),     # "paged" or "flash_decoding"
+    "--attention-backend": ("attention_backend", str),     # "auto", "paged" or "flash_decoding"
 }
 
 

@@ -1,0 +1,145 @@
+"""Which decode attention is faster on this machine, paged or flash-decoding: timed once, cached.
+
+The paged path gathers every sequence's whole context into one padded tensor per layer and runs
+one SDPA over it: few operations, so it wins while the gathered copy is small. Flash-decoding
+reads the context tile by tile into small reused buffers and merges chunk partials: more
+operations, less memory traffic, so it wins once the copy is large. Where the two cross depends on
+the machine (its caches, its allocator, its core count), so it is measured, not assumed:
+`decode_threshold(...)` times both on the model's head shape over a grid of (batch, context)
+decode steps and keeps the total number of keys (batch x longest context) from which
+flash-decoding wins at every larger point of the grid. The result is cached as JSON beside the
+matmul table (`$MINILLM_CACHE/kernels/`, one file per CPU model, torch version, thread count,
+device and head shape), so a machine decides once and every later run reuses it: a run never
+switches paths because of a timing taken during it. A corrupt or foreign file is re-timed; a
+folder that cannot be written keeps the result for the process.
+
+`EngineConfig(attention_backend="auto")` uses it for decode-only steps whose longest context
+spans more than one chunk (below that, flash-decoding has nothing to split and is never chosen,
+so short-context runs never time anything).
+
+Left out on purpose: a finer model of the crossover (per batch size, per dtype of the KV codes);
+quantized KV pools are timed as their float equivalent.
+"""
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from minillm._validate import check_int
+from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
+from minillm.kernels.cpu_kernels import cpu_name
+from minillm.kernels.cpu_tuning import settled
+from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_slots
+
+GRID = ((1, 512), (1, 2048), (8, 512), (1, 8192), (8, 2048), (8, 8192))   # (batch, context)
+BLOCK = 16
+VERSION = 1
+_MEMORY: dict = {}                    # path -> threshold, for this process
+
+
+def _key(n_head, n_kv_head, head_dim, dtype, device) -> dict:
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
+    return {"device": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "shape": [n_head, n_kv_head, head_dim], "dtype": str(dtype), "grid": [list(p) for p in GRID],
+            "chunk": CHUNK, "version": VERSION}
+
+
+def cache_path(key: dict, cache_dir=None) -> Path:
+    base = Path(cache_dir) if cache_dir is not None else Path(
+        os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm")) / "kernels"
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return base / f"decode_attention_{digest}.json"
+
+
+def decide(times: dict):
+    """Total keys from which flash-decoding is used: the smallest B x S of the grid such that it
+    beat the paged path there and at every larger point; None when it loses at the largest.
+    `times`: {(B, S): {"paged": ms, "flash_decoding": ms}}. A pure function of the timings."""
+    points = sorted(times, key=lambda p: (p[0] * p[1], p))
+    threshold = None
+    for b, s in reversed(points):
+        t = times[(b, s)]
+        if t["flash_decoding"] >= t["paged"]:
+            break
+        threshold = b * s
+    return threshold
+
+
+def _step(n_head, n_kv_head, head_dim, batch, context, dtype, device, seed=0):
+    """One layer's random pools and a decode step over them (blocks in a shuffled order)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-context // BLOCK)
+    order = torch.randperm(batch * nb, generator=g).tolist()
+    tables = [order[i * nb:(i + 1) * nb] for i in range(batch)]
+    width = n_kv_head * head_dim
+    k = torch.randn(batch * nb * BLOCK, width, generator=g).to(device, dtype)
+    v = torch.randn(batch * nb * BLOCK, width, generator=g).to(device, dtype)
+    lens = [context - (i % 4) for i in range(batch)]                 # ragged, as in serving
+    meta = PagedAttentionMetadata([1] * batch, lens, tables, BLOCK, device)
+    plan = DecodePlan.from_metadata(meta, n_kv_head, CHUNK)
+    q = torch.randn(batch, n_head, head_dim, generator=g).to(device, dtype)
+    return {"paged": lambda: _attend_slots(q.transpose(0, 1), k, v, n_kv_head, meta),
+            "flash_decoding": lambda: flash_decode(q, k, v, n_kv_head, plan)}
+
+
+@torch.inference_mode()
+def time_backends(n_head, n_kv_head, head_dim, dtype=torch.float32, device="cpu",
+                  rounds: int = 3, max_rounds: int = 9, grid=GRID) -> dict:
+    """{(B, S): {"paged": ms, "flash_decoding": ms}}: the fastest of interleaved rounds, more
+    rounds (up to `max_rounds`) until each case's two fastest samples agree within 10%."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    out = {}
+    for b, s in grid:
+        fns = _step(n_head, n_kv_head, head_dim, b, s, dtype, device)
+        samples = {name: [] for name in fns}
+        for name, fn in fns.items():                                   # warm-up
+            fn()
+        for done in range(1, max_rounds + 1):
+            for name, fn in fns.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                samples[name].append(1e3 * (time.perf_counter() - t0))
+            if done >= rounds and all(settled(x) for x in samples.values()):
+                break
+        out[(b, s)] = {name: min(x) for name, x in samples.items()}
+    return out
+
+
+def decode_threshold(n_head: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
+                     device="cpu", cache_dir=None, retune: bool = False):
+    """This machine's crossover in total keys (None: flash-decoding never wins on the grid), from
+    the cache, else timed now (a few seconds) and saved."""
+    for name, value in (("n_head", n_head), ("n_kv_head", n_kv_head), ("head_dim", head_dim)):
+        check_int(name, value, 1)
+    key = _key(n_head, n_kv_head, head_dim, dtype, device)
+    path = cache_path(key, cache_dir)
+    if not retune and path in _MEMORY:
+        return _MEMORY[path]
+    if not retune:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key and (data.get("threshold") is None
+                                           or isinstance(data.get("threshold"), int)):
+                _MEMORY[path] = data["threshold"]
+                return data["threshold"]
+        except (OSError, ValueError, AttributeError):
+            pass                                       # missing, corrupt or foreign: time it
+    times = time_backends(n_head, n_kv_head, head_dim, dtype, device)
+    threshold = decide(times)
+    _MEMORY[path] = threshold
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "threshold": threshold,
+                                   "times_ms": {f"{b}x{s}": t for (b, s), t in times.items()}},
+                                  indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass                                           # not writable: kept for this process
+    return threshold
