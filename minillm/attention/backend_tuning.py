@@ -20,24 +20,19 @@ so short-context runs never time anything).
 Left out on purpose: a finer model of the crossover (per batch size, per dtype of the KV codes);
 quantized KV pools are timed as their float equivalent.
 """
-import hashlib
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from minillm._validate import check_int
 from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
 from minillm.kernels.cpu_kernels import cpu_name
-from minillm.kernels.cpu_tuning import settled
+from minillm.kernels.cpu_tuning import _MEMORY, read_tuned, settled, tuning_file, write_tuned  # noqa: F401
 from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_slots
 
 GRID = ((1, 512), (1, 2048), (8, 512), (1, 8192), (8, 2048), (8, 8192))   # (batch, context)
 BLOCK = 16
 VERSION = 1
-_MEMORY: dict = {}                    # path -> threshold, for this process
 
 
 def _key(n_head, n_kv_head, head_dim, dtype, device) -> dict:
@@ -48,11 +43,8 @@ def _key(n_head, n_kv_head, head_dim, dtype, device) -> dict:
             "chunk": CHUNK, "version": VERSION}
 
 
-def cache_path(key: dict, cache_dir=None) -> Path:
-    base = Path(cache_dir) if cache_dir is not None else Path(
-        os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm")) / "kernels"
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return base / f"decode_attention_{digest}.json"
+def cache_path(key: dict, cache_dir=None):
+    return tuning_file("decode_attention", key, cache_dir)
 
 
 def decide(times: dict):
@@ -69,21 +61,24 @@ def decide(times: dict):
     return threshold
 
 
-def _step(n_head, n_kv_head, head_dim, batch, context, dtype, device, seed=0):
-    """One layer's random pools and a decode step over them (blocks in a shuffled order)."""
+def decode_step(n_head, n_kv_head, head_dim, batch, context, dtype=torch.float32, device="cpu",
+                seed=0, context_lens=None, block_size: int = BLOCK, chunk: int = CHUNK) -> dict:
+    """One layer's random pools (blocks in a shuffled order) and one decode step over them:
+    {"paged": fn, "flash_decoding": fn, "q": (B, H, D)}. `context_lens` default: ragged, as in
+    serving (context, context - 1, ...). Also the points of `bench attention_decode`."""
     g = torch.Generator().manual_seed(seed)
-    nb = -(-context // BLOCK)
+    nb = -(-context // block_size)
     order = torch.randperm(batch * nb, generator=g).tolist()
     tables = [order[i * nb:(i + 1) * nb] for i in range(batch)]
     width = n_kv_head * head_dim
-    k = torch.randn(batch * nb * BLOCK, width, generator=g).to(device, dtype)
-    v = torch.randn(batch * nb * BLOCK, width, generator=g).to(device, dtype)
-    lens = [context - (i % 4) for i in range(batch)]                 # ragged, as in serving
-    meta = PagedAttentionMetadata([1] * batch, lens, tables, BLOCK, device)
-    plan = DecodePlan.from_metadata(meta, n_kv_head, CHUNK)
-    q = torch.randn(batch, n_head, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(batch * nb * block_size, width, generator=g).to(device, dtype)   # (N*P, Hkv*D)
+    v = torch.randn(batch * nb * block_size, width, generator=g).to(device, dtype)
+    lens = context_lens or [context - (i % 4) for i in range(batch)]
+    meta = PagedAttentionMetadata([1] * batch, lens, tables, block_size, device)
+    plan = DecodePlan.from_metadata(meta, n_kv_head, chunk)
+    q = torch.randn(batch, n_head, head_dim, generator=g).to(device, dtype)           # (B, H, D)
     return {"paged": lambda: _attend_slots(q.transpose(0, 1), k, v, n_kv_head, meta),
-            "flash_decoding": lambda: flash_decode(q, k, v, n_kv_head, plan)}
+            "flash_decoding": lambda: flash_decode(q, k, v, n_kv_head, plan), "q": q}
 
 
 @torch.inference_mode()
@@ -94,7 +89,8 @@ def time_backends(n_head, n_kv_head, head_dim, dtype=torch.float32, device="cpu"
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     out = {}
     for b, s in grid:
-        fns = _step(n_head, n_kv_head, head_dim, b, s, dtype, device)
+        step = decode_step(n_head, n_kv_head, head_dim, b, s, dtype, device)
+        fns = {name: step[name] for name in ("paged", "flash_decoding")}
         samples = {name: [] for name in fns}
         for name, fn in fns.items():                                   # warm-up
             fn()
@@ -119,27 +115,12 @@ def decode_threshold(n_head: int, n_kv_head: int, head_dim: int, dtype=torch.flo
         check_int(name, value, 1)
     key = _key(n_head, n_kv_head, head_dim, dtype, device)
     path = cache_path(key, cache_dir)
-    if not retune and path in _MEMORY:
-        return _MEMORY[path]
-    if not retune:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key and (data.get("threshold") is None
-                                           or isinstance(data.get("threshold"), int)):
-                _MEMORY[path] = data["threshold"]
-                return data["threshold"]
-        except (OSError, ValueError, AttributeError):
-            pass                                       # missing, corrupt or foreign: time it
-    times = time_backends(n_head, n_kv_head, head_dim, dtype, device)
+    data = None if retune else read_tuned(path, key)
+    if data is not None and "threshold" in data and (data["threshold"] is None
+                                                     or isinstance(data["threshold"], int)):
+        return data["threshold"]
+    times = time_backends(n_head, n_kv_head, head_dim, dtype, device)     # missing, corrupt, foreign
     threshold = decide(times)
-    _MEMORY[path] = threshold
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "threshold": threshold,
-                                   "times_ms": {f"{b}x{s}": t for (b, s), t in times.items()}},
-                                  indent=1) + "\n")
-        tmp.replace(path)
-    except OSError:
-        pass                                           # not writable: kept for this process
+    write_tuned(path, key, {"threshold": threshold,
+                            "times_ms": {f"{b}x{s}": t for (b, s), t in times.items()}})
     return threshold

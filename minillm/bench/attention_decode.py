@@ -2,7 +2,7 @@
 
 One layer of SmolLM2-135M's shape (H 9, Hkv 3, D 64), B sequences of S cached tokens each, one
 new query per sequence:
-- "paged": the engine's default, `_attend_slots` (gather through the block table, then SDPA);
+- "paged": the engine's gather path, `_attend_slots` (gather through the block table, then SDPA);
 - "flashdec": `flash_decode` over the same slot rows (chunks merged by log-sum-exp);
 - "sdpa": `F.scaled_dot_product_attention` over a contiguous cache (B, Hkv, S, D), as `KVCache`
   attends: the floor a paged layout pays its gather against.
@@ -21,9 +21,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
+from minillm.attention.backend_tuning import decode_step, decode_threshold
+from minillm.attention.flash_decoding import CHUNK
 from minillm.bench.common import time_fn
-from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_slots
 
 CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
 BATCHES = (1, 8)
@@ -32,26 +32,17 @@ VARIANTS = ("paged", "flashdec", "sdpa")
 
 def decode_point(B: int, S: int, H: int = 9, Hkv: int = 3, D: int = 64, block_size: int = 16,
                  chunk: int = CHUNK, dtype=torch.float32, seed: int = 0) -> dict:
-    """Inputs of one (B, S) point and a zero-argument function per variant -> {name: fn}."""
-    g = torch.Generator().manual_seed(seed)
-    P = block_size
-    nb = -(-S // P)
-    N = B * nb
-    k_slots = torch.randn(N * P, Hkv * D, generator=g, dtype=dtype)          # (N*P, Hkv*D)
-    v_slots = torch.randn(N * P, Hkv * D, generator=g, dtype=dtype)
-    perm = torch.randperm(N, generator=g).tolist()
-    tables = [perm[i * nb:(i + 1) * nb] for i in range(B)]
-    meta = PagedAttentionMetadata([1] * B, [S] * B, tables, P)
-    plan = DecodePlan.from_metadata(meta, Hkv, chunk)
-    q = torch.randn(B, H, D, generator=g, dtype=dtype)                       # (B, H, D)
+    """Inputs of one (B, S) point and a zero-argument function per variant -> {name: fn}: the
+    engine's two paths over shuffled paged pools (`backend_tuning.decode_step`, every sequence S
+    long) and SDPA over a contiguous cache of the same shape."""
+    step = decode_step(H, Hkv, D, B, S, dtype, seed=seed, context_lens=[S] * B,
+                       block_size=block_size, chunk=chunk)
+    g = torch.Generator().manual_seed(seed + 1)
     k = torch.randn(B, Hkv, S, D, generator=g, dtype=dtype)                  # (B, Hkv, S, D)
     v = torch.randn(B, Hkv, S, D, generator=g, dtype=dtype)
-    q4 = q[:, :, None]                                                       # (B, H, 1, D)
-    return {
-        "paged": lambda: _attend_slots(q.transpose(0, 1), k_slots, v_slots, Hkv, meta),
-        "flashdec": lambda: flash_decode(q, k_slots, v_slots, Hkv, plan),
-        "sdpa": lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True),
-    }
+    q4 = step["q"][:, :, None]                                               # (B, H, 1, D)
+    return {"paged": step["paged"], "flashdec": step["flash_decoding"],
+            "sdpa": lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)}
 
 
 def check_point(fns: dict, atol: float = 1e-4) -> None:
@@ -76,7 +67,6 @@ def run_decode(contexts=CONTEXTS, batches=BATCHES, rounds: int = 3, repeat: int 
         for key, fns in points.items():
             for name in VARIANTS:
                 samples[key][name].append(time_fn(fns[name], warmup=1, repeat=repeat))
-    from minillm.attention.backend_tuning import decode_threshold
     threshold = decode_threshold(9, 3, 64)          # "auto"'s crossover here (cached, or timed now)
     rows = []
     for (B, S), s in samples.items():

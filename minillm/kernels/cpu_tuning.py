@@ -24,7 +24,7 @@ from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, PREPACK_OK, TABLE_V
                           check_route, cpu_name, matmul, pack, probe_rows, relayout)
 
 CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "prepacked")
-_MEMORY: dict = {}                       # cache file -> table, when the folder is not writable
+_MEMORY: dict = {}                       # cache file -> saved data, when the folder is not writable
 
 
 def cache_key() -> dict:
@@ -32,33 +32,51 @@ def cache_key() -> dict:
             "version": TABLE_VERSION, "buckets": list(BUCKETS), "candidates": list(CANDIDATES)}
 
 
-def cache_path(cache_dir=None) -> Path:
+def tuning_file(prefix: str, key: dict, cache_dir=None) -> Path:
+    """The cache file of one tuning result: `<prefix>_<hash of key>.json` under `cache_dir`, by
+    default `$MINILLM_CACHE/kernels/` (~/.cache/minillm/kernels/). Shared by every tuner."""
     base = Path(cache_dir) if cache_dir is not None else Path(
         os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm")) / "kernels"
-    digest = hashlib.sha1(json.dumps(cache_key(), sort_keys=True).encode()).hexdigest()[:12]
-    return base / f"linear_{digest}.json"
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return base / f"{prefix}_{digest}.json"
 
 
-def _read(path: Path) -> dict:
+def read_tuned(path: Path, key: dict) -> dict | None:
+    """The saved result at `path` if it was tuned under `key` (this process's copy first, when
+    the folder was not writable); None when missing, corrupt or foreign: tune again."""
     if path in _MEMORY:
         return _MEMORY[path]
     try:
         data = json.loads(path.read_text())
-        ok = data.get("key") == cache_key() and isinstance(data.get("shapes"), dict)
-        return data["shapes"] if ok else {}
-    except (OSError, ValueError, AttributeError):
-        return {}                        # missing, corrupt or foreign: tune again
+        return data if isinstance(data, dict) and data.get("key") == key else None
+    except (OSError, ValueError):
+        return None
 
 
-def _write(path: Path, shapes: dict) -> None:
+def write_tuned(path: Path, key: dict, body: dict) -> None:
+    """Save {"key": key, **body} atomically; a folder that cannot be written keeps it in memory."""
+    data = {"key": key, **body}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": cache_key(), "shapes": shapes}, indent=1) + "\n")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
         tmp.replace(path)
         _MEMORY.pop(path, None)
     except OSError:
-        _MEMORY[path] = shapes           # not writable: keep it for this process
+        _MEMORY[path] = data             # not writable: keep it for this process
+
+
+def cache_path(cache_dir=None) -> Path:
+    return tuning_file("linear", cache_key(), cache_dir)
+
+
+def _read(path: Path) -> dict:
+    data = read_tuned(path, cache_key())
+    return data["shapes"] if data is not None and isinstance(data.get("shapes"), dict) else {}
+
+
+def _write(path: Path, shapes: dict) -> None:
+    write_tuned(path, cache_key(), {"shapes": shapes})
 
 
 def linears(model: nn.Module) -> dict:

@@ -282,12 +282,14 @@ class PagedKVCache:
         k_slots, v_slots = self._k_slots[layer_idx], self._v_slots[layer_idx]   # (N*P, Hkv*D)
         _write_slots(k_slots, v_slots, k.transpose(1, 2).reshape(M, -1),
                      v.transpose(1, 2).reshape(M, -1), meta.slot_mapping)     # (M, Hkv*D)
-        if M == len(meta.query_lens) and self._flash_decoding(q, meta):
-            from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
-            if self._plan_meta is not meta:                 # a new step: its plan, once
+        if self._plan_meta is not meta:     # a new step: which path, and its plan, once
+            self._plan_meta, self._decode_plan = meta, None
+            if M == len(meta.query_lens) and self._flash_decoding(q, meta):
+                from minillm.attention.flash_decoding import CHUNK, DecodePlan
                 self._decode_plan = DecodePlan.from_metadata(meta, k.shape[1], CHUNK,
                                                              self.config.max_seq_len)
-                self._plan_meta = meta
+        if self._decode_plan is not None:
+            from minillm.attention.flash_decoding import flash_decode
             out = flash_decode(q[0].transpose(0, 1), k_slots, v_slots, k.shape[1],
                                self._decode_plan)                             # (M, H, D)
             return out.transpose(0, 1)[None]                                  # (1, H, M, D)
