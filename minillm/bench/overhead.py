@@ -13,8 +13,11 @@ and a count that explains them: `ops_per_step`, the ATen ops one engine step sen
 PyTorch's dispatcher (about 45 per layer), and `us_per_op` = engine_ms / ops_per_step. With
 arithmetic this small every op costs about the same fixed few microseconds, so an eager step
 costs roughly ops x that; fewer or fused ops (a compiler, a CUDA graph) is what makes it cheaper.
-The engine and the bare forward are timed in turn, step by step, with wall-clock medians: on a
-shared machine the absolute numbers move from run to run, their difference much less.
+Each is measured twice, with the flat forward (`kernels/flat_forward.py`: one loop, no module
+calls, what `load_model`'s models run on a CPU) and with the reference forward of `llama.py`
+(`reference_*`), so one run shows what the flat loop saves. All are timed in turn, step by step,
+with wall-clock medians: on a shared machine the absolute numbers move from run to run, their
+ratios much less.
 Beside them (not in quick mode, or when `model` is given) the real model's bare decode step at the
 same batch sizes, so the reader sees what fraction of a real step the overhead is.
 
@@ -30,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm.bench.common import prefilled, write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.kernels.flat_forward import FlatTransformer, flatten, unflatten
 from minillm.model.loading import tiny_model
 from minillm.engine.sequence import SamplingParams
 
@@ -106,14 +110,35 @@ def ops_per_step(model, batch: int) -> dict:
             "top": dict(counter.counts.most_common(10))}
 
 
+def _with_forward(model, flat: bool, fn):
+    """fn, called with the model switched to the flat forward (flat=True) or the reference's."""
+    switch = flatten if flat else unflatten
+
+    def call():
+        switch(model)
+        return fn()
+    return call
+
+
 @torch.inference_mode()
 def step_ms(model, batch: int, warmup: int = 3, steps: int = 20) -> dict:
-    """Median ms per decode step at `batch`: {"engine": LLMEngine.step(), "bare": bare forward}
-    (the bare context is the engine's mean context half way through the timed steps)."""
-    engine = decoding_engine(model, batch, warmup + steps + 1)
+    """Median ms per decode step at `batch`, with the flat forward (`flat_forward.py`, what
+    `load_model`'s models run on a CPU) and with the reference forward of `llama.py`:
+    {"engine", "bare", "reference_engine", "reference_bare"}: `LLMEngine.step()` and the bare
+    forward (at the engine's mean context half way through the timed steps). All four are timed
+    in turn, step by step."""
+    was_flat = isinstance(model, FlatTransformer)
     context = PROMPT_LEN + 4 + warmup + steps // 2
-    return _medians_ms({"engine": engine.step, "bare": bare_decoder(model, batch, context)},
-                       warmup, steps)
+    fns = {}
+    for flat, tag in ((True, ""), (False, "reference_")):
+        (flatten if flat else unflatten)(model)
+        fns[tag + "engine"] = _with_forward(model, flat, decoding_engine(model, batch,
+                                                                         warmup + steps + 1).step)
+        fns[tag + "bare"] = _with_forward(model, flat, bare_decoder(model, batch, context))
+    try:
+        return _medians_ms(fns, warmup, steps)
+    finally:
+        (flatten if was_flat else unflatten)(model)
 
 
 def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int | None = 1) -> dict:
@@ -130,13 +155,18 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
     try:
         for b in BATCHES:
             ms = step_ms(tiny, b, warmup, steps)
-            ops = ops_per_step(tiny, b)
+            ops = ops_per_step(flatten(tiny), b)
+            ref_ops = ops_per_step(unflatten(tiny), b)
             rows[f"batch{b}"] = {"engine_ms": round(ms["engine"], 3),
                                  "bare_ms": round(ms["bare"], 3),
                                  "overhead_ms": round(ms["engine"] - ms["bare"], 3),
                                  "ops_per_step": ops["total"], "ops_per_layer": ops["per_layer"],
                                  "us_per_op": round(1e3 * ms["engine"] / ops["total"], 2),
-                                 "top_ops": ops["top"]}
+                                 "top_ops": ops["top"],
+                                 "reference_engine_ms": round(ms["reference_engine"], 3),
+                                 "reference_bare_ms": round(ms["reference_bare"], 3),
+                                 "reference_ops_per_step": ref_ops["total"],
+                                 "reference_over_flat": round(ms["reference_engine"] / ms["engine"], 2)}
     finally:
         torch.set_num_threads(saved)
     if model is None and not quick:
@@ -145,9 +175,14 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
     real = None
     if model is not None:
         with torch.inference_mode():
-            real = {f"batch{b}": round(_medians_ms({"bare": bare_decoder(model, b, 128)}, 2,
-                                                   5 if quick else 10)["bare"], 3)
-                    for b in BATCHES}
+            was_flat, real, real_ref = isinstance(model, FlatTransformer), {}, {}
+            for b in BATCHES:
+                decode = bare_decoder(model, b, 128)
+                ms = _medians_ms({"flat": _with_forward(model, True, decode),
+                                  "reference": _with_forward(model, False, decode)},
+                                 2, 5 if quick else 10)
+                real[f"batch{b}"], real_ref[f"batch{b}"] = round(ms["flat"], 3), round(ms["reference"], 3)
+            (flatten if was_flat else unflatten)(model)
     cfg = tiny.config
     record = {"quick": quick, "tiny_model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model,
                                              "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head},
@@ -157,11 +192,13 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
                         "bare_ms": "ms per bare model forward, contiguous KVCache (median)",
                         "overhead_ms": "ms", "real_model_bare_ms": "ms per decode step (median)",
                         "ops_per_step": "ATen ops per engine.step()",
+                        "reference_over_flat": "reference engine_ms / flat engine_ms",
                         "us_per_op": "engine_ms / ops_per_step, in microseconds"},
               **rows}
     if real is not None:
         record["real_model"] = model.config.name
         record["real_model_bare_ms"] = real
+        record["real_model_reference_bare_ms"] = real_ref
     record["path"] = str(write_result("overhead", record, tiny.device, out_dir))
     return record
 
@@ -178,7 +215,13 @@ def report(r: dict) -> str:
         if "ops_per_step" in x:
             line += (f"; {x['ops_per_step']} ATen ops ({x['ops_per_layer']:.0f} per layer, "
                      f"{x['us_per_op']:.1f} us each)")
+        if "reference_engine_ms" in x:
+            line += (f"\n            reference forward: engine step {x['reference_engine_ms']:.2f} ms "
+                     f"({x['reference_over_flat']:.2f}x the flat one), "
+                     f"{x['reference_ops_per_step']} ATen ops")
         if real is not None:
-            line += f"; {r['real_model']} step {real[f'batch{b}']:.1f} ms"
+            ref = r.get("real_model_reference_bare_ms", {}).get(f"batch{b}")
+            line += (f"\n            {r['real_model']} bare step {real[f'batch{b}']:.1f} ms"
+                     + (f" (reference forward {ref:.1f} ms)" if ref is not None else ""))
         lines.append(line)
     return "\n".join(lines)

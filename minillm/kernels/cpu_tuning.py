@@ -199,8 +199,9 @@ def tune(model: nn.Module, cache_dir=None, retune: bool = False, rounds: int = 3
 
 def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False,
                cache_dir=None, retune: bool = False) -> nn.Module:
-    """Turn every fp32 CPU `nn.Linear` of `model` into a `RoutedLinear` (in place; returns the
-    model). route="auto" follows this machine's tuned table; any other route pins that one."""
+    """Turn every fp32 CPU `nn.Linear` of `model` into a `RoutedLinear` and a minillm
+    `Transformer` into a `FlatTransformer` (in place; returns the model). route="auto" follows
+    this machine's tuned table; any other route pins that one."""
     check_route(route)
     groups = linears(model)
     if not groups:
@@ -220,11 +221,13 @@ def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False
             m.__class__ = RoutedLinear
             m.routes, m.splits = dict(p["routes"]), torch.get_num_threads()
     model.linear_plan = plan
-    return model
+    from minillm.kernels.flat_forward import flatten
+    return flatten(model)                  # and one flat loop per forward pass (flat_forward.py)
 
 
 def plain(model: nn.Module) -> nn.Module:
-    """Undo `accelerate`: plain nn.Linear, weights contiguous (O, I), packed copies dropped."""
+    """Undo `accelerate`: plain nn.Linear, weights contiguous (O, I), packed copies dropped, the
+    reference forward."""
     for m in model.modules():
         if isinstance(m, RoutedLinear):
             m.__dict__.pop("_packed_copy", None)
@@ -233,7 +236,8 @@ def plain(model: nn.Module) -> nn.Module:
             relayout(m.weight, "out_in")
             m.__class__ = nn.Linear
     model.__dict__.pop("linear_plan", None)
-    return model
+    from minillm.kernels.flat_forward import unflatten
+    return unflatten(model)
 
 
 def kernel_report(model: nn.Module) -> dict:

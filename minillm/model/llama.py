@@ -139,6 +139,19 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache=None, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        positions = self.check_inputs(input_ids, positions, cache)    # (1, T) or (B, T)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        cos, sin = cos[:, None], sin[:, None]                      # (B or 1, 1, T, D)
+        attn_cache = cache if cache is not None else DenseCausalAttention()
+        x = self.embed(input_ids)                                  # (B, T, C)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_cache, i, positions)
+        if logits_index is not None:
+            x = x[:, logits_index]                                 # (B, T', C)
+        return self.lm_head(self.norm(x))                          # (B, T or T', V)
+
+    def check_inputs(self, input_ids, positions, cache) -> torch.Tensor:
+        """input_ids (B, T) and positions (T,), (1, T) or (B, T) -> positions as (1 or B, T)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -152,15 +165,7 @@ class Transformer(nn.Module):
         if positions.dim() != 2 or positions.shape[1] != T or positions.shape[0] not in (1, B):
             raise ValueError(f"positions must be (T,), (1, T) or (B, T) with B={B}, T={T}, "
                              f"got shape {tuple(positions.shape)}")
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        cos, sin = cos[:, None], sin[:, None]                      # (B or 1, 1, T, D)
-        attn_cache = cache if cache is not None else DenseCausalAttention()
-        x = self.embed(input_ids)                                  # (B, T, C)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_cache, i, positions)
-        if logits_index is not None:
-            x = x[:, logits_index]                                 # (B, T', C)
-        return self.lm_head(self.norm(x))                          # (B, T or T', V)
+        return positions
 
 
 # Names kept for code written against earlier versions, where the routes lived here.

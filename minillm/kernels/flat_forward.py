@@ -1,0 +1,138 @@
+"""The reference model's forward pass as one flat loop: the same maths without its Python.
+
+Letters as in `llama.py`: B batch, T new tokens, H query heads, Hkv kv heads, D head dim,
+R = B * T rows, F d_ff.
+
+At batch 1 on a CPU a 135M model's arithmetic is one read of its weights, about 20 ms, and the
+eager Python around it (nine module calls per layer, a dozen small tensor ops in each rotation)
+added about as much again (issue 13; `bench overhead` measures it on a many-layer tiny model).
+`FlatTransformer` is the same model: the same parameters, state_dict and cache protocol. Only
+its `forward` differs: one loop over the layers that calls no module, looks the matmul route up
+once per pass instead of once per projection, rotates q and k with one roll instead of two slices,
+a negation and a concatenation, and hands the cache views instead of copies. The arithmetic is the
+reference's, op for op, so the logits agree bit for bit. `flatten(model)` switches a model to it
+in place (`accelerate` does, on a CPU), `unflatten(model)` switches back.
+
+It runs only where it computes what `llama.py` computes: a CPU, float32 or float64, no autograd,
+every module of the reference's own classes (projections `nn.Linear` or `RoutedLinear` without
+bias) and no hook on any of them. Anything else (a quantized layer, a forward hook, a
+gradient, bfloat16, a GPU) takes the reference forward, so in doubt what runs is what a learner
+reads. `tests/test_flat_forward.py` checks logits and caches bit for bit against the reference
+and greedy tokens of the real model.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as _module
+
+from minillm.kernels.cpu_kernels import _PINNED, RoutedLinear, bucket_of, matmul
+from minillm.model.llama import (MLP, Attention, Block, DenseCausalAttention, RMSNorm, Transformer,
+                                 rope_cos_sin)
+
+_LINEARS = (nn.Linear, RoutedLinear)
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+class FlatTransformer(Transformer):
+    """`Transformer` whose forward is one flat loop where that gives the same function."""
+
+    def forward(self, input_ids, positions=None, cache=None, logits_index=None):
+        if not self.flat_ok(input_ids):
+            return super().forward(input_ids, positions, cache, logits_index)
+        positions = self.check_inputs(input_ids, positions, cache)
+        return flat_forward(self, input_ids, positions,
+                            cache if cache is not None else DenseCausalAttention(), logits_index)
+
+    def flat_ok(self, input_ids) -> bool:
+        """Whether this call may take the flat loop (see the module docstring)."""
+        if (torch.is_grad_enabled() or input_ids.device.type != "cpu"
+                or self.embed.weight.dtype not in (torch.float32, torch.float64)
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks
+                or type(self.embed) is not nn.Embedding or type(self.norm) is not RMSNorm
+                or type(self.lm_head) not in _LINEARS or _hooked(self.embed) or _hooked(self.norm)
+                or _hooked(self.lm_head) or _hooked(self.layers)):
+            return False
+        for blk in self.layers:
+            a, m = blk.attn, blk.mlp
+            mods = (blk, a, m, blk.input_norm, blk.post_attn_norm,
+                    a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if (type(blk) is not Block or type(a) is not Attention or type(m) is not MLP
+                    or type(blk.input_norm) is not RMSNorm or type(blk.post_attn_norm) is not RMSNorm
+                    or any(_hooked(x) for x in mods)
+                    or any(type(x) not in _LINEARS or x.bias is not None for x in mods[5:])):
+                return False
+        return True
+
+
+def _router(rows: int, dtype):
+    """linear -> (route, packed copy or None) for this pass: the pinned route, or each
+    RoutedLinear's table at this row count; nn.Linear and non-fp32 take F.linear."""
+    pinned, bucket = _PINNED.get(), bucket_of(rows)
+
+    def route(lin):
+        if type(lin) is not RoutedLinear or dtype is not torch.float32:
+            return "F.linear", None
+        r = pinned if pinned != "auto" else lin.routes.get(bucket, "F.linear")
+        return r, (lin._packed() if r == "prepacked" else None)
+    return route
+
+
+def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=None):
+    """logits (B, T or T', V) of `model` over input_ids (B, T) at positions (1 or B, T) with
+    `cache` (the protocol of llama.py); unchecked: `FlatTransformer.forward` checks first."""
+    cfg = model.config
+    B, T = input_ids.shape
+    H, Hkv, D, half = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim // 2
+    R, dtype = B * T, model.embed.weight.dtype
+    route = _router(R, dtype)
+    cos, sin = rope_cos_sin(positions, D, cfg.rope_theta, dtype)   # (1 or B, T, D)
+    # rotate-half as one roll: cat(-x2, x1) * sin == roll(x, D/2) * cat(-sin1, sin2)
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]                    # (1 or B, T, 1, D)
+    x = F.embedding(input_ids, model.embed.weight).view(R, -1)     # (R, C)
+    for i, blk in enumerate(model.layers):
+        a, m = blk.attn, blk.mlp
+        h = F.rms_norm(x, x.shape[-1:], blk.input_norm.weight, blk.input_norm.eps)
+        qkv = _linear(h, a.qkv_proj, route).view(B, T, H + 2 * Hkv, D)
+        qk = qkv[:, :, :H + Hkv]                                   # (B, T, H + Hkv, D), a view
+        qk = qk * cos + qk.roll(half, -1) * sin                    # rotated q and k, new tensor
+        q = qk[:, :, :H].transpose(1, 2)                           # (B, H, T, D) views
+        k = qk[:, :, H:].transpose(1, 2)                           # (B, Hkv, T, D)
+        v = qkv[:, :, H + Hkv:].transpose(1, 2)                    # (B, Hkv, T, D)
+        y = cache.attend(i, q, k, v, positions)                    # (B, H, T, D)
+        x = x + _linear(y.transpose(1, 2).reshape(R, H * D), a.o_proj, route)
+        h = F.rms_norm(x, x.shape[-1:], blk.post_attn_norm.weight, blk.post_attn_norm.eps)
+        gate_up = _linear(h, m.gate_up_proj, route)                # (R, 2F)
+        n_ff = gate_up.shape[-1] // 2
+        x = x + _linear(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:], m.down_proj, route)
+    x = x.view(B, T, -1)
+    if logits_index is not None:
+        x = x[:, logits_index]                                     # (B, T', C)
+    Bo, To, C = x.shape
+    x = F.rms_norm(x, (C,), model.norm.weight, model.norm.eps).reshape(Bo * To, C)
+    return _linear(x, model.lm_head, route).view(Bo, To, -1)       # (B, T or T', V)
+
+
+def _linear(x, lin, route):
+    r, packed = route(lin)
+    if r == "F.linear":
+        return F.linear(x, lin.weight)
+    return matmul(x, lin.weight, r, lin.splits, packed)
+
+
+def flatten(model: nn.Module) -> nn.Module:
+    """Switch a minillm `Transformer` to `FlatTransformer` in place (returns it); other models
+    are returned as they are."""
+    if type(model) is Transformer:
+        model.__class__ = FlatTransformer
+    return model
+
+
+def unflatten(model: nn.Module) -> nn.Module:
+    """Undo `flatten`: the reference forward again."""
+    if type(model) is FlatTransformer:
+        model.__class__ = Transformer
+    return model

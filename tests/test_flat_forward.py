@@ -1,0 +1,147 @@
+"""The flat forward pass (minillm.kernels.flat_forward) against the reference model's own forward.
+
+The reference is `llama.py`'s module-by-module forward on the same weights. The flat loop runs
+the same ops on the same values, so the two must agree bit for bit, in float64 and in float32
+under every matmul route, for every cache the model talks to (none, contiguous, paged, ragged
+batches with prefill chunks and decodes mixed); and the flat loop must step aside whenever it
+would not compute the same function (hooks, autograd, a replaced layer, 16-bit weights).
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import minillm
+from minillm.kernels import cpu_kernels as ck
+from minillm.kernels.flat_forward import FlatTransformer, flatten, unflatten
+from minillm.model.kv_cache import KVCache
+from minillm.paging.paged_attention import PagedKVCache
+
+
+def _pair(dtype=torch.float64, **cfg):
+    """The same tiny model twice: the reference class and a flattened copy of it."""
+    ref = minillm.tiny_model(dtype=dtype, n_layer=3, **cfg)
+    flat = minillm.tiny_model(dtype=dtype, n_layer=3, **cfg)
+    assert type(flatten(flat)) is FlatTransformer and type(ref) is minillm.Transformer
+    return ref, flat
+
+
+def _close(a, b):
+    assert a.shape == b.shape and torch.equal(a, b), (a - b).abs().max()
+
+
+@torch.inference_mode()
+def test_no_cache_batch_and_logits_index():
+    ref, flat = _pair()
+    ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(0))
+    assert flat.flat_ok(ids)
+    _close(flat(ids), ref(ids))
+    idx = torch.tensor([4, 10])
+    _close(flat(ids, logits_index=idx), ref(ids, logits_index=idx))
+
+
+@torch.inference_mode()
+def test_contiguous_cache_prefill_then_decode():
+    ref, flat = _pair()
+    caches = [KVCache(m.config, 2, 32, dtype=torch.float64) for m in (ref, flat)]
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    outs = [m(ids, torch.arange(7), c) for m, c in zip((ref, flat), caches)]
+    _close(outs[1], outs[0])
+    for step in range(4):
+        tok = outs[0][:, -1].argmax(-1, keepdim=True)                    # (2, 1)
+        pos = torch.tensor([7 + step])
+        outs = [m(tok, pos, c) for m, c in zip((ref, flat), caches)]
+        _close(outs[1], outs[0])
+    _close(caches[1].k, caches[0].k)                                      # same keys stored
+    _close(caches[1].v, caches[0].v)
+
+
+@torch.inference_mode()
+def test_paged_ragged_batch_with_prefill_and_decodes():
+    ref, flat = _pair()
+    lens = [(1, 9), (5, 5), (1, 17), (3, 12)]                             # (query, context)
+    tables = [[0, 1], [2], [3, 4, 5], [6, 7]]
+    caches = []
+    for m in (ref, flat):
+        c = PagedKVCache(m.config, 8, 8, dtype=torch.float64)
+        g = torch.Generator().manual_seed(2)
+        c.k.copy_(torch.randn(c.k.shape, generator=g, dtype=torch.float64))
+        c.v.copy_(torch.randn(c.v.shape, generator=g, dtype=torch.float64))
+        c.prepare([q for q, _ in lens], [s for _, s in lens], tables)
+        caches.append(c)
+    M = sum(q for q, _ in lens)
+    ids = torch.randint(0, 256, (1, M), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(s - q, s) for q, s in lens])
+    outs = [m(ids, pos, c) for m, c in zip((ref, flat), caches)]
+    _close(outs[1], outs[0])
+    _close(caches[1].k, caches[0].k)
+
+
+@torch.inference_mode()
+def test_float32_routes_agree_bit_for_bit_with_the_reference():
+    ref, flat = _pair(torch.float32)
+    for m in (ref, flat):
+        minillm.cpu_tuning.accelerate(m, route="ksplit")
+    unflatten(ref)                                        # RoutedLinear layers, reference forward
+    assert type(flat) is FlatTransformer and type(ref) is minillm.Transformer
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(4))
+    for route in [r for r in ck.ROUTES if r != "auto"]:
+        with ck.linear_route(route):
+            _close(flat(ids), ref(ids))
+    minillm.cpu_tuning.plain(flat)
+    assert type(flat) is minillm.Transformer
+
+
+def test_steps_aside_where_it_would_differ():
+    ref, flat = _pair()
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        assert flat.flat_ok(ids)
+    assert not flat.flat_ok(ids)                                          # autograd on
+    seen = []
+    handle = flat.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with torch.inference_mode():
+        assert not flat.flat_ok(ids)
+        _close(flat(ids), ref(ids))
+    assert seen == [(1, 6, 64)]                                           # the hook ran
+    handle.remove()
+
+    class Scaled(nn.Linear):                                              # a replaced projection
+        def forward(self, x):
+            return 2 * super().forward(x)
+    for m in (ref, flat):
+        m.layers[0].attn.o_proj.__class__ = Scaled
+    with torch.inference_mode():
+        assert not flat.flat_ok(ids)
+        _close(flat(ids), ref(ids))
+    bf = flatten(minillm.tiny_model(dtype=torch.bfloat16))
+    with torch.inference_mode():
+        assert not bf.flat_ok(ids)
+
+
+def test_gradients_take_the_reference_path():
+    ref, flat = _pair()
+    ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(6))
+    flat(ids).sum().backward()
+    ref(ids).sum().backward()
+    _close(flat.layers[0].attn.qkv_proj.weight.grad, ref.layers[0].attn.qkv_proj.weight.grad)
+
+
+def test_flatten_is_reversible_and_keeps_the_state_dict():
+    ref, flat = _pair()
+    assert list(flat.state_dict()) == list(ref.state_dict())
+    assert type(unflatten(flat)) is minillm.Transformer
+    assert flatten(nn.Linear(2, 2)).__class__ is nn.Linear                 # others untouched
+
+
+@pytest.mark.slow
+def test_real_model_greedy_tokens_match_the_reference():
+    model, tok = minillm.load_model(device="cpu")
+    assert type(model) is FlatTransformer                                 # load_model's default
+    prompt = minillm.encode_chat(tok, "Name three colours.")
+    flat_tokens = minillm.generate(model, prompt, 12)
+    unflatten(model)
+    try:
+        ref_tokens = minillm.generate(model, prompt, 12)
+    finally:
+        flatten(model)
+    assert flat_tokens == ref_tokens
