@@ -113,6 +113,32 @@ def test_steps_aside_where_it_would_differ():
     with torch.inference_mode():
         assert not flat.flat_ok(ids)
         _close(flat(ids), ref(ids))
+    for m in (ref, flat):
+        m.layers[0].attn.o_proj.__class__ = nn.Linear
+
+    class Shifted(type(flat.layers[1].mlp)):                             # a replaced module object
+        def forward(self, x):
+            return super().forward(x) + 1
+    with torch.inference_mode():
+        flat(ids)                                                         # modules listed
+        for m in (ref, flat):
+            mlp = Shifted.__new__(Shifted)
+            mlp.__dict__ = dict(m.layers[1].mlp.__dict__)
+            m.layers[1].mlp = mlp
+        assert not flat.flat_ok(ids)
+        _close(flat(ids), ref(ids))
+        for m in (ref, flat):                                             # a bias the loop would drop
+            m.layers[1].mlp.__class__ = type(m.layers[0].mlp)
+            m.layers[2].attn.o_proj.bias = nn.Parameter(torch.full((64,), 0.5, dtype=torch.float64))
+        assert not flat.flat_ok(ids)
+        _close(flat(ids), ref(ids))
+        for m in (ref, flat):
+            m.layers[2].attn.o_proj.bias = None
+        assert flat.flat_ok(ids)
+        flat.layers.append(flat.layers[0])                                # one more layer
+        ref.layers.append(ref.layers[0])
+        assert flat.flat_ok(ids)
+        _close(flat(ids), ref(ids))
     bf = flatten(minillm.tiny_model(dtype=torch.bfloat16))
     with torch.inference_mode():
         assert not bf.flat_ok(ids)

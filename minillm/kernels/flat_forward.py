@@ -32,8 +32,22 @@ from minillm.model.llama import (MLP, Attention, Block, DenseCausalAttention, RM
 _LINEARS = (nn.Linear, RoutedLinear)
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
+_REFERENCE = {"embed": (nn.Embedding,), "layers": (nn.ModuleList,), "norm": (RMSNorm,),
+              "lm_head": _LINEARS, "input_norm": (RMSNorm,), "post_attn_norm": (RMSNorm,),
+              "attn": (Attention,), "mlp": (MLP,), "qkv_proj": _LINEARS, "o_proj": _LINEARS,
+              "gate_up_proj": _LINEARS, "down_proj": _LINEARS}
+
+
+def _bypassed(model) -> tuple:
+    """(layer count, [(owner's submodule dict, name, module, allowed classes)]) for every module
+    the flat loop does not call."""
+    entries = [(model._modules, n, model._modules.get(n), _REFERENCE[n])
+               for n in ("embed", "layers", "norm", "lm_head")]
+    for i, blk in enumerate(model.layers):
+        entries.append((model.layers._modules, str(i), blk, (Block,)))
+        for owner in (blk, blk.attn, blk.mlp):
+            entries += [(owner._modules, n, m, _REFERENCE.get(n, ())) for n, m in owner._modules.items()]
+    return len(model.layers), entries
 
 
 class FlatTransformer(Transformer):
@@ -47,24 +61,29 @@ class FlatTransformer(Transformer):
                             cache if cache is not None else DenseCausalAttention(), logits_index)
 
     def flat_ok(self, input_ids) -> bool:
-        """Whether this call may take the flat loop (see the module docstring)."""
+        """Whether this call may take the flat loop (see the module docstring). The modules are
+        listed once (again when one is replaced or a layer added); every call checks that each is
+        still in place, of a reference class, bias-free where a projection, and without hooks."""
         if (torch.is_grad_enabled() or input_ids.device.type != "cpu"
                 or self.embed.weight.dtype not in (torch.float32, torch.float64)
-                or _module._global_forward_hooks or _module._global_forward_pre_hooks
-                or type(self.embed) is not nn.Embedding or type(self.norm) is not RMSNorm
-                or type(self.lm_head) not in _LINEARS or _hooked(self.embed) or _hooked(self.norm)
-                or _hooked(self.lm_head) or _hooked(self.layers)):
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks):
             return False
-        for blk in self.layers:
-            a, m = blk.attn, blk.mlp
-            mods = (blk, a, m, blk.input_norm, blk.post_attn_norm,
-                    a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if (type(blk) is not Block or type(a) is not Attention or type(m) is not MLP
-                    or type(blk.input_norm) is not RMSNorm or type(blk.post_attn_norm) is not RMSNorm
-                    or any(_hooked(x) for x in mods)
-                    or any(type(x) not in _LINEARS or x.bias is not None for x in mods[5:])):
-                return False
-        return True
+        for relist in (False, True):
+            listed = self.__dict__.get("_flat_modules")
+            if listed is None or relist:
+                listed = self.__dict__["_flat_modules"] = _bypassed(self)
+            n_layers, entries = listed
+            if len(self.layers._modules) != n_layers:
+                continue
+            for owner, name, m, allowed in entries:
+                if owner.get(name) is not m:
+                    break                                        # replaced: list them again
+                if (type(m) not in allowed or m._forward_hooks or m._forward_pre_hooks
+                        or (allowed is _LINEARS and m._parameters.get("bias") is not None)):
+                    return False
+            else:
+                return True
+        return False
 
 
 def _router(rows: int, dtype):
