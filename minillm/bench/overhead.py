@@ -110,12 +110,15 @@ def ops_per_step(model, batch: int) -> dict:
             "top": dict(counter.counts.most_common(10))}
 
 
+def _switch(model, flat: bool):
+    """The model with the flat forward (flat=True) or the reference's, in place."""
+    return flatten(model) if flat else unflatten(model)
+
+
 def _with_forward(model, flat: bool, fn):
     """fn, called with the model switched to the flat forward (flat=True) or the reference's."""
-    switch = flatten if flat else unflatten
-
     def call():
-        switch(model)
+        _switch(model, flat)
         return fn()
     return call
 
@@ -131,14 +134,14 @@ def step_ms(model, batch: int, warmup: int = 3, steps: int = 20) -> dict:
     context = PROMPT_LEN + 4 + warmup + steps // 2
     fns = {}
     for flat, tag in ((True, ""), (False, "reference_")):
-        (flatten if flat else unflatten)(model)
+        _switch(model, flat)                  # the prefill step runs with the forward it times
         fns[tag + "engine"] = _with_forward(model, flat, decoding_engine(model, batch,
                                                                          warmup + steps + 1).step)
         fns[tag + "bare"] = _with_forward(model, flat, bare_decoder(model, batch, context))
     try:
         return _medians_ms(fns, warmup, steps)
     finally:
-        (flatten if was_flat else unflatten)(model)
+        _switch(model, was_flat)
 
 
 def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int | None = 1) -> dict:
@@ -155,8 +158,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
     try:
         for b in BATCHES:
             ms = step_ms(tiny, b, warmup, steps)
-            ops = ops_per_step(flatten(tiny), b)
-            ref_ops = ops_per_step(unflatten(tiny), b)
+            ops = ops_per_step(_switch(tiny, True), b)
+            ref_ops = ops_per_step(_switch(tiny, False), b)
             rows[f"batch{b}"] = {"engine_ms": round(ms["engine"], 3),
                                  "bare_ms": round(ms["bare"], 3),
                                  "overhead_ms": round(ms["engine"] - ms["bare"], 3),
@@ -176,13 +179,16 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
     if model is not None:
         with torch.inference_mode():
             was_flat, real, real_ref = isinstance(model, FlatTransformer), {}, {}
-            for b in BATCHES:
-                decode = bare_decoder(model, b, 128)
-                ms = _medians_ms({"flat": _with_forward(model, True, decode),
-                                  "reference": _with_forward(model, False, decode)},
-                                 2, 5 if quick else 10)
-                real[f"batch{b}"], real_ref[f"batch{b}"] = round(ms["flat"], 3), round(ms["reference"], 3)
-            (flatten if was_flat else unflatten)(model)
+            try:
+                for b in BATCHES:
+                    decode = bare_decoder(model, b, 128)
+                    ms = _medians_ms({"flat": _with_forward(model, True, decode),
+                                      "reference": _with_forward(model, False, decode)},
+                                     2, 5 if quick else 10)
+                    real[f"batch{b}"] = round(ms["flat"], 3)
+                    real_ref[f"batch{b}"] = round(ms["reference"], 3)
+            finally:
+                _switch(model, was_flat)
     cfg = tiny.config
     record = {"quick": quick, "tiny_model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model,
                                              "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head},

@@ -30,8 +30,6 @@ from minillm.model.llama import (MLP, Attention, Block, DenseCausalAttention, RM
                                  rope_cos_sin)
 
 _LINEARS = (nn.Linear, RoutedLinear)
-
-
 _REFERENCE = {"embed": (nn.Embedding,), "layers": (nn.ModuleList,), "norm": (RMSNorm,),
               "lm_head": _LINEARS, "input_norm": (RMSNorm,), "post_attn_norm": (RMSNorm,),
               "attn": (Attention,), "mlp": (MLP,), "qkv_proj": _LINEARS, "o_proj": _LINEARS,
