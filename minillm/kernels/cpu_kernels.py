@@ -19,6 +19,9 @@ Routes (all compute x @ W^T; they differ in the last bits):
   ksplit     s partial products over slices of I in one bmm, then a sum: keeps s cores busy
              on a single row, where some BLAS run a matrix-vector product on one core
   nsplit     s slices of the outputs O in one bmm, same idea
+  onednn     oneDNN's matmul on the weight as stored (O, I): no copy. Where the BLAS is slow
+             at a few rows (MKL's sgemm on AMD CPUs), oneDNN's own kernels often are not
+  onednn_io  the same on the weight stored (I, O)
   prepacked  oneDNN's matmul on a copy laid out in its blocked format: a second copy of the
              weight, so it is only chosen with `allow_copies=True`
   skinny     (W @ x^T)^T, kept for code written against an earlier version
@@ -40,12 +43,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ROUTES = ("auto", "F.linear", "x@W", "ksplit", "nsplit", "prepacked", "skinny")
+ROUTES = ("auto", "F.linear", "x@W", "ksplit", "nsplit", "prepacked", "skinny", "onednn",
+          "onednn_io")
 BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 256)   # a call with R rows uses the first bucket >= R
 LAYOUT_OF = {"F.linear": "out_in", "nsplit": "out_in", "skinny": "out_in", "x@W": "in_out",
-             "ksplit": "in_out", "prepacked": "packed"}
+             "ksplit": "in_out", "prepacked": "packed", "onednn": "out_in", "onednn_io": "in_out"}
 PACK_HINT = 64                            # the row count oneDNN lays its packed weight out for
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 _PINNED = contextvars.ContextVar("minillm_linear_route", default="auto")
 PREPACK_OK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -105,6 +109,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, route: str, splits: int = 2,
         return y.transpose(0, 1).reshape(R, O)
     if route == "prepacked" and packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if route in ("onednn", "onednn_io") and PREPACK_OK:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     if route == "skinny":
         return torch.mm(weight, x.t()).t()                         # (O, R) -> (R, O)
     return F.linear(x, weight)

@@ -23,7 +23,7 @@ import torch.nn as nn
 from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, PREPACK_OK, TABLE_VERSION, RoutedLinear,
                           check_route, cpu_name, matmul, pack, probe_rows, relayout)
 
-CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "prepacked")
+CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io", "prepacked")
 _MEMORY: dict = {}                       # cache file -> saved data, when the folder is not writable
 
 
@@ -255,9 +255,9 @@ def format_plan(report: dict) -> str:
     key = report["key"]
     lines = [f"{key['cpu']}, torch {key['torch']}, {key['threads']} thread(s); "
              f"extra bytes {report['extra_bytes']}",
-             f"{'weights (out x in x count)':>27} layout  rows<=" + "".join(f"{b:>9}" for b in BUCKETS)]
+             f"{'weights (out x in x count)':>27} layout  rows<=" + "".join(f"{b:>10}" for b in BUCKETS)]
     for group, p in report["plan"].items():
-        lines.append(f"{group:>27} {p['layout']:7s}       " + "".join(f"{r:>9}" for r in p["routes"].values()))
+        lines.append(f"{group:>27} {p['layout']:7s}       " + "".join(f"{r:>10}" for r in p["routes"].values()))
     return "\n".join(lines)
 
 
