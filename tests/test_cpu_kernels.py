@@ -216,3 +216,29 @@ def test_tuning_rounds_go_on_until_the_fastest_two_agree(monkeypatch):
     script = iter([50.0, 9.0, 40.0, 20.0, 30.0, 60.0, 1.0])     # never settles within 6 rounds
     out = ct.time_rows(w, [1], rounds=2, candidates=("F.linear",), max_rounds=6)
     assert out["F.linear"][1] == pytest.approx(9.0) and next(script) == 1.0
+
+
+def test_tuning_drops_clear_losers_and_times_a_quarter_at_many_rows(monkeypatch):
+    """After the first rounds a route over PRUNE x the best stops being timed (its best time so
+    far is kept), and from SUBSET_ROWS rows on a quarter of the group's weights is timed, scaled
+    to the whole group: a fake clock where each call costs a fixed time per route."""
+    now, calls = [0.0], []
+    slower = iter(range(1, 1000))                # F.linear: each call slower, so it never settles
+    cost = {"F.linear": lambda: float(next(slower)), "x@W": lambda: 100.0}
+
+    def fake_matmul(x, w, route, *args, **kwargs):
+        calls.append((route, x.shape[0]))
+        now[0] += cost[route]()
+
+    monkeypatch.setattr(ct, "matmul", fake_matmul)
+    monkeypatch.setattr(ct, "_works", lambda *a: True)
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: now[0] / 1e3)
+    weights = [torch.zeros(4, 3)] * 8
+    out = ct.time_rows(weights, [1, ct.SUBSET_ROWS], rounds=2, candidates=("F.linear", "x@W"),
+                       max_rounds=5)
+    # x@W: 8 calls of 100 ms per pass at 1 row, 2 calls (a quarter) scaled x4 at SUBSET_ROWS rows
+    assert out["x@W"] == {1: pytest.approx(800.0), ct.SUBSET_ROWS: pytest.approx(800.0)}
+    assert out["F.linear"] == {1: pytest.approx(sum(range(1, 9))), ct.SUBSET_ROWS: pytest.approx(4 * (9 + 10))}
+    assert calls.count(("x@W", 1)) == 2 * 8 and calls.count(("x@W", ct.SUBSET_ROWS)) == 2 * 2
+    assert calls.count(("F.linear", 1)) == 5 * 8                 # still racing: all 5 rounds
+    assert calls.count(("F.linear", ct.SUBSET_ROWS)) == 5 * 2
