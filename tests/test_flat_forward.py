@@ -76,6 +76,42 @@ def test_paged_ragged_batch_with_prefill_and_decodes():
     _close(caches[1].k, caches[0].k)
 
 
+@pytest.mark.parametrize("backend,kv_dtype", [("flash_decoding", "auto"), ("paged", "int8")])
+@torch.inference_mode()
+def test_paged_rows_protocol_under_flash_decoding_and_int8(backend, kv_dtype):
+    """The flat loop hands the paged cache rows (`attend_rows`), never `attend`; the reference
+    hands it heads-first tensors. Both must store and read the same keys under every backend."""
+    ref, flat = _pair()
+    caches = [PagedKVCache(m.config, 12, 8, dtype=torch.float64, kv_cache_dtype=kv_dtype,
+                           attention_backend=backend) for m in (ref, flat)]
+    caches[1].attend = None                                   # the flat loop must not call it
+    lens, tables = [(9, 9), (20, 20)], [[0, 1], [2, 3, 4]]   # two prompts, then decodes
+    M = sum(q for q, _ in lens)
+    ids = torch.randint(0, 256, (1, M), generator=torch.Generator().manual_seed(7))
+    for step in range(3):
+        pos = torch.cat([torch.arange(s - q, s) for q, s in lens])
+        for c in caches:
+            c.prepare([q for q, _ in lens], [s for _, s in lens], tables)
+        outs = [m(ids, pos, c) for m, c in zip((ref, flat), caches)]
+        _close(outs[1], outs[0])
+        ids = outs[0][0, torch.tensor([q for q, _ in lens]).cumsum(0) - 1].argmax(-1)[None]
+        lens = [(1, s + 1) for _, s in lens]
+    _close(caches[1].k, caches[0].k)
+
+
+def test_a_replaced_weight_is_read_on_the_next_call():
+    ref, flat = _pair()
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        _close(flat(ids), ref(ids))
+        for m in (ref, flat):
+            m.layers[1].attn.qkv_proj.weight = nn.Parameter(
+                torch.ones_like(m.layers[1].attn.qkv_proj.weight) / 64)
+            m.layers[2].input_norm.weight = nn.Parameter(torch.full((64,), 3.0, dtype=torch.float64))
+        assert flat.flat_ok(ids)
+        _close(flat(ids), ref(ids))
+
+
 @torch.inference_mode()
 def test_float32_routes_agree_bit_for_bit_with_the_reference():
     ref, flat = _pair(torch.float32)

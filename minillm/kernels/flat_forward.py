@@ -7,10 +7,13 @@ At batch 1 on a CPU a 135M model's arithmetic is one read of its weights, about 
 eager Python around it (nine module calls per layer, a dozen small tensor ops in each rotation)
 added about as much again (issue 13; `bench overhead` measures it on a many-layer tiny model).
 `FlatTransformer` is the same model: the same parameters, state_dict and cache protocol. Only
-its `forward` differs: one loop over the layers that calls no module, looks the matmul route up
-once per pass instead of once per projection, rotates q and k with one roll instead of two slices,
-a negation and a concatenation, and hands the cache views instead of copies. The arithmetic is the
-reference's, op for op, so the logits agree bit for bit. `flatten(model)` switches a model to it
+its `forward` differs: one loop over the layers that calls no module (each layer's weights are read
+once per pass from the modules' own dicts), looks the matmul route up once per pass instead of once
+per projection, rotates q and k with one roll instead of two slices, a negation and a
+concatenation, and keeps activations one row per token: a cache that offers `attend_rows` (the
+paged one) gets q, k and v as views into the fused projection and answers rows, so the
+heads-first transposes and copies on the way in and out are not made (about 37 ATen ops per layer
+instead of 47). The arithmetic is the reference's, op for op, so the logits agree bit for bit. `flatten(model)` switches a model to it
 in place (`accelerate` does, on a CPU), `unflatten(model)` switches back.
 
 It runs only where it computes what `llama.py` computes: a CPU, float32 or float64, no autograd,
@@ -97,34 +100,57 @@ def _router(rows: int, dtype):
     return route
 
 
+def _layer_weights(model) -> list:
+    """Per layer, the tensors the flat loop reads: (input norm weight, eps, qkv, o, post-attention
+    norm weight, eps, gate_up, down), the four projections as modules (their routes live there).
+    Read once per pass straight from the modules' own dicts, so a replaced parameter is seen on
+    the next call and the ~15 attribute lookups per layer through `nn.Module.__getattr__` are not
+    paid in the loop."""
+    out = []
+    for blk in model.layers._modules.values():
+        mods = blk._modules
+        n1, n2 = mods["input_norm"], mods["post_attn_norm"]
+        a, m = mods["attn"]._modules, mods["mlp"]._modules
+        out.append((n1._parameters["weight"], n1.eps, a["qkv_proj"], a["o_proj"],
+                    n2._parameters["weight"], n2.eps, m["gate_up_proj"], m["down_proj"]))
+    return out
+
+
 def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=None):
     """logits (B, T or T', V) of `model` over input_ids (B, T) at positions (1 or B, T) with
-    `cache` (the protocol of llama.py); unchecked: `FlatTransformer.forward` checks first."""
+    `cache` (the protocol of llama.py); unchecked: `FlatTransformer.forward` checks first.
+
+    Activations are one row per token, (R, ...), from the embedding to the logits. A cache with
+    `attend_rows` (the paged one) takes q (R, H, D) and k, v (R, Hkv, D) as views into the fused
+    projection and answers (R, H, D); any other gets the reference's heads-first tensors."""
     cfg = model.config
     B, T = input_ids.shape
     H, Hkv, D, half = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim // 2
     R, dtype = B * T, model.embed.weight.dtype
     route = _router(R, dtype)
+    rows = getattr(cache, "attend_rows", None)
     cos, sin = rope_cos_sin(positions, D, cfg.rope_theta, dtype)   # (1 or B, T, D)
     # rotate-half as one roll: cat(-x2, x1) * sin == roll(x, D/2) * cat(-sin1, sin2)
     sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    cos, sin = cos[:, :, None], sin[:, :, None]                    # (1 or B, T, 1, D)
+    cos, sin = (t.expand(B, T, D).reshape(R, 1, D) for t in (cos, sin))   # (R, 1, D)
     x = F.embedding(input_ids, model.embed.weight).view(R, -1)     # (R, C)
-    for i, blk in enumerate(model.layers):
-        a, m = blk.attn, blk.mlp
-        h = F.rms_norm(x, x.shape[-1:], blk.input_norm.weight, blk.input_norm.eps)
-        qkv = _linear(h, a.qkv_proj, route).view(B, T, H + 2 * Hkv, D)
-        qk = qkv[:, :, :H + Hkv]                                   # (B, T, H + Hkv, D), a view
+    for i, (w1, eps1, qkv_proj, o_proj, w2, eps2, gate_up_proj, down_proj) in \
+            enumerate(_layer_weights(model)):
+        h = F.rms_norm(x, x.shape[-1:], w1, eps1)
+        qkv = _linear(h, qkv_proj, route).view(R, H + 2 * Hkv, D)
+        qk = qkv[:, :H + Hkv]                                      # (R, H + Hkv, D), a view
         qk = qk * cos + qk.roll(half, -1) * sin                    # rotated q and k, new tensor
-        q = qk[:, :, :H].transpose(1, 2)                           # (B, H, T, D) views
-        k = qk[:, :, H:].transpose(1, 2)                           # (B, Hkv, T, D)
-        v = qkv[:, :, H + Hkv:].transpose(1, 2)                    # (B, Hkv, T, D)
-        y = cache.attend(i, q, k, v, positions)                    # (B, H, T, D)
-        x = x + _linear(y.transpose(1, 2).reshape(R, H * D), a.o_proj, route)
-        h = F.rms_norm(x, x.shape[-1:], blk.post_attn_norm.weight, blk.post_attn_norm.eps)
-        gate_up = _linear(h, m.gate_up_proj, route)                # (R, 2F)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]           # (R, H or Hkv, D) views
+        if rows is not None:
+            y = rows(i, q, k, v)                                   # (R, H, D)
+        else:                                                      # heads first, as llama.py
+            q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+            y = cache.attend(i, q, k, v, positions).transpose(1, 2)   # (B, T, H, D)
+        x = x + _linear(y.reshape(R, H * D), o_proj, route)
+        h = F.rms_norm(x, x.shape[-1:], w2, eps2)
+        gate_up = _linear(h, gate_up_proj, route)                  # (R, 2F)
         n_ff = gate_up.shape[-1] // 2
-        x = x + _linear(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:], m.down_proj, route)
+        x = x + _linear(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:], down_proj, route)
     x = x.view(B, T, -1)
     if logits_index is not None:
         x = x[:, logits_index]                                     # (B, T', C)
@@ -135,9 +161,10 @@ def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=N
 
 def _linear(x, lin, route):
     r, packed = route(lin)
+    w = lin._parameters["weight"]
     if r == "F.linear":
-        return F.linear(x, lin.weight)
-    return matmul(x, lin.weight, r, lin.splits, packed)
+        return F.linear(x, w)
+    return matmul(x, w, r, lin.splits, packed)
 
 
 def flatten(model: nn.Module) -> nn.Module:

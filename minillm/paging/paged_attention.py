@@ -145,12 +145,12 @@ def paged_attention(q, k_pool, v_pool, meta: PagedAttentionMetadata):
     if M != meta.num_tokens or P != meta.block_size:
         raise ValueError(f"q has {M} tokens and pools have block size {P}; metadata expects "
                          f"{meta.num_tokens} tokens and block size {meta.block_size}")
-    out = _attend_slots(q.transpose(0, 1), k_pool.view(N * P, Hkv * D),
-                        v_pool.view(N * P, Hkv * D), Hkv, meta)               # (H, M, D)
-    return out.transpose(0, 1)                                                # (M, H, D)
+    return _attend_rows(q, k_pool.view(N * P, Hkv * D), v_pool.view(N * P, Hkv * D), Hkv,
+                        meta)                                                 # (M, H, D)
 
 
-# The per-layer hot path. It takes q heads first, (H, M, D), as the model hands it over, and each
+# The per-layer hot path. It takes q one row per token, (M, H, D), as the fused q/k/v projection
+# produces it (the reference model's heads-first (H, M, D) is one transpose away), and each
 # layer's pools as one row per slot, (N * P, Hkv * D): one `index_copy_` writes and one
 # `index_select` gathers whole rows (the 2-D form is the fastest one on CPU). It does nothing the
 # step's metadata could do once for every layer, and in the common case (a group that is the
@@ -162,25 +162,31 @@ def _write_slots(k_slots, v_slots, k_rows, v_rows, slot_mapping) -> None:
     v_slots.index_copy_(0, slot_mapping, v_rows)
 
 
-def _attend_slots(q, k_slots, v_slots, Hkv: int, meta: PagedAttentionMetadata):
-    """q (H, M, D) over slot rows (N * P, Hkv * D) -> (H, M, D); unchecked (see paged_attention)."""
-    H, M, D = q.shape
+def _attend_rows(q, k_slots, v_slots, Hkv: int, meta: PagedAttentionMetadata):
+    """q (M, H, D), one row per token, over slot rows (N * P, Hkv * D) -> (M, H, D); unchecked
+    (see paged_attention). q may be a view into a wider tensor (the model's fused q/k/v)."""
+    M, H, D = q.shape
     out = None
     for g in meta.groups:
         B, Tg, Sg = g.shape
-        qg = q.view(H, B, Tg, D) if g.whole else q[:, g.q_index]              # (H, B, Tg, D)
+        qg = q.view(B, Tg, H, D) if g.whole else q[g.q_index]                 # (B, Tg, H, D)
         kg = k_slots.index_select(0, g.kv_slots).view(B, Sg, Hkv, D)          # (B, Sg, Hkv, D)
         vg = v_slots.index_select(0, g.kv_slots).view(B, Sg, Hkv, D)          # (B, Sg, Hkv, D)
         og = F.scaled_dot_product_attention(
-            qg.transpose(0, 1), kg.transpose(1, 2), vg.transpose(1, 2),
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
             attn_mask=g.additive_mask(q.dtype), enable_gqa=H != Hkv)        # (B, H, Tg, D)
+        og = og.transpose(1, 2).reshape(B * Tg, H, D)     # a view when Tg == 1 (decodes)
         if g.whole:
-            return og.transpose(0, 1).reshape(H, M, D)                        # (H, M, D)
+            return og                                                         # (M, H, D)
         if out is None:
             out = q.new_empty(M, H, D)                                        # (M, H, D)
-        og = og.transpose(1, 2).reshape(B * Tg, H, D)                         # (B*Tg, H, D)
         out.index_copy_(0, g.dst, og.index_select(0, g.src))
-    return out.transpose(0, 1)                                                # (H, M, D)
+    return out                                                                # (M, H, D)
+
+
+def _attend_slots(q, k_slots, v_slots, Hkv: int, meta: PagedAttentionMetadata):
+    """q (H, M, D), heads first, over slot rows (N * P, Hkv * D) -> (H, M, D); `_attend_rows`."""
+    return _attend_rows(q.transpose(0, 1), k_slots, v_slots, Hkv, meta).transpose(0, 1)
 
 
 def dense_attention(q, k, v):
@@ -273,28 +279,33 @@ class PagedKVCache:
         """q (1, H, M, D), k/v (1, Hkv, M, D) of the flattened batch -> (1, H, M, D). The slots
         and each query's context length come from `prepare`'s metadata (built from the same
         positions the runner passes to the model), so `positions` is not read again here."""
+        if q.shape[0] != 1:
+            raise ValueError(f"paged attention expects a flattened batch (1, H, M, D), got {tuple(q.shape)}")
+        out = self.attend_rows(layer_idx, q[0].transpose(0, 1), k[0].transpose(0, 1),
+                               v[0].transpose(0, 1))                          # (M, H, D)
+        return out.transpose(0, 1)[None]                                      # (1, H, M, D)
+
+    def attend_rows(self, layer_idx: int, q, k, v):
+        """`attend` with one row per token: q (M, H, D), k/v (M, Hkv, D) -> (M, H, D). The same
+        function without the heads-first transposes; the flat forward (kernels/flat_forward.py)
+        calls it with views into its fused q/k/v projection."""
         meta = self.metadata
         if meta is None:
             raise RuntimeError("PagedKVCache.attend called before prepare(...)")
-        if q.shape[0] != 1:
-            raise ValueError(f"paged attention expects a flattened batch (1, H, M, D), got {tuple(q.shape)}")
-        M = q.shape[2]
+        M, Hkv = q.shape[0], k.shape[1]
         k_slots, v_slots = self._k_slots[layer_idx], self._v_slots[layer_idx]   # (N*P, Hkv*D)
-        _write_slots(k_slots, v_slots, k.transpose(1, 2).reshape(M, -1),
-                     v.transpose(1, 2).reshape(M, -1), meta.slot_mapping)     # (M, Hkv*D)
+        _write_slots(k_slots, v_slots, k.reshape(M, -1), v.reshape(M, -1),
+                     meta.slot_mapping)                                        # (M, Hkv*D)
         if self._plan_meta is not meta:     # a new step: which path, and its plan, once
             self._plan_meta, self._decode_plan = meta, None
             if M == len(meta.query_lens) and self._flash_decoding(q, meta):
                 from minillm.attention.flash_decoding import CHUNK, DecodePlan
-                self._decode_plan = DecodePlan.from_metadata(meta, k.shape[1], CHUNK,
+                self._decode_plan = DecodePlan.from_metadata(meta, Hkv, CHUNK,
                                                              self.config.max_seq_len)
         if self._decode_plan is not None:
             from minillm.attention.flash_decoding import flash_decode
-            out = flash_decode(q[0].transpose(0, 1), k_slots, v_slots, k.shape[1],
-                               self._decode_plan)                             # (M, H, D)
-            return out.transpose(0, 1)[None]                                  # (1, H, M, D)
-        out = _attend_slots(q[0], k_slots, v_slots, k.shape[1], meta)        # (H, M, D)
-        return out[None]                                                      # (1, H, M, D)
+            return flash_decode(q, k_slots, v_slots, Hkv, self._decode_plan)   # (M, H, D)
+        return _attend_rows(q, k_slots, v_slots, Hkv, meta)                   # (M, H, D)
 
     def _flash_decoding(self, q, meta) -> bool:
         """Whether this decode-only step goes through flash-decoding: always with that backend;
