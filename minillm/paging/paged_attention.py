@@ -281,21 +281,26 @@ class PagedKVCache:
         positions the runner passes to the model), so `positions` is not read again here."""
         if q.shape[0] != 1:
             raise ValueError(f"paged attention expects a flattened batch (1, H, M, D), got {tuple(q.shape)}")
-        out = self.attend_rows(layer_idx, q[0].transpose(0, 1), k[0].transpose(0, 1),
-                               v[0].transpose(0, 1))                          # (M, H, D)
+        M, Hkv = q.shape[2], k.shape[1]
+        out = self._attend(layer_idx, q[0].transpose(0, 1), k.transpose(1, 2).reshape(M, -1),
+                           v.transpose(1, 2).reshape(M, -1), Hkv)             # (M, H, D)
         return out.transpose(0, 1)[None]                                      # (1, H, M, D)
 
     def attend_rows(self, layer_idx: int, q, k, v):
         """`attend` with one row per token: q (M, H, D), k/v (M, Hkv, D) -> (M, H, D). The same
         function without the heads-first transposes; the flat forward (kernels/flat_forward.py)
         calls it with views into its fused q/k/v projection."""
+        M = q.shape[0]
+        return self._attend(layer_idx, q, k.reshape(M, -1), v.reshape(M, -1), k.shape[1])
+
+    def _attend(self, layer_idx: int, q, k_rows, v_rows, Hkv: int):
+        """q (M, H, D), new K/V rows (M, Hkv * D) -> (M, H, D): write, then attend."""
         meta = self.metadata
         if meta is None:
             raise RuntimeError("PagedKVCache.attend called before prepare(...)")
-        M, Hkv = q.shape[0], k.shape[1]
+        M = q.shape[0]
         k_slots, v_slots = self._k_slots[layer_idx], self._v_slots[layer_idx]   # (N*P, Hkv*D)
-        _write_slots(k_slots, v_slots, k.reshape(M, -1), v.reshape(M, -1),
-                     meta.slot_mapping)                                        # (M, Hkv*D)
+        _write_slots(k_slots, v_slots, k_rows, v_rows, meta.slot_mapping)
         if self._plan_meta is not meta:     # a new step: which path, and its plan, once
             self._plan_meta, self._decode_plan = meta, None
             if M == len(meta.query_lens) and self._flash_decoding(q, meta):
