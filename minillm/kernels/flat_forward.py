@@ -148,9 +148,8 @@ def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=N
             y = cache.attend(i, q, k, v, positions).transpose(1, 2)   # (B, T, H, D)
         x = x + _linear(y.reshape(R, H * D), o_proj, route)
         h = F.rms_norm(x, x.shape[-1:], w2, eps2)
-        gate_up = _linear(h, gate_up_proj, route)                  # (R, 2F)
-        n_ff = gate_up.shape[-1] // 2
-        x = x + _linear(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:], down_proj, route)
+        gate, up = _linear(h, gate_up_proj, route).chunk(2, -1)    # (R, F) views each
+        x = x + _linear(F.silu(gate) * up, down_proj, route)
     x = x.view(B, T, -1)
     if logits_index is not None:
         x = x[:, logits_index]                                     # (B, T', C)
