@@ -28,7 +28,7 @@ from minillm._validate import check_int
 from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
 from minillm.kernels.cpu_kernels import cpu_name
 from minillm.kernels.cpu_tuning import _MEMORY, read_tuned, settled, tuning_file, write_tuned  # noqa: F401
-from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_slots
+from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_rows
 
 GRID = ((1, 512), (1, 2048), (8, 512), (1, 8192), (8, 2048), (8, 8192))   # (batch, context)
 BLOCK = 16
@@ -77,7 +77,7 @@ def decode_step(n_head, n_kv_head, head_dim, batch, context, dtype=torch.float32
     meta = PagedAttentionMetadata([1] * batch, lens, tables, block_size, device)
     plan = DecodePlan.from_metadata(meta, n_kv_head, chunk)
     q = torch.randn(batch, n_head, head_dim, generator=g).to(device, dtype)           # (B, H, D)
-    return {"paged": lambda: _attend_slots(q.transpose(0, 1), k, v, n_kv_head, meta),
+    return {"paged": lambda: _attend_rows(q, k, v, n_kv_head, meta),
             "flash_decoding": lambda: flash_decode(q, k, v, n_kv_head, plan), "q": q}
 
 

@@ -2,7 +2,7 @@
 
 One layer of SmolLM2-135M's shape (H 9, Hkv 3, D 64), B sequences of S cached tokens each, one
 new query per sequence:
-- "paged": the engine's gather path, `_attend_slots` (gather through the block table, then SDPA);
+- "paged": the engine's gather path, `_attend_rows` (gather through the block table, then SDPA);
 - "flashdec": `flash_decode` over the same slot rows (chunks merged by log-sum-exp);
 - "sdpa": `F.scaled_dot_product_attention` over a contiguous cache (B, Hkv, S, D), as `KVCache`
   attends: the floor a paged layout pays its gather against.

@@ -184,11 +184,6 @@ def _attend_rows(q, k_slots, v_slots, Hkv: int, meta: PagedAttentionMetadata):
     return out                                                                # (M, H, D)
 
 
-def _attend_slots(q, k_slots, v_slots, Hkv: int, meta: PagedAttentionMetadata):
-    """q (H, M, D), heads first, over slot rows (N * P, Hkv * D) -> (H, M, D); `_attend_rows`."""
-    return _attend_rows(q.transpose(0, 1), k_slots, v_slots, Hkv, meta).transpose(0, 1)
-
-
 def dense_attention(q, k, v):
     """Reference: causal attention of one sequence's T newest queries over its whole context.
 
