@@ -207,3 +207,12 @@ def test_real_model_greedy_tokens_match_the_reference():
     finally:
         flatten(model)
     assert flat_tokens == ref_tokens
+
+
+@torch.inference_mode()
+def test_paged_cache_refuses_an_unflattened_batch_in_both_forwards():
+    for m in _pair():
+        cache = PagedKVCache(m.config, 4, 8, dtype=torch.float64)
+        cache.prepare([3, 3], [3, 3], [[0], [1]])
+        with pytest.raises(ValueError, match="flattened batch"):
+            m(torch.zeros(2, 3, dtype=torch.long), torch.arange(3), cache)

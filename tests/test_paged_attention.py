@@ -82,8 +82,10 @@ def _cache_config():
                        vocab_size=64, max_seq_len=128)
 
 
-def test_cache_attend_incremental_matches_dense():
-    """Prefill in chunks then decode through `attend`: each step equals dense attention."""
+@pytest.mark.parametrize("rows", [False, True])
+def test_cache_attend_incremental_matches_dense(rows):
+    """Prefill in chunks then decode through `attend` (heads first) or `attend_rows` (one row
+    per token, as the flat forward calls it): each step equals dense attention."""
     cfg = _cache_config()
     cache = PagedKVCache(cfg, num_blocks=10, block_size=3, dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
@@ -98,13 +100,37 @@ def test_cache_attend_incremental_matches_dense():
         q = torch.randn(1, 4, M, 8, generator=g, dtype=torch.float64)
         k = torch.randn(1, 2, M, 8, generator=g, dtype=torch.float64)
         v = torch.randn(1, 2, M, 8, generator=g, dtype=torch.float64)
-        out = cache.attend(1, q, k, v)
+        if rows:
+            out = cache.attend_rows(1, *(t[0].transpose(0, 1) for t in (q, k, v)))
+            out = out.transpose(0, 1)[None]                                 # (1, H, M, D)
+        else:
+            out = cache.attend(1, q, k, v)
         kk, vv = k[0].transpose(0, 1).split(step_lens), v[0].transpose(0, 1).split(step_lens)
         ks = [torch.cat([a, b]) for a, b in zip(ks, kk)]
         vs = [torch.cat([a, b]) for a, b in zip(vs, vv)]
         ref = ragged_dense_attention(q[0].transpose(0, 1), ks, vs, step_lens)
         torch.testing.assert_close(out[0].transpose(0, 1), ref, rtol=0, atol=1e-12)
         total = ctx
+
+
+def test_attend_bad_input():
+    cfg = _cache_config()
+    cache = PagedKVCache(cfg, num_blocks=4, block_size=4, dtype=torch.float64)
+    q, kv = torch.zeros(3, 4, 8, dtype=torch.float64), torch.zeros(3, 2, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="prepare"):
+        cache.attend_rows(0, q, kv, kv)
+    cache.prepare([2], [2], [[0]])
+    with pytest.raises(ValueError, match="sum of query_lens"):        # 3 tokens, a step of 2
+        cache.attend_rows(0, q, kv, kv)
+    with pytest.raises(ValueError, match="flattened batch"):
+        cache.attend(0, q[None].expand(2, -1, -1, -1).transpose(1, 2), kv[None].transpose(1, 2),
+                     kv[None].transpose(1, 2))
+    with pytest.raises(ValueError, match=r"q \(M, H, D\)"):
+        cache.attend_rows(0, q[None], kv, kv)
+    with pytest.raises(ValueError, match=r"k, v \(M, Hkv, D\)"):
+        cache.attend_rows(0, q[:2], kv[:2], kv[:1])
+    out = cache.attend_rows(0, q[:2], kv[:2], kv[:2])                 # and still serves
+    assert out.shape == (2, 4, 8)
 
 
 def test_copy_and_swap_blocks():

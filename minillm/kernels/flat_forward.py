@@ -12,9 +12,10 @@ once per pass from the modules' own dicts), looks the matmul route up once per p
 per projection, rotates q and k with one roll instead of two slices, a negation and a
 concatenation, and keeps activations one row per token: a cache that offers `attend_rows` (the
 paged one) gets q, k and v as views into the fused projection and answers rows, so the
-heads-first transposes and copies on the way in and out are not made (about 37 ATen ops per layer
-instead of 47). The arithmetic is the reference's, op for op, so the logits agree bit for bit. `flatten(model)` switches a model to it
-in place (`accelerate` does, on a CPU), `unflatten(model)` switches back.
+heads-first transposes and copies on the way in and out are not made (about 38 ATen ops per layer
+instead of 47). The arithmetic is the reference's, op for op, so the logits agree bit for bit.
+`flatten(model)` switches a model to it in place (`accelerate` does, on a CPU), `unflatten(model)`
+switches back.
 
 It runs only where it computes what `llama.py` computes: a CPU, float32 or float64, no autograd,
 every module of the reference's own classes (projections `nn.Linear` or `RoutedLinear` without
@@ -128,7 +129,9 @@ def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=N
     H, Hkv, D, half = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim // 2
     R, dtype = B * T, model.embed.weight.dtype
     route = _router(R, dtype)
-    rows = getattr(cache, "attend_rows", None)
+    # rows for a flattened batch (1, M), the one the paged cache takes; other shapes go to
+    # `attend`, which answers them as the reference's forward would (or refuses them)
+    rows = getattr(cache, "attend_rows", None) if B == 1 else None
     cos, sin = rope_cos_sin(positions, D, cfg.rope_theta, dtype)   # (1 or B, T, D)
     # rotate-half as one roll: cat(-x2, x1) * sin == roll(x, D/2) * cat(-sin1, sin2)
     sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)

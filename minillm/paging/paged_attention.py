@@ -285,6 +285,9 @@ class PagedKVCache:
         """`attend` with one row per token: q (M, H, D), k/v (M, Hkv, D) -> (M, H, D). The same
         function without the heads-first transposes; the flat forward (kernels/flat_forward.py)
         calls it with views into its fused q/k/v projection."""
+        if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+            raise ValueError(f"attend_rows expects q (M, H, D) and k, v (M, Hkv, D), got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         M = q.shape[0]
         return self._attend(layer_idx, q, k.reshape(M, -1), v.reshape(M, -1), k.shape[1])
 
@@ -294,6 +297,9 @@ class PagedKVCache:
         if meta is None:
             raise RuntimeError("PagedKVCache.attend called before prepare(...)")
         M = q.shape[0]
+        if M != meta.num_tokens:
+            raise ValueError(f"{M} new tokens passed, but prepare(...) described a step of "
+                             f"{meta.num_tokens} (the sum of query_lens)")
         k_slots, v_slots = self._k_slots[layer_idx], self._v_slots[layer_idx]   # (N*P, Hkv*D)
         _write_slots(k_slots, v_slots, k_rows, v_rows, meta.slot_mapping)
         if self._plan_meta is not meta:     # a new step: which path, and its plan, once
