@@ -242,3 +242,25 @@ def test_tuning_drops_clear_losers_and_times_a_quarter_at_many_rows(monkeypatch)
     assert calls.count(("x@W", 1)) == 2 * 8 and calls.count(("x@W", ct.SUBSET_ROWS)) == 2 * 2
     assert calls.count(("F.linear", 1)) == 5 * 8                 # still racing: all 5 rounds
     assert calls.count(("F.linear", ct.SUBSET_ROWS)) == 5 * 2
+
+
+def test_a_much_faster_copy_does_not_end_the_race_among_single_copy_routes(monkeypatch):
+    """"prepacked" (a second copy, not chosen by default) is never the yardstick for pruning:
+    F.linear and x@W, both over 1.5x slower than it but close to each other, keep racing."""
+    now, calls = [0.0], []
+    slower = iter(range(1, 1000))                      # F.linear never settles
+    cost = {"prepacked": lambda: 1.0, "F.linear": lambda: 10.0 + 5 * next(slower),
+            "x@W": lambda: 12.0}
+
+    def fake_matmul(x, w, route, *args, **kwargs):
+        calls.append(route)
+        now[0] += cost[route]()
+
+    monkeypatch.setattr(ct, "matmul", fake_matmul)
+    monkeypatch.setattr(ct, "_works", lambda *a: True)
+    monkeypatch.setattr(ct, "pack", lambda w: w)
+    monkeypatch.setattr(ct, "PREPACK_OK", True)
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: now[0] / 1e3)
+    ct.time_rows([torch.zeros(4, 3)], [1], rounds=2, candidates=("F.linear", "x@W", "prepacked"),
+                 max_rounds=5)
+    assert calls.count("x@W") == 5 and calls.count("prepacked") == 5

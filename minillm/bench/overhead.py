@@ -11,8 +11,8 @@ Three numbers per batch size B (1, 8, 32; every request decoding, steady state):
 - `overhead_ms` = engine_ms - bare_ms: the engine's own cost;
 and a count that explains them: `ops_per_step`, the ATen ops one engine step sends through
 PyTorch's dispatcher (about 38 per layer with the flat forward), and `us_per_op` = engine_ms /
-ops_per_step. With arithmetic this small every op costs about the same fixed few microseconds, so an eager step
-costs roughly ops x that; fewer or fused ops (a compiler, a CUDA graph) is what makes it cheaper.
+ops_per_step. With arithmetic this small every op costs about the same fixed few microseconds,
+so an eager step costs roughly ops x that; fewer or fused ops (a compiler, a CUDA graph) is what makes it cheaper.
 Each is measured twice, with the flat forward (`kernels/flat_forward.py`: one loop, no module
 calls, what `load_model`'s models run on a CPU) and with the reference forward of `llama.py`
 (`reference_*`), so one run shows what the flat loop saves. All are timed in turn, step by step,

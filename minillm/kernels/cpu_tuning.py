@@ -122,9 +122,11 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
     `settled`: a table tuned while other work ran would otherwise be kept for good. Routes that
     fail or give a wrong product on this platform are left out.
 
-    Two shortcuts keep a first tuning to well under a minute for a 135M model. After the first
-    `rounds`, a route more than PRUNE times slower than the best at that row count leaves the race
-    (its fastest time so far is kept: it cannot win). From SUBSET_ROWS rows on, the product is
+    Two shortcuts keep a first tuning of a 135M model to about a minute on a 2-core machine.
+    After the first `rounds`, a route more than PRUNE times slower than the best single-copy
+    route at that row count leaves the race (its fastest time so far is kept: it cannot win).
+    "prepacked" is never the yardstick and always races: it needs a copy, so by default it is not
+    chosen, and a copy much faster than every route must not end the race among the others. From SUBSET_ROWS rows on, the product is
     bound by arithmetic, not by reading the weights, so a quarter of the group is timed and the
     time scaled to the whole group; fewer rows always stream every weight of the group, so the
     working set is a real step's, larger than any cache."""
@@ -151,6 +153,7 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
     racing = set(samples)
     xs = {r: torch.randn(r, weights[0].shape[1], device=weights[0].device) for r in rows}
     sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)
+    single = [route for route, _ in runnable if route != "prepacked"]
     for done in range(1, max_rounds + 1):
         for r in rows:
             for route, ws in runnable:
@@ -162,11 +165,10 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
                     matmul(xs[r], w, route, splits, p)
                 sync()
                 samples[(route, r)].append(1e3 * (time.perf_counter() - t0) * n / part[r])
-        if done == rounds:                           # the clear losers leave the race
+        if done == rounds and single:                # the clear losers leave the race
             for r in rows:
-                best = min(min(samples[(route, r)]) for route, _ in runnable)
-                racing -= {(route, r) for route, _ in runnable
-                           if min(samples[(route, r)]) > PRUNE * best}
+                best = min(min(samples[(route, r)]) for route in single)
+                racing -= {(route, r) for route in single if min(samples[(route, r)]) > PRUNE * best}
         if done >= rounds and all(settled(samples[c], tol) for c in racing):
             break
     return {route: {r: min(samples[(route, r)]) for r in rows} for route, _ in runnable}
@@ -207,7 +209,7 @@ def decide(times: dict, allow_copies: bool = False, margin: float = 0.9) -> dict
 
 def tune(model: nn.Module, cache_dir=None, retune: bool = False, rounds: int = 3) -> dict:
     """Timings for every weight group of `model` on this machine: from the cache, else measured
-    now (under a minute for a 135M model on a 2-core machine) and saved."""
+    now (about a minute for a 135M model on a 2-core machine) and saved."""
     path = cache_path(cache_dir)
     table = {} if retune else dict(_read(path))
     missing = {k: ms for k, ms in linears(model).items() if k not in table}
