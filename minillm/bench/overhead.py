@@ -21,6 +21,11 @@ ratios much less.
 Beside them (not in quick mode, or when `model` is given) the real model's bare decode step at the
 same batch sizes, so the reader sees what fraction of a real step the overhead is.
 
+Not in quick mode, where git and this repository's history are at hand: the engine of
+`baseline.ISSUE_BASE` (the code issue 13 measured) and this checkout's, each in its own process,
+timed in turn in the same run (`baseline.py`), and their ratio: what "halve the engine's cost" is
+measured against, on this machine.
+
 Left out on purpose: prefill steps and mixed batches (their overhead is paid once per prompt, the
 decode step's on every token), and GPUs' launch overhead (cuda_graphs.py measures that).
 """
@@ -144,6 +149,15 @@ def step_ms(model, batch: int, warmup: int = 3, steps: int = 20) -> dict:
         _switch(model, was_flat)
 
 
+def _baseline(threads: int) -> dict:
+    """baseline.compare against the issue's commit, or {"skipped": why} where it cannot run."""
+    from minillm.bench import baseline
+    try:
+        return baseline.compare(baseline.ISSUE_BASE, threads=threads)
+    except (RuntimeError, ValueError) as e:          # no git, no history (a wheel, a shallow clone)
+        return {"skipped": str(e).splitlines()[0]}
+
+
 def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int | None = 1) -> dict:
     """Measure and write benchmarks/results/overhead_<device>.json; return the record.
 
@@ -205,6 +219,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
         record["real_model"] = model.config.name
         record["real_model_bare_ms"] = real
         record["real_model_reference_bare_ms"] = real_ref
+    if not quick and tiny.device.type == "cpu":
+        record["baseline"] = _baseline(threads or saved)
     record["path"] = str(write_result("overhead", record, tiny.device, out_dir))
     return record
 
@@ -230,4 +246,10 @@ def report(r: dict) -> str:
             line += (f"\n            {r['real_model']} bare step {real[f'batch{b}']:.1f} ms"
                      + (f" (reference forward {ref:.1f} ms)" if ref is not None else ""))
         lines.append(line)
+    base = r.get("baseline")
+    if base and "skipped" in base:
+        lines.append(f"  against the engine of an earlier commit: skipped ({base['skipped']})")
+    elif base:
+        from minillm.bench.baseline import report as baseline_report
+        lines.append("  " + baseline_report(base).replace("\n", "\n  "))
     return "\n".join(lines)
