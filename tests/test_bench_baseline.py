@@ -61,3 +61,11 @@ def test_bad_input(tmp_path):
     for bad in ("no-such-commit-0123", "--output=x", ""):
         with pytest.raises(ValueError, match="commit"):
             baseline.export(bad, tmp_path)
+
+
+def test_the_command_says_what_is_wrong(capsys):
+    assert baseline.main(["--help"]) == 2 and "usage" in capsys.readouterr().err
+    assert baseline.main(["a", "b"]) == 2
+    _root_or_skip()
+    assert baseline.main(["no-such-commit-0123"]) == 1
+    assert "commit must name a commit" in capsys.readouterr().err

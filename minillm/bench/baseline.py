@@ -201,5 +201,19 @@ def report(r: dict) -> str:
            f"({r['baseline_over_current'][k]:.2f}x)" for k in r["current_engine_ms"]])
 
 
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):
+        print(f"usage: python -m minillm.bench.baseline [COMMIT]   (default {ISSUE_BASE}: the "
+              f"engine issue 13 measured)", file=sys.stderr)
+        return 2
+    try:
+        print(report(compare(argv[0] if argv else ISSUE_BASE)))
+    except (ValueError, RuntimeError) as e:
+        print(f"bench baseline: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    print(report(compare(sys.argv[1] if len(sys.argv) > 1 else ISSUE_BASE)))
+    sys.exit(main())
