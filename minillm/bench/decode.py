@@ -5,7 +5,13 @@ greedy, in one run: batch 1 through `generate`, batch 8 through `LLMEngine` (and
 `generate_batch`), against transformers with 1 and 8 rows. Decode time per token is taken as
 (t(N new tokens) - t(1 new token)) / (N - 1), so the prompt's prefill is not counted.
 The bandwidth floor is the weight bytes one decode step must read divided by the read bandwidth
-measured in the same process: no batch-1 decode can beat it.
+measured in the same process: no batch-1 decode can beat it. It is measured twice: once before
+the runs (`bandwidth_floor_ms`), and as one more run taking its turn in every round of the
+batch-1 timing (`batch1.floor_ms_per_step`: one `sum()` over a buffer of the weights' size per
+"step"), so the share of the floor compares two times taken at the same moments. On a shared
+machine whose speed drifts during the minutes the benchmark takes, only the second is a fair
+ratio, and `batch1_fraction_of_floor` uses it. The buffer costs one more copy of the weights'
+bytes in memory while the benchmark runs.
 
 On a CPU the model runs the matmul routes tuned for this machine (`cpu_kernels`, weights stored
 once), then again with the routes that may keep a second, prepacked copy of a weight
@@ -83,23 +89,34 @@ def transformers_run(hf, prompts: list[list[int]]):
                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
-def _decode_rows(model, tok, hf, n_new, repeat) -> dict:
+def floor_run(nbytes: int, device):
+    """n -> n reads of an fp32 buffer of `nbytes` (one `sum()` each): timed like a decode run,
+    (t(n) - t(1)) / (n - 1) is one read of that many bytes at this moment."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return lambda n: [buf.sum() for _ in range(n)]
+
+
+def _decode_rows(model, tok, hf, n_new, repeat, floor=None) -> dict:
     """ms per decode step at batch 1 and 8: minillm (generate, the engine, generate_batch) and
-    transformers."""
+    transformers; with `floor` (a `floor_run`), batch 1 also times it in the same rounds."""
     device, out = model.device, {}
     for batch in (1, 8):
         prompts = _equal_length_prompts(tok, batch)
         theirs = transformers_run(hf, prompts)
+        extra = {}
         if batch == 1:
             ours = {"generate": lambda n: generate(model, prompts[0], n)}
+            extra = {"floor": floor} if floor is not None else {}
         else:
             engine = LLMEngine(model, EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20))
             ours = {"engine": lambda n: engine.generate(
                         prompts, SamplingParams(max_tokens=n, ignore_eos=True)),
                     "generate_batch": lambda n: generate_batch(model, prompts, n)}
-        ms = _ms_per_token({**ours, "transformers": theirs}, n_new, device, repeat)
-        ms_hf = ms.pop("transformers")
+        ms = _ms_per_token({**ours, "transformers": theirs, **extra}, n_new, device, repeat)
+        ms_hf, floor_ms = ms.pop("transformers"), ms.pop("floor", None)
         row = {f"minillm_{k}_ms_per_step": round(v, 3) for k, v in ms.items()}
+        if floor_ms is not None:
+            row["floor_ms_per_step"] = round(floor_ms, 3)
         best = row[f"minillm_{next(iter(ours))}_ms_per_step"]
         row.update(minillm_ms_per_step=best, transformers_ms_per_step=round(ms_hf, 3),
                    minillm_tok_per_s=round(1e3 * batch / best, 2),
@@ -120,10 +137,15 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     bandwidth = measure_bandwidth(device)
     weight_bytes = model.config.num_params * model.dtype.itemsize
     floor_ms = 1e3 * weight_bytes / bandwidth
+    floor = floor_run(weight_bytes, device)
     record = {"model": model.config.name, "dtype": str(model.dtype).replace("torch.", ""),
               "quick": quick, "new_tokens": n_new,
               "units": {"ms_per_step": "ms per decode step", "tok_per_s": "generated tokens/s",
-                        "bandwidth": "GB/s", "bandwidth_floor_ms": "ms",
+                        "bandwidth": "GB/s",
+                        "bandwidth_floor_ms": "ms, from the bandwidth measured before the runs",
+                        "floor_ms_per_step": "ms per read of the weights' bytes, timed in turn "
+                                             "with the batch-1 runs",
+                        "batch1_fraction_of_floor": "floor_ms_per_step / batch-1 ms per step",
                         "forward_cost": "ms per forward of N new tokens (128 cached)"},
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
               "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3)}
@@ -131,13 +153,15 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     for name, copies in tqdm(configs.items(), desc="decode benchmark"):
         if copies is not None:
             accelerate(model, allow_copies=copies)
-        part = _decode_rows(model, tok, hf, n_new, repeat)
+        part = _decode_rows(model, tok, hf, n_new, repeat, floor)
         part["forward_cost"] = forward_cost(model, rows=rows, rounds=1 if quick else 5,
                                             routes=("auto", "F.linear") if copies is False else ("auto",))
-        part["batch1_fraction_of_floor"] = round(floor_ms / part["batch1"]["minillm_ms_per_step"], 3)
+        part["batch1_fraction_of_floor"] = round(part["batch1"]["floor_ms_per_step"]
+                                                 / part["batch1"]["minillm_ms_per_step"], 3)
         part["kernels"] = kernel_report(model) if copies is not None else {}
         record[name] = part
     main = record[next(iter(configs))]
+    del floor                                               # the buffer's memory back
     record.update(batch1=main["batch1"], batch8=main["batch8"], forward_cost=main["forward_cost"],
                   batch1_fraction_of_floor=main["batch1_fraction_of_floor"])
     if device.type == "cpu":
@@ -164,8 +188,10 @@ def report(r: dict) -> str:
                          f"({x['minillm_tok_per_s']:.1f} tok/s), transformers "
                          f"{x['transformers_ms_per_step']:.1f} ms/step -> "
                          f"{x['speedup_vs_transformers']:.2f}x")
+        fl = part["batch1"].get("floor_ms_per_step")
         lines.append(f"  batch-1 decode step = {100 * part['batch1_fraction_of_floor']:.0f}% of the "
-                     f"floor's speed (the floor is {part['batch1_fraction_of_floor']:.2f}x the step time)")
+                     f"floor's speed (the floor is {part['batch1_fraction_of_floor']:.2f}x the step time"
+                     + (f"; one read of the weights took {fl:.1f} ms in the same rounds)" if fl else ")"))
         for route, cost in part["forward_cost"].items():
             one = cost["1"]
             lines.append(f"  forward of N tokens / of 1 token, {route:>8}: "
