@@ -31,11 +31,12 @@ import minillm
 from minillm._validate import check_int
 
 ISSUE_BASE = "bc85599"            # the code issue 13 measured (2026-11-29)
-BATCHES = (1, 8, 32)
 
 # Run as `python -c PROBE ARGS_JSON` with the tree to time first on sys.path. It builds one
 # decoding engine per batch size, says which package it imported, then for every line "B" on
 # stdin times `steps` steps of the engine at batch B and answers their ms as one JSON line.
+# It must run on old package layouts too, so it cannot call `overhead.decoding_engine`: it builds
+# the same engine (prompt length and block size come from overhead.py's constants, in ARGS).
 PROBE = r"""
 import json, sys, time
 import torch
@@ -58,10 +59,10 @@ torch.set_grad_enabled(False)
 model = tiny_model(vocab_size=256, n_layer=args["n_layer"])
 if flatten is not None:
     flatten(model)                              # what load_model's models run on a CPU
-engines, plen, total = {}, 8, args["total_steps"]
+engines, plen, P, total = {}, args["prompt_len"], args["block_size"], args["total_steps"]
 for B in args["batches"]:
-    per_seq = -(-(plen + 8 + total + 1) // 16)
-    engine = LLMEngine(model, EngineConfig(block_size=16, num_blocks=B * per_seq, max_num_seqs=B,
+    per_seq = -(-(plen + 8 + total + 1) // P)
+    engine = LLMEngine(model, EngineConfig(block_size=P, num_blocks=B * per_seq, max_num_seqs=B,
                                            max_num_batched_tokens=B * (plen + 8)))
     params = SamplingParams(max_tokens=total + 1, ignore_eos=True)
     for i in range(B):
@@ -118,9 +119,12 @@ class Probe:
     """A fresh process holding decoding engines of the package under `tree`, timed on request."""
 
     def __init__(self, tree: Path, threads: int, batches, steps: int, total_steps: int):
+        from minillm.bench.overhead import BLOCK_SIZE, PROMPT_LEN
         args = json.dumps({"threads": threads, "batches": list(batches), "steps": steps,
-                           "total_steps": total_steps, "n_layer": 30})
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+                           "total_steps": total_steps, "n_layer": 30, "prompt_len": PROMPT_LEN,
+                           "block_size": BLOCK_SIZE})
+        path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path)
         self.tree, self.err = tree, tempfile.TemporaryFile("w+")   # a file: a pipe could fill
         self.proc = subprocess.Popen([sys.executable, "-c", PROBE, args], cwd=tree, env=env,
                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -152,7 +156,7 @@ class Probe:
         self.err.close()
 
 
-def compare(commit: str = ISSUE_BASE, rounds: int = 20, threads: int = 1, batches=BATCHES,
+def compare(commit: str = ISSUE_BASE, rounds: int = 20, threads: int = 1, batches=None,
             steps: int = 5, warmup_rounds: int = 2) -> dict:
     """Engine ms per decode step of the package at `commit` and of this checkout: two processes,
     each holding one decoding engine per batch size, take turns (`rounds` rounds of `steps`
@@ -162,6 +166,8 @@ def compare(commit: str = ISSUE_BASE, rounds: int = 20, threads: int = 1, batche
     check_int("threads", threads, 1)
     check_int("steps", steps, 1)
     check_int("warmup_rounds", warmup_rounds, 0)
+    if batches is None:
+        from minillm.bench.overhead import BATCHES as batches     # bench overhead's sizes
     batches = tuple(batches)
     if not batches:
         raise ValueError("batches must list at least one batch size")

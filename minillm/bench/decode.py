@@ -103,10 +103,9 @@ def _decode_rows(model, tok, hf, n_new, repeat, floor=None) -> dict:
     for batch in (1, 8):
         prompts = _equal_length_prompts(tok, batch)
         theirs = transformers_run(hf, prompts)
-        extra = {}
+        extra = {"floor": floor} if batch == 1 and floor is not None else {}
         if batch == 1:
             ours = {"generate": lambda n: generate(model, prompts[0], n)}
-            extra = {"floor": floor} if floor is not None else {}
         else:
             engine = LLMEngine(model, EngineConfig(max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20))
             ours = {"engine": lambda n: engine.generate(

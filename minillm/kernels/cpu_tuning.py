@@ -126,10 +126,11 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
     After the first `rounds`, a route more than PRUNE times slower than the best single-copy
     route at that row count leaves the race (its fastest time so far is kept: it cannot win).
     "prepacked" is never the yardstick and always races: it needs a copy, so by default it is not
-    chosen, and a copy much faster than every route must not end the race among the others. From SUBSET_ROWS rows on, the product is
-    bound by arithmetic, not by reading the weights, so a quarter of the group is timed and the
-    time scaled to the whole group; fewer rows always stream every weight of the group, so the
-    working set is a real step's, larger than any cache."""
+    chosen, and a copy much faster than every route must not end the race among the others.
+    From SUBSET_ROWS rows on, the product is bound by arithmetic, not by reading the weights, so a
+    quarter of the group is timed and the time scaled to the whole group; fewer rows always
+    stream every weight of the group, so the working set is a real step's, larger than any
+    cache."""
     splits = torch.get_num_threads()
     max_rounds = max(rounds, 3 * rounds if max_rounds is None else max_rounds)
     layouts = {"out_in": [w.contiguous() for w in weights],
