@@ -107,6 +107,22 @@ def test_tuning_is_cached_and_reused(tmp_path, monkeypatch):
     ct.accelerate(model, cache_dir=tmp_path)                             # reads, never times
 
 
+def test_a_table_timed_with_one_instruction_set_is_not_reused_under_another(tmp_path, monkeypatch):
+    # the same CPU held to AVX2 through oneDNN's documented switch runs other kernels: its own table
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    model = minillm.tiny_model()
+    ct.tune(model, cache_dir=tmp_path, rounds=1)
+    plain_key = ct.cache_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert ct.cache_key()["isa"]["ONEDNN_MAX_CPU_ISA"] == "AVX2" and ct.cache_key() != plain_key
+    timed = []
+    real = ct.time_rows
+    monkeypatch.setattr(ct, "time_rows", lambda *a, **k: timed.append(1) or real(*a, **k))
+    ct.tune(model, cache_dir=tmp_path, rounds=1)
+    assert timed, "the table timed without the switch was reused"
+    assert len(list(tmp_path.glob("linear_*.json"))) == 2          # both tables kept, side by side
+
+
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"key": {"cpu": "another CPU"}, "shapes": {}}',
                                      '{"key": null, "shapes": 3}'])
 def test_corrupt_or_foreign_cache_is_retuned(tmp_path, content):

@@ -8,7 +8,7 @@ the machine (its caches, its allocator, its core count), so it is measured, not 
 `decode_threshold(...)` times both on the model's head shape over a grid of (batch, context)
 decode steps and keeps the total number of keys (batch x longest context) from which
 flash-decoding wins at every larger point of the grid. The result is cached as JSON beside the
-matmul table (`$MINILLM_CACHE/kernels/`, one file per CPU model, torch version, thread count,
+matmul table (`$MINILLM_CACHE/kernels/`, one file per CPU model, instruction set, torch version, thread count,
 device and head shape), so a machine decides once and every later run reuses it: a run never
 switches paths because of a timing taken during it. A corrupt or foreign file is re-timed; a
 folder that cannot be written keeps the result for the process.
@@ -26,7 +26,7 @@ import torch
 
 from minillm._validate import check_int
 from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
-from minillm.kernels.cpu_kernels import cpu_name
+from minillm.kernels.cpu_kernels import cpu_name, kernel_isa
 from minillm.kernels.cpu_tuning import _MEMORY, read_tuned, settled, tuning_file, write_tuned  # noqa: F401
 from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_rows
 
@@ -38,7 +38,8 @@ VERSION = 1
 def _key(n_head, n_kv_head, head_dim, dtype, device) -> dict:
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
-    return {"device": name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    isa = {} if dev.type == "cuda" else {"isa": kernel_isa()}
+    return {"device": name, **isa, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "shape": [n_head, n_kv_head, head_dim], "dtype": str(dtype), "grid": [list(p) for p in GRID],
             "chunk": CHUNK, "version": VERSION}
 

@@ -8,7 +8,7 @@ each weight, and how close that gets to one read of the weight from memory depen
 its BLAS build and the weight's layout, in ways no constant captures: issue 13 shows two CPUs
 that rank the same routes in opposite orders. So `accelerate(model)` times a few candidate
 routes for each weight shape and row bucket on this machine, keeps the fastest, caches the table
-on disk (keyed by CPU model, torch version and thread count) and turns every `nn.Linear` into a
+on disk (keyed by CPU model, instruction set, torch version and thread count) and turns every `nn.Linear` into a
 `RoutedLinear` that follows it. The table is decided once and reused: a run never switches routes
 because of a timing taken during it. Pin one route with `accelerate(model, route=...)` or, for a
 block of code, `with linear_route(...)`.
@@ -165,6 +165,21 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# documented switches that make oneDNN, MKL or ATen run other kernels on the same CPU
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
+           "ATEN_CPU_CAPABILITY")
+
+
+def kernel_isa() -> dict:
+    """The instruction set the kernels use: ATen's CPU capability and those of ISA_ENV that are
+    set. A table timed with AMX must not be reused by a process held to AVX2 on the same CPU."""
+    try:
+        aten = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        aten = "unknown"
+    return {"aten": aten, **{k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}}
 
 
 def relayout(weight: nn.Parameter, layout: str) -> None:

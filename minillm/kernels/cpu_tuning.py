@@ -4,8 +4,9 @@
 on the model's own weights (all layers of that shape in turn, so the working set is a real
 step's share, not one warm weight), and caches the timings as JSON under
 `$MINILLM_CACHE/kernels/` (default ~/.cache/minillm/kernels/), one file per
-(CPU model, torch version, thread count). `decide(times)` turns timings into a plan, a pure
-function: the same file gives the same routes on every run. `accelerate(model)` applies a plan.
+(CPU model, instruction set the kernels may use, torch version, thread count). `decide(times)`
+turns timings into a plan, a pure function: the same file gives the same routes on every run.
+`accelerate(model)` applies a plan.
 
 A corrupt or foreign cache file is ignored and re-tuned; a folder that cannot be written keeps
 the table in memory for this process. Every candidate is checked against float64 before it is
@@ -21,15 +22,15 @@ import torch
 import torch.nn as nn
 
 from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, PREPACK_OK, TABLE_VERSION, RoutedLinear,
-                          check_route, cpu_name, matmul, pack, probe_rows, relayout)
+                          check_route, cpu_name, kernel_isa, matmul, pack, probe_rows, relayout)
 
 CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io", "prepacked")
 _MEMORY: dict = {}                       # cache file -> saved data, when the folder is not writable
 
 
 def cache_key() -> dict:
-    return {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "version": TABLE_VERSION, "buckets": list(BUCKETS), "candidates": list(CANDIDATES)}
+    return {"cpu": cpu_name(), "isa": kernel_isa(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "version": TABLE_VERSION, "buckets": list(BUCKETS), "candidates": list(CANDIDATES)}
 
 
 def tuning_file(prefix: str, key: dict, cache_dir=None) -> Path:
