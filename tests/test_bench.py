@@ -230,6 +230,25 @@ def test_route_timers_time_every_route_and_restore_the_setting():
     assert cpu_kernels._PINNED.get() == "auto"
 
 
+def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tmp_path, monkeypatch):
+    """bench decode, quick, on the tiny model: batch 1's rounds time the step's matmuls alone
+    beside the step and the floor, and the record's shares are those times' ratios."""
+    from minillm.bench import decode
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))       # the tuning table
+    monkeypatch.setattr(decode, "_equal_length_prompts", lambda tok, n: [[1, 2, 3, 4, 5]] * n)
+    r = decode.run(quick=True, model=tiny_model(n_layer=2), tok=None, out_dir=tmp_path)
+    for name in ("stored_once", "with_copies"):
+        part = r[name]
+        b1 = part["batch1"]
+        assert b1["matmuls_ms_per_step"] > 0 and b1["floor_ms_per_step"] > 0
+        assert part["batch1_matmuls_fraction_of_floor"] == pytest.approx(
+            b1["floor_ms_per_step"] / b1["matmuls_ms_per_step"], rel=1e-2)
+        assert "matmuls_ms_per_step" not in part["batch8"]
+    assert r["batch1_matmuls_fraction_of_floor"] == r["stored_once"]["batch1_matmuls_fraction_of_floor"]
+    assert "matmuls_ms_per_step" in r["units"] and (tmp_path / "decode_cpu.json").exists()
+    assert decode.report(r).count("its matmuls alone") == 2
+
+
 def test_data_paths_follow_the_project_or_the_environment_never_the_package(tmp_path, monkeypatch):
     """Records, the recorded schedule and the tokenizer folder are found from the current
     project (or $MINILLM_RESULTS_DIR), not from where the package's files are installed."""

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -294,23 +295,59 @@ def test_breakdown_splits_overhead_into_matmuls_below_roof_and_the_rest():
         decode_breakdown(cfg, hw, 1, 64, measured_s=0.1, matmul_s=0)
 
 
-def test_measure_decode_matmuls_runs_every_linear_once(monkeypatch):
+class _WeightMatmuls(TorchDispatchMode):
+    """Logs (op, weight, argument shapes as (rows, last dim)) of every ATen op that reads one of
+    `weights` (or a view of one)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.names, self.calls = {w.data_ptr(): n for n, w in weights}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        hit = [self.names[t.data_ptr()] for t in tensors if t.data_ptr() in self.names]
+        if hit:
+            self.calls.append((func.overloadpacket.__name__, hit[0], 
+                               [(t.numel() // t.shape[-1], t.shape[-1]) for t in tensors if t.dim()]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("route", [None, "F.linear", "ksplit", "nsplit", "x@W"])
+def test_decode_matmuls_are_the_matmuls_of_a_real_decode_step(route):
+    """The matmuls `decode_matmuls` times are those one decode step of the model runs: the same
+    ATen ops on the same weights with the same shapes, in the same order, at batch 1 and 3; the
+    reference forward (route None: plain nn.Linear) and the flat loop under each pinned route."""
     from minillm.bench import measure
-    from minillm.model.llama import Transformer
-    cfg = get_config("smollm2-135m").with_(n_layer=2, d_model=32, n_head=2, n_kv_head=1,
-                                           head_dim=16, d_ff=64, vocab_size=100)
-    model = Transformer(cfg)
-    calls = []
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(lambda mod, inp, out: calls.append((mod, tuple(inp[0].shape))))
+    from minillm.kernels.cpu_tuning import accelerate
+    from minillm.model.kv_cache import KVCache
+    from minillm.model.loading import tiny_model
+    model = tiny_model(n_layer=2)
+    if route is not None:
+        accelerate(model, route=route)
+    weights = [(n, p) for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    for B in (1, 3):
+        cache = KVCache(model.config, B, 16)
+        with torch.inference_mode():
+            model(torch.ones(B, 4, dtype=torch.long), torch.arange(4), cache)   # prefill, not logged
+            with _WeightMatmuls(weights) as step:
+                model(torch.ones(B, 1, dtype=torch.long), torch.tensor([4]), cache)  # one decode step
+            with _WeightMatmuls(weights) as alone:
+                measure.decode_matmuls(model, B)()
+        assert len(step.calls) >= len(weights) and alone.calls == step.calls, (alone.calls, step.calls)
+
+
+def test_measure_decode_matmuls_times_one_step_per_batch(monkeypatch):
+    from minillm.bench import measure
+    from minillm.model.loading import tiny_model
+    model = tiny_model(n_layer=2)
     monkeypatch.setattr(measure, "time_fn", lambda fn, device, repeat: (fn(), 0.5)[1])
-    assert measure.measure_decode_matmuls(model, (3,)) == [0.5]
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert [m for m, _ in calls] == linears                    # each once, in the model's order
-    assert all(shape == (3, m.in_features) for m, shape in calls)
+    assert measure.measure_decode_matmuls(model, (3, 1)) == [0.5, 0.5]
     with pytest.raises(ValueError, match="batch_sizes"):
         measure.measure_decode_matmuls(model, (0,))
+    with pytest.raises(ValueError, match="batch"):
+        measure.decode_matmuls(model, 0)
+    with pytest.raises(ValueError, match="nn.Linear"):
+        measure.decode_matmuls(torch.nn.Sequential(torch.nn.ReLU()), 1)
 
 
 # ---------------------------------------------------------------- chapter 5: the ridge chunk

@@ -12,6 +12,11 @@ batch-1 timing (`batch1.floor_ms_per_step`: one `sum()` over a buffer of the wei
 machine whose speed drifts during the minutes the benchmark takes, only the second is a fair
 ratio, and `batch1_fraction_of_floor` uses it. The buffer costs one more copy of the weights'
 bytes in memory while the benchmark runs.
+The batch-1 rounds time a third run beside them: the step's matmuls alone (`decode_matmuls`:
+every projection once, through the same routes, nothing else). No step through these kernels
+can be faster, so `batch1_matmuls_fraction_of_floor` (floor / matmuls alone) is the most of the
+floor this machine's kernels allow, and the step's time beyond them is everything else (norms,
+RoPE, attention, the cache, sampling, Python): what is short of the floor splits in two, measured.
 
 On a CPU the model runs the matmul routes tuned for this machine (`cpu_kernels`, weights stored
 once), then again with the routes that may keep a second, prepacked copy of a weight
@@ -33,7 +38,7 @@ from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.model.generate import generate, generate_batch
 from minillm.model.hf_convert import to_hf_model
 from minillm.model.loading import load_model
-from minillm.bench.measure import measure_bandwidth
+from minillm.bench.measure import decode_matmuls, measure_bandwidth
 from minillm.engine.sequence import SamplingParams
 
 PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the sea.",
@@ -96,14 +101,24 @@ def floor_run(nbytes: int, device):
     return lambda n: [buf.sum() for _ in range(n)]
 
 
+def matmuls_run(model):
+    """n -> the matmuls of n batch-1 decode steps and nothing else (`decode_matmuls`), timed like
+    a decode run."""
+    step = decode_matmuls(model, 1)
+    return lambda n: [step() for _ in range(n)]
+
+
 def _decode_rows(model, tok, hf, n_new, repeat, floor=None) -> dict:
     """ms per decode step at batch 1 and 8: minillm (generate, the engine, generate_batch) and
-    transformers; with `floor` (a `floor_run`), batch 1 also times it in the same rounds."""
+    transformers; batch 1 also times its matmuls alone and, with `floor` (a `floor_run`), the
+    floor, in the same rounds."""
     device, out = model.device, {}
     for batch in (1, 8):
         prompts = _equal_length_prompts(tok, batch)
         theirs = transformers_run(hf, prompts)
-        extra = {"floor": floor} if batch == 1 and floor is not None else {}
+        extra = {"matmuls": matmuls_run(model)} if batch == 1 else {}
+        if batch == 1 and floor is not None:
+            extra["floor"] = floor
         if batch == 1:
             ours = {"generate": lambda n: generate(model, prompts[0], n)}
         else:
@@ -113,7 +128,10 @@ def _decode_rows(model, tok, hf, n_new, repeat, floor=None) -> dict:
                     "generate_batch": lambda n: generate_batch(model, prompts, n)}
         ms = _ms_per_token({**ours, "transformers": theirs, **extra}, n_new, device, repeat)
         ms_hf, floor_ms = ms.pop("transformers"), ms.pop("floor", None)
+        matmuls_ms = ms.pop("matmuls", None)
         row = {f"minillm_{k}_ms_per_step": round(v, 3) for k, v in ms.items()}
+        if matmuls_ms is not None:
+            row["matmuls_ms_per_step"] = round(matmuls_ms, 3)
         if floor_ms is not None:
             row["floor_ms_per_step"] = round(floor_ms, 3)
         best = row[f"minillm_{next(iter(ours))}_ms_per_step"]
@@ -145,6 +163,10 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                         "floor_ms_per_step": "ms per read of the weights' bytes, timed in turn "
                                              "with the batch-1 runs",
                         "batch1_fraction_of_floor": "floor_ms_per_step / batch-1 ms per step",
+                        "matmuls_ms_per_step": "ms of one batch-1 step's matmuls alone, timed in "
+                                               "turn with the batch-1 runs",
+                        "batch1_matmuls_fraction_of_floor": "floor_ms_per_step / matmuls_ms_per_step: "
+                                                            "the most of the floor these kernels allow",
                         "forward_cost": "ms per forward of N new tokens (128 cached)"},
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
               "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3)}
@@ -155,14 +177,17 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
         part = _decode_rows(model, tok, hf, n_new, repeat, floor)
         part["forward_cost"] = forward_cost(model, rows=rows, rounds=1 if quick else 5,
                                             routes=("auto", "F.linear") if copies is False else ("auto",))
-        part["batch1_fraction_of_floor"] = round(part["batch1"]["floor_ms_per_step"]
-                                                 / part["batch1"]["minillm_ms_per_step"], 3)
+        b1 = part["batch1"]
+        part["batch1_fraction_of_floor"] = round(b1["floor_ms_per_step"] / b1["minillm_ms_per_step"], 3)
+        part["batch1_matmuls_fraction_of_floor"] = round(b1["floor_ms_per_step"]
+                                                         / b1["matmuls_ms_per_step"], 3)
         part["kernels"] = kernel_report(model) if copies is not None else {}
         record[name] = part
     main = record[next(iter(configs))]
     del floor                                               # the buffer's memory back
     record.update(batch1=main["batch1"], batch8=main["batch8"], forward_cost=main["forward_cost"],
-                  batch1_fraction_of_floor=main["batch1_fraction_of_floor"])
+                  batch1_fraction_of_floor=main["batch1_fraction_of_floor"],
+                  batch1_matmuls_fraction_of_floor=main["batch1_matmuls_fraction_of_floor"])
     if device.type == "cpu":
         accelerate(model)                                   # leave the default routes behind
     record["machine"] = machine_info(device)
@@ -191,6 +216,12 @@ def report(r: dict) -> str:
         lines.append(f"  batch-1 decode step = {100 * part['batch1_fraction_of_floor']:.0f}% of the "
                      f"floor's speed (the floor is {part['batch1_fraction_of_floor']:.2f}x the step time"
                      + (f"; one read of the weights took {fl:.1f} ms in the same rounds)" if fl else ")"))
+        mm = part["batch1"].get("matmuls_ms_per_step")
+        if mm and "batch1_matmuls_fraction_of_floor" in part:
+            step = part["batch1"]["minillm_ms_per_step"]
+            lines.append(f"  its matmuls alone: {mm:.1f} ms = {100 * part['batch1_matmuls_fraction_of_floor']:.0f}% "
+                         f"of the floor's speed, the most these kernels allow; everything else "
+                         f"{step - mm:.1f} ms")
         for route, cost in part["forward_cost"].items():
             one = cost["1"]
             lines.append(f"  forward of N tokens / of 1 token, {route:>8}: "

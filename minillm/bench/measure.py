@@ -227,28 +227,39 @@ def decode_breakdown(cfg: ModelConfig, hw: Hardware, batch_size: int, context_le
     return out
 
 
-def measure_decode_matmuls(model, batch_sizes=(1,), repeats: int = 3, seed: int = 0) -> list[float]:
-    """Median seconds of all of a decode step's projections alone, at each batch B.
+def decode_matmuls(model, batch: int = 1, seed: int = 0):
+    """A function that runs the matmuls of one decode step of `model` at batch B, and nothing else.
 
     Every `nn.Linear` of `model` (q/k/v, o, gate/up, down per layer, then lm_head) runs once, in
-    the model's order and through its own routes, on a (B, in_features) input: the matmul part
-    of a step with nothing else around it. Its weights stream from memory as in a real step.
+    the model's order, on a (B, in_features) input, called as the flat loop calls it
+    (`kernels/flat_forward.py`: the route of its tuned table, or the pinned one, looked up once per
+    pass); a Linear of another class (a quantized one) runs its own forward. Its weights stream
+    from memory as in a real step, so no step through these kernels can take less time.
     """
+    from minillm.kernels.flat_forward import _LINEARS, _linear, _router   # the step's own calls
+    check_int("batch", batch, 1)
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not lins:
         raise ValueError("model has no nn.Linear modules to time")
     g = torch.Generator().manual_seed(seed)
+    xs = {n: torch.randn(batch, n, generator=g).to(model.device, model.dtype)   # (B, in)
+          for n in sorted({m.in_features for m in lins})}
+    calls = [(m, xs[m.in_features], type(m) in _LINEARS and m.bias is None) for m in lins]
+
+    @torch.inference_mode()
+    def run():
+        route = _router(batch, model.dtype)
+        for m, x, plain in calls:
+            _linear(x, m, route) if plain else m(x)                  # (B, out)
+    return run
+
+
+def measure_decode_matmuls(model, batch_sizes=(1,), repeats: int = 3, seed: int = 0) -> list[float]:
+    """Median seconds of all of a decode step's projections alone (`decode_matmuls`), at each B."""
     out = []
     for i, b in enumerate(batch_sizes):
         check_int(f"batch_sizes[{i}]", b, 1)
-        xs = {n: torch.randn(b, n, generator=g).to(model.device, model.dtype)   # (B, in)
-              for n in {m.in_features for m in lins}}
-
-        def run():
-            for m in lins:
-                m(xs[m.in_features])                                  # (B, out)
-        with torch.inference_mode():
-            out.append(time_fn(run, model.device, repeat=repeats))
+        out.append(time_fn(decode_matmuls(model, b, seed), model.device, repeat=repeats))
     return out
 
 

@@ -37,6 +37,8 @@ HEADLINES = [
     Headline("decode", "batch8.minillm_tok_per_s", "decode, batch 8", "tok/s"),
     Headline("decode", "batch1.speedup_vs_transformers", "batch-1 decode vs transformers", "x"),
     Headline("decode", "batch1_fraction_of_floor", "batch-1 decode / bandwidth floor", "%", 100),
+    Headline("decode", "batch1_matmuls_fraction_of_floor",
+             "batch-1 decode's matmuls alone / bandwidth floor (the most its kernels allow)", "%", 100),
     Headline("decode", "batch8.minillm_engine_ms_per_step", "decode, batch 8 through the engine", "ms"),
     Headline("kernels", "decode_ms_per_token.auto", "batch-1 decode, minillm's default CPU routes", "ms"),
     Headline("kernels", "decode_ms_per_token.floor", "batch-1 decode floor (weights / read bandwidth)", "ms"),
