@@ -61,8 +61,8 @@ SELF_DRAFTS = {  # name -> (builder, description)
     "layer_skip": (lambda m: layer_skip_model(m, [12, 16, 20, 24]), "26 layers: skips 12, 16, 20, 24"),
     "early_exit": (lambda m: early_exit_model(m, 24), "first 24 of 30 layers"),
 }
-# min_ngram=2: on a CPU a 9-token verify costs about 1.5 1-token steps (decode_cpu.json,
-# forward_cost), so a proposal from a single-token match (often wrong) can cost more than it saves;
+# min_ngram=2: on a CPU a 9-token verify costs about 1.5-2.5 1-token steps (forward_cost in the
+# decode records, by machine), so a proposal from a single-token match (often wrong) can cost more than it saves;
 # on the recorded schedules 1- and 2-token matches predict the same speedup at K = 8.
 SETTINGS = {False: dict(max_new_tokens=64, k_ngram=8, min_ngram=2, k_draft=4, repeat=2,
                         draft_prompts=("summarize", "code_edit")),
