@@ -246,7 +246,16 @@ def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tm
         assert "matmuls_ms_per_step" not in part["batch8"]
     assert r["batch1_matmuls_fraction_of_floor"] == r["stored_once"]["batch1_matmuls_fraction_of_floor"]
     assert "matmuls_ms_per_step" in r["units"] and (tmp_path / "decode_cpu.json").exists()
-    assert decode.report(r).count("its matmuls alone") == 2
+    for part in (r["stored_once"], r["with_copies"]):
+        assert set(part["forward_cost"]["matmuls"]) == set(part["forward_cost"]["auto"]) == {"1", "2", "4"}
+        assert part["least_forward_ratio"] == decode.least_forward_ratio(part["forward_cost"])
+    assert decode.report(r).count("its matmuls alone") == 4
+
+
+def test_least_forward_ratio_adds_only_the_matmuls_growth_to_one_token():
+    from minillm.bench.decode import least_forward_ratio
+    cost = {"auto": {"1": 10.0, "9": 20.0, "64": 50.0}, "matmuls": {"1": 6.0, "9": 14.0, "64": 40.0}}
+    assert least_forward_ratio(cost) == {"1": 1.0, "9": 1.8, "64": 4.4}
 
 
 def test_data_paths_follow_the_project_or_the_environment_never_the_package(tmp_path, monkeypatch):

@@ -22,7 +22,9 @@ On a CPU the model runs the matmul routes tuned for this machine (`cpu_kernels`,
 once), then again with the routes that may keep a second, prepacked copy of a weight
 (`allow_copies=True`), whose extra bytes the record lists. `forward_cost` times one forward of
 1..64 new tokens after a 128-token context: the cost curve a decode batch, a speculative verify
-step and a prefill chunk pay.
+step and a prefill chunk pay; beside it, in the same rounds, the same forwards' matmuls alone,
+and from the two `least_forward_ratio`: how low forward(N) / forward(1) could go with these
+kernels if nothing but the matmuls grew with N.
 """
 import statistics
 import time
@@ -72,19 +74,32 @@ def _ms_per_token(runs: dict, n_new: int, device, repeat: int) -> dict:
 
 @torch.inference_mode()
 def forward_cost(model, rows=COST_ROWS, context: int = 128, rounds: int = 5,
-                 routes=("auto", "F.linear")) -> dict:
+                 routes=("auto", "F.linear"), matmuls: bool = False) -> dict:
     """Median ms of one forward over `rows` new tokens with `context` cached, per `Linear` route
-    ("auto": the model's tuned table); rounds interleave every case so drift spreads evenly."""
+    ("auto": the model's tuned table); rounds interleave every case so drift spreads evenly.
+    With `matmuls`, also "matmuls": the same forwards' matmuls alone (`decode_matmuls` at N rows,
+    the tuned routes), timed in the same rounds."""
     _, forward = prefilled(model, 1, context, max(rows))
-    samples = {(r, n): [] for r in routes for n in rows}
+    alone = {n: decode_matmuls(model, n) for n in rows} if matmuls else {}
+    samples = {(r, n): [] for r in routes for n in rows} | {("matmuls", n): [] for n in alone}
     for _ in range(rounds):
         for (route, n), times in samples.items():
             x = torch.ones(1, n, dtype=torch.long, device=model.device)
-            with linear_route(route):
+            with linear_route("auto" if route == "matmuls" else route):
                 t0 = time.perf_counter()
-                forward(x)
+                alone[n]() if route == "matmuls" else forward(x)
                 times.append(1e3 * (time.perf_counter() - t0))
-    return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows} for r in routes}
+    return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows}
+            for r in (*routes, *(["matmuls"] if alone else []))}
+
+
+def least_forward_ratio(cost: dict) -> dict:
+    """N -> the least forward(N) / forward(1) these matmul kernels allow: 1 + (matmuls(N) -
+    matmuls(1)) / forward(1), from `forward_cost(..., matmuls=True)`'s "auto" and "matmuls". A
+    forward over N tokens runs its matmuls at N rows and at least the other work of a 1-token
+    forward, so its time is at least forward(1) + matmuls(N) - matmuls(1)."""
+    auto, mm = cost["auto"], cost["matmuls"]
+    return {n: round(1 + (mm[n] - mm["1"]) / auto["1"], 2) for n in auto if n in mm}
 
 
 def transformers_run(hf, prompts: list[list[int]]):
@@ -167,7 +182,10 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                                                "turn with the batch-1 runs",
                         "batch1_matmuls_fraction_of_floor": "floor_ms_per_step / matmuls_ms_per_step: "
                                                             "the most of the floor these kernels allow",
-                        "forward_cost": "ms per forward of N new tokens (128 cached)"},
+                        "forward_cost": "ms per forward of N new tokens (128 cached); 'matmuls': "
+                                        "its matmuls alone at N rows, same rounds",
+                        "least_forward_ratio": "N -> 1 + (matmuls(N) - matmuls(1)) / forward(1): "
+                                               "the least forward(N) / forward(1) these kernels allow"},
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
               "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3)}
     configs = {"stored_once": False, "with_copies": True} if device.type == "cpu" else {"cuda": None}
@@ -176,7 +194,9 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
             accelerate(model, allow_copies=copies)
         part = _decode_rows(model, tok, hf, n_new, repeat, floor)
         part["forward_cost"] = forward_cost(model, rows=rows, rounds=1 if quick else 5,
-                                            routes=("auto", "F.linear") if copies is False else ("auto",))
+                                            routes=("auto", "F.linear") if copies is False else ("auto",),
+                                            matmuls=True)
+        part["least_forward_ratio"] = least_forward_ratio(part["forward_cost"])
         b1 = part["batch1"]
         part["batch1_fraction_of_floor"] = round(b1["floor_ms_per_step"] / b1["minillm_ms_per_step"], 3)
         part["batch1_matmuls_fraction_of_floor"] = round(b1["floor_ms_per_step"]
@@ -187,7 +207,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     del floor                                               # the buffer's memory back
     record.update(batch1=main["batch1"], batch8=main["batch8"], forward_cost=main["forward_cost"],
                   batch1_fraction_of_floor=main["batch1_fraction_of_floor"],
-                  batch1_matmuls_fraction_of_floor=main["batch1_matmuls_fraction_of_floor"])
+                  batch1_matmuls_fraction_of_floor=main["batch1_matmuls_fraction_of_floor"],
+                  least_forward_ratio=main["least_forward_ratio"])
     if device.type == "cpu":
         accelerate(model)                                   # leave the default routes behind
     record["machine"] = machine_info(device)
@@ -224,7 +245,11 @@ def report(r: dict) -> str:
                          f"{step - mm:.1f} ms")
         for route, cost in part["forward_cost"].items():
             one = cost["1"]
-            lines.append(f"  forward of N tokens / of 1 token, {route:>8}: "
+            what = "its matmuls alone" if route == "matmuls" else f"forward of N tokens, {route}"
+            lines.append(f"  {what:>26} / of 1 token: "
                          + " ".join(f"{n}:{ms / one:.2f}" for n, ms in cost.items())
                          + f" (1 token {one:.0f} ms)")
+        if "least_forward_ratio" in part:
+            lines.append("  the least forward(N) / forward(1) these kernels allow: "
+                         + " ".join(f"{n}:{v:.2f}" for n, v in part["least_forward_ratio"].items()))
     return "\n".join(lines)
