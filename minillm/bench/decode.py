@@ -246,7 +246,7 @@ def report(r: dict) -> str:
         for route, cost in part["forward_cost"].items():
             one = cost["1"]
             what = "its matmuls alone" if route == "matmuls" else f"forward of N tokens, {route}"
-            lines.append(f"  {what:>26} / of 1 token: "
+            lines.append(f"  {what:>29} / of 1 token: "
                          + " ".join(f"{n}:{ms / one:.2f}" for n, ms in cost.items())
                          + f" (1 token {one:.0f} ms)")
         if "least_forward_ratio" in part:
