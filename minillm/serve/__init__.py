@@ -13,7 +13,15 @@
     srv = start(llm); ...; srv.stop()                  # the same, across notebook cells
 
 `import minillm` does not import this package (Starlette and uvicorn load only when you serve).
+They come with the `serve` extra (`pip install "minillm[serve]"`); without it this import says so.
 """
+try:
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(f"minillm.serve needs {e.name}, which comes with the 'serve' extra: "
+                              f"pip install \"minillm[serve]\"", name=e.name) from e
+
 from minillm.serve.server import RunningServer, running, serve, start
 
 
