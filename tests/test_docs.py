@@ -1,0 +1,56 @@
+"""The front page and docs/ hold: README.md stays a front page (at most 10 KB), every relative
+link in it and in docs/ points at a file that exists, every `from minillm... import ...` line the
+docs show imports, and every `python -m ...` command they name is a module that exists."""
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+IMPORT = re.compile(r"^\s*from (minillm[\w.]*) import \(?([\w, ]+?)\)?\s*(?:#.*)?$", re.M)
+COMMAND = re.compile(r"python -m ((?:minillm|benchmarks)[\w.]*)")
+
+
+def test_readme_is_a_front_page():
+    assert (ROOT / "README.md").stat().st_size <= 10_000
+
+
+def test_the_docs_the_readme_promises_exist():
+    for name in ("api", "results", "exercises", "sources", "testing"):
+        assert (ROOT / "docs" / f"{name}.md").is_file(), name
+
+
+def _links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(page.read_text()) if "://" not in t and not t.startswith("#")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    broken = [t for t in _links(page) if not (page.parent / t.split("#")[0]).exists()]
+    assert broken == [], f"{page.name} links to missing files: {broken}"
+
+
+def test_the_link_check_can_fail(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("[a](there.md) [b](https://example.org) [c](#top)")
+    assert _links(page) == ["there.md"] and not (tmp_path / "there.md").exists()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_documented_import_works(page):
+    for module, names in IMPORT.findall(page.read_text()):
+        mod = importlib.import_module(module)
+        for name in (n.strip().split(" as ")[0] for n in names.split(",") if n.strip()):
+            assert hasattr(mod, name) or importlib.util.find_spec(f"{module}.{name}"), \
+                f"{page.name}: from {module} import {name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_documented_command_is_a_module(page):
+    for module in set(COMMAND.findall(page.read_text())):
+        module = module.rstrip(".")
+        assert importlib.util.find_spec(module) is not None, f"{page.name}: python -m {module}"
