@@ -1,7 +1,7 @@
-"""`python -m minillm.bench <name|all> [--quick] [--device cpu|cuda] [--out DIR]`.
+"""`python -m benchmarks <name|all> [--quick] [--device cpu|cuda] [--out DIR]`, from the checkout's top.
 
-`python -m minillm.bench serve ...` (load-test a running OpenAI-compatible server) and
-`python -m minillm.bench serve_compare ...` (minillm's server against `transformers serve`) take
+`python -m benchmarks serve ...` (load-test a running OpenAI-compatible server) and
+`python -m benchmarks serve_compare ...` (minillm's server against `transformers serve`) take
 their own flags (`--help` lists them); `all` leaves them out: they need servers.
 
 Each benchmark lives in its own module with `run(quick, device, out_dir) -> dict`, writes a JSON
@@ -14,18 +14,18 @@ import json
 import time
 
 BENCHMARKS = {
-    "decode": "minillm.bench.decode",       # ch 0: minillm vs transformers, batch 1 and 8
-    "roofline": "minillm.bench.roofline",   # ch 1: ceilings, matmul points, decode vs batch
-    "kernels": "minillm.bench.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
-    "serving": "minillm.bench.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
-    "spec": "minillm.bench.spec",           # ch 6: speculative decoding speedups vs theory
-    "spec_replay": "minillm.bench.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
-    "cuda_graphs": "minillm.bench.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
-    "overhead": "minillm.bench.overhead",   # ch 4: the engine's own cost per decode step
-    "quant": "minillm.bench.quant",         # ch 7: batch-1 decode per weight format vs its floor
-    "priority": "minillm.bench.priority",   # ch 8: priorities and SLOs, P95-driven token budget
-    "attention": "minillm.bench.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
-    "attention_decode": "minillm.bench.attention_decode",  # ch 9: paged / flash-decoding / SDPA decode, long context
+    "decode": "benchmarks.decode",       # ch 0: minillm vs transformers, batch 1 and 8
+    "roofline": "benchmarks.roofline",   # ch 1: ceilings, matmul points, decode vs batch
+    "kernels": "benchmarks.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
+    "serving": "benchmarks.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
+    "spec": "benchmarks.spec",           # ch 6: speculative decoding speedups vs theory
+    "spec_replay": "benchmarks.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
+    "cuda_graphs": "benchmarks.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
+    "overhead": "benchmarks.overhead",   # ch 4: the engine's own cost per decode step
+    "quant": "benchmarks.quant",         # ch 7: batch-1 decode per weight format vs its floor
+    "priority": "benchmarks.priority",   # ch 8: priorities and SLOs, P95-driven token budget
+    "attention": "benchmarks.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
+    "attention_decode": "benchmarks.attention_decode",  # ch 9: paged / flash-decoding / SDPA decode, long context
 }
 
 
@@ -42,7 +42,7 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
     return record
 
 
-CLIENTS = {"serve": "minillm.bench.serve", "serve_compare": "minillm.bench.serve_compare"}
+CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare"}
 
 
 def main(argv=None) -> None:
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     if argv and argv[0] in CLIENTS:             # their own argparse gets the rest of the line
         importlib.import_module(CLIENTS[argv[0]]).main(argv[1:])
         return
-    parser = argparse.ArgumentParser(prog="python -m minillm.bench", epilog="also: serve ... and "
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", epilog="also: serve ... and "
                                      "serve_compare ... (load tests of HTTP servers; see their --help)")
     parser.add_argument("name", choices=[*BENCHMARKS, "all"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite")

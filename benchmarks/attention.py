@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from minillm.attention import attention_reference, flash_attention
 from minillm.attention.memory import peak_bytes
-from minillm.bench.common import write_result
+from benchmarks.records import write_result
 
 H, HKV, D = 9, 3, 64
 MEMORY_N = (1024, 2048, 4096, 8192)
@@ -122,7 +122,7 @@ def run_prefill(quick: bool = False, out_dir=None, rounds: int = 3, memory: dict
 
 
 def run(quick: bool = False, device=None, out_dir=None) -> dict:
-    """`python -m minillm.bench attention`: part A (this file) on the CPU."""
+    """`python -m benchmarks attention`: part A (this file) on the CPU."""
     return run_prefill(quick=quick, out_dir=out_dir)
 
 

@@ -15,7 +15,7 @@ The probe uses only public names that both package layouts have (`tiny_model`, `
 Needs git and this repository's history (a clone has it; an installed wheel does not): anything
 else is a clear error, never a wrong number.
 
-    python -m minillm.bench.baseline [COMMIT]    # default: ISSUE_BASE
+    python -m benchmarks.baseline [COMMIT]    # default: ISSUE_BASE
 """
 import io
 import json
@@ -31,12 +31,17 @@ import minillm
 from minillm._validate import check_int
 
 ISSUE_BASE = "bc85599"            # the code issue 13 measured (2026-11-29)
+# The engine both processes time, and `python -m benchmarks overhead` too: batch sizes, the
+# shortest prompt (the others up to 7 tokens more) and the block size.
+BATCHES = (1, 8, 32)
+PROMPT_LEN = 8
+BLOCK_SIZE = 16
 
 # Run as `python -c PROBE ARGS_JSON` with the tree to time first on sys.path. It builds one
 # decoding engine per batch size, says which package it imported, then for every line "B" on
 # stdin times `steps` steps of the engine at batch B and answers their ms as one JSON line.
 # It must run on old package layouts too, so it cannot call `overhead.decoding_engine`: it builds
-# the same engine (prompt length and block size come from overhead.py's constants, in ARGS).
+# the same engine (prompt length and block size come from the constants above, in ARGS).
 PROBE = r"""
 import json, sys, time
 import torch
@@ -119,7 +124,6 @@ class Probe:
     """A fresh process holding decoding engines of the package under `tree`, timed on request."""
 
     def __init__(self, tree: Path, threads: int, batches, steps: int, total_steps: int):
-        from minillm.bench.overhead import BLOCK_SIZE, PROMPT_LEN
         args = json.dumps({"threads": threads, "batches": list(batches), "steps": steps,
                            "total_steps": total_steps, "n_layer": 30, "prompt_len": PROMPT_LEN,
                            "block_size": BLOCK_SIZE})
@@ -167,7 +171,7 @@ def compare(commit: str = ISSUE_BASE, rounds: int = 20, threads: int = 1, batche
     check_int("steps", steps, 1)
     check_int("warmup_rounds", warmup_rounds, 0)
     if batches is None:
-        from minillm.bench.overhead import BATCHES as batches     # bench overhead's sizes
+        batches = BATCHES                                      # bench overhead's sizes
     batches = tuple(batches)
     if not batches:
         raise ValueError("batches must list at least one batch size")
@@ -210,7 +214,7 @@ def report(r: dict) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) > 1 or (argv and argv[0].startswith("-")):
-        print(f"usage: python -m minillm.bench.baseline [COMMIT]   (default {ISSUE_BASE}: the "
+        print(f"usage: python -m benchmarks.baseline [COMMIT]   (default {ISSUE_BASE}: the "
               f"engine issue 13 measured)", file=sys.stderr)
         return 2
     try:

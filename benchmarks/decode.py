@@ -20,34 +20,30 @@ RoPE, attention, the cache, sampling, Python): what is short of the floor splits
 
 On a CPU the model runs the matmul routes tuned for this machine (`cpu_kernels`, weights stored
 once), then again with the routes that may keep a second, prepacked copy of a weight
-(`allow_copies=True`), whose extra bytes the record lists. `forward_cost` times one forward of
-1..64 new tokens after a 128-token context: the cost curve a decode batch, a speculative verify
-step and a prefill chunk pay; beside it, in the same rounds, the same forwards' matmuls alone,
-and from the two `least_forward_ratio`: how low forward(N) / forward(1) could go with these
-kernels if nothing but the matmuls grew with N.
+(`allow_copies=True`), whose extra bytes the record lists. `forward_cost`
+(`minillm.lab.forward_cost`) times one forward of 1..64 new tokens after a 128-token context: the
+cost curve a decode batch, a speculative verify step and a prefill chunk pay; beside it, in the
+same rounds, the same forwards' matmuls alone, and from the two `least_forward_ratio`: how low
+forward(N) / forward(1) could go with these kernels if nothing but the matmuls grew with N.
 """
 import statistics
-import time
 
 import torch
 from tqdm.auto import tqdm
 
-from minillm.bench.common import machine_info, prefilled, time_fn, write_result
-from minillm.model.chat import encode_chat
-from minillm.kernels.cpu_kernels import linear_route
-from minillm.kernels.cpu_tuning import accelerate, kernel_report
+from benchmarks.records import machine_info, write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.sequence import SamplingParams
+from minillm.kernels.cpu_tuning import accelerate, kernel_report
+from minillm.lab.common import time_fn
+from minillm.lab.forward_cost import COST_ROWS, forward_cost, least_forward_ratio
+from minillm.lab.measure import decode_matmuls, measure_bandwidth
+from minillm.lab.prompts import DECODE_PROMPTS as PROMPTS
+from minillm.model.chat import encode_chat
 from minillm.model.generate import generate, generate_batch
 from minillm.model.hf_convert import to_hf_model
 from minillm.model.loading import load_model
-from minillm.bench.measure import decode_matmuls, measure_bandwidth
-from minillm.engine.sequence import SamplingParams
 
-PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the sea.",
-           "What is the capital of France?", "Give three tips for learning to cook.",
-           "Why is the sky blue?", "Summarize the plot of Hamlet.",
-           "How do vaccines work?", "Describe a cat to someone who has never seen one."]
-COST_ROWS = (1, 2, 4, 9, 17, 33, 64)
 
 
 def _equal_length_prompts(tok, n: int) -> list[list[int]]:
@@ -70,36 +66,6 @@ def _ms_per_token(runs: dict, n_new: int, device, repeat: int) -> dict:
             t_1 = time_fn(lambda: run(1), device, warmup=0, repeat=1)
             samples[name].append(1e3 * (t_n - t_1) / (n_new - 1))
     return {name: statistics.median(ms) for name, ms in samples.items()}
-
-
-@torch.inference_mode()
-def forward_cost(model, rows=COST_ROWS, context: int = 128, rounds: int = 5,
-                 routes=("auto", "F.linear"), matmuls: bool = False) -> dict:
-    """Median ms of one forward over `rows` new tokens with `context` cached, per `Linear` route
-    ("auto": the model's tuned table); rounds interleave every case so drift spreads evenly.
-    With `matmuls`, also "matmuls": the same forwards' matmuls alone (`decode_matmuls` at N rows,
-    the tuned routes), timed in the same rounds."""
-    _, forward = prefilled(model, 1, context, max(rows))
-    alone = {n: decode_matmuls(model, n) for n in rows} if matmuls else {}
-    samples = {(r, n): [] for r in routes for n in rows} | {("matmuls", n): [] for n in alone}
-    for _ in range(rounds):
-        for (route, n), times in samples.items():
-            x = torch.ones(1, n, dtype=torch.long, device=model.device)
-            with linear_route("auto" if route == "matmuls" else route):
-                t0 = time.perf_counter()
-                alone[n]() if route == "matmuls" else forward(x)
-                times.append(1e3 * (time.perf_counter() - t0))
-    return {r: {str(n): round(statistics.median(samples[(r, n)]), 2) for n in rows}
-            for r in (*routes, *(["matmuls"] if alone else []))}
-
-
-def least_forward_ratio(cost: dict) -> dict:
-    """N -> the least forward(N) / forward(1) these matmul kernels allow: 1 + (matmuls(N) -
-    matmuls(1)) / forward(1), from `forward_cost(..., matmuls=True)`'s "auto" and "matmuls". A
-    forward over N tokens runs its matmuls at N rows and at least the other work of a 1-token
-    forward, so its time is at least forward(1) + matmuls(N) - matmuls(1)."""
-    auto, mm = cost["auto"], cost["matmuls"]
-    return {n: round(1 + (mm[n] - mm["1"]) / auto["1"], 2) for n in auto if n in mm}
 
 
 def transformers_run(hf, prompts: list[list[int]]):
@@ -159,7 +125,7 @@ def _decode_rows(model, tok, hf, n_new, repeat, floor=None) -> dict:
 
 
 def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) -> dict:
-    """Measure and write benchmarks/results/decode_<device>.json; return the record."""
+    """Measure and write <results_dir()>/decode_<device>.json; return the record."""
     if model is None:
         model, tok = load_model(device=device)
     device = model.device

@@ -18,23 +18,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.records import REPO_ROOT
 from minillm.model.config import get_config
 from minillm.model.loading import default_device, load_model
-from minillm.viz.plotting import project_root
 
 RANDOM_WEIGHTS = "random (real SmolLM2-135M architecture)"
 REAL_WEIGHTS = "SmolLM2-135M-Instruct"
 
 
 def tokenizer_dir() -> Path:
-    """build/smollm2_tokenizer of the project holding the current directory (ignored by git)."""
-    return project_root() / "build" / "smollm2_tokenizer"
-
-
-def __getattr__(name):          # TOKENIZER_DIR: the name of earlier versions, resolved when read
-    if name == "TOKENIZER_DIR":
-        return tokenizer_dir()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """build/smollm2_tokenizer of this checkout (ignored by git)."""
+    return REPO_ROOT / "build" / "smollm2_tokenizer"
 
 
 def has_real_weights() -> bool:

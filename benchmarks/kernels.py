@@ -7,15 +7,15 @@ lm_head shapes at 1-8 rows per route; and the tuned plan itself. Written to
 benchmarks/results/kernels_<device>.json, so chapter 1 can set two CPUs' tables side by side.
 GPUs have one route (F.linear): there the benchmark records that and stops.
 """
-from minillm.bench.decode import _equal_length_prompts, _ms_per_token, transformers_run
-from minillm.bench.common import machine_info, write_result
+from benchmarks.decode import _equal_length_prompts, _ms_per_token, transformers_run
+from benchmarks.records import machine_info, write_result
 from minillm.kernels.cpu_kernels import ROUTES, linear_route
 from minillm.kernels.cpu_tuning import CANDIDATES, accelerate, kernel_report
 from minillm.model.generate import generate
 from minillm.model.hf_convert import to_hf_model
 from minillm.model.loading import load_model
 from minillm.analysis.roofline import Hardware
-from minillm.bench.measure import measure_bandwidth, skinny_matmul_times
+from minillm.lab.measure import measure_bandwidth, skinny_matmul_times
 
 PINNED = [r for r in ROUTES if r != "auto"]
 

@@ -36,15 +36,14 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.bench.common import prefilled, write_result
+from benchmarks import baseline
+from benchmarks.baseline import BATCHES, BLOCK_SIZE, PROMPT_LEN   # the sizes both time
+from benchmarks.records import write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.kernels.flat_forward import FlatTransformer, flatten, unflatten
 from minillm.model.loading import tiny_model
 from minillm.engine.sequence import SamplingParams
-
-BATCHES = (1, 8, 32)
-PROMPT_LEN = 8             # tokens of the shortest prompt (the others up to 7 more)
-BLOCK_SIZE = 16
+from minillm.lab.common import prefilled
 
 
 def overhead_model(n_layer: int = 30, device=None):
@@ -151,7 +150,6 @@ def step_ms(model, batch: int, warmup: int = 3, steps: int = 20) -> dict:
 
 def _baseline(threads: int) -> dict:
     """baseline.compare against the issue's commit, or {"skipped": why} where it cannot run."""
-    from minillm.bench import baseline
     try:
         return baseline.compare(baseline.ISSUE_BASE, threads=threads)
     except (RuntimeError, ValueError) as e:          # no git, no history (a wheel, a shallow clone)
@@ -250,6 +248,5 @@ def report(r: dict) -> str:
     if base and "skipped" in base:
         lines.append(f"  against the engine of an earlier commit: skipped ({base['skipped']})")
     elif base:
-        from minillm.bench.baseline import report as baseline_report
-        lines.append("  " + baseline_report(base).replace("\n", "\n  "))
+        lines.append("  " + baseline.report(base).replace("\n", "\n  "))
     return "\n".join(lines)

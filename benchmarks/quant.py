@@ -6,7 +6,7 @@ numbers as int4 g32 here, read from the file instead). Each quantized one runs t
 ("fast", where `auto` found one) and the dequantize-then-matmul reference. Each format's floor
 is its weight bytes (`quantized_bytes`: one decode step reads every weight once, the fp32
 embedding as lm_head) over the read bandwidth measured in the same process. ms/token is
-(t(N new tokens) - t(1)) / (N - 1), as in `bench.decode`, so the prefill is not counted; each
+(t(N new tokens) - t(1)) / (N - 1), as in `benchmarks/decode.py`, so the prefill is not counted; each
 time is the fastest of a few runs, and the bandwidth the higher of two measurements.
 
 Left out on purpose: batch > 1 (the kernels' cost curve), gptq / awq (same format and speed as
@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from minillm.bench.common import machine_info, sync, write_result
-from minillm.bench.measure import measure_bandwidth
+from benchmarks.records import machine_info, write_result
+from minillm.lab.common import sync
+from minillm.lab.measure import measure_bandwidth
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
 from minillm.model.loading import load_model

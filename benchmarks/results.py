@@ -1,10 +1,11 @@
-"""The results ledger: headline numbers from benchmarks/results/*.json, for the README and notebooks.
+"""The results ledger: headline numbers from benchmarks/results/*.json, for docs/results.md.
 
-`python -m minillm.bench.results` rewrites the README's "Results" table (the lines between
+`python -m benchmarks.results` rewrites the results table of docs/results.md (the lines between
 `<!-- results:start -->` and `<!-- results:end -->`) from the committed JSON records, so no number
-in the README is typed by hand. `ledger_for(benchmark, metric_path)` gives notebooks the committed
-values of every device (the CPU run, the H200 run) with labels saying where each came from, to
-plot beside the reader's own measurement.
+in the docs is typed by hand; `python -m benchmarks.results --check` only says whether the table
+is up to date (exit status 1 when it is not). `ledger_for(benchmark, metric_path)` gives the
+committed values of every device (the CPU run, the H200 run) with labels saying where each came
+from.
 
 A metric path walks a record: "batch1.minillm_tok_per_s" is record["batch1"]["minillm_tok_per_s"],
 "decode.measured_s.0" is record["decode"]["measured_s"][0].
@@ -12,15 +13,16 @@ A metric path walks a record: "batch1.minillm_tok_per_s" is record["batch1"]["mi
 Left out on purpose: history (one record per benchmark and device: the latest run overwrites the
 file), statistics across runs, and any other output format than one markdown table.
 """
+import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from minillm.bench.common import results_dir as default_results_dir
-from minillm.viz.plotting import project_root
+from benchmarks.records import REPO_ROOT, results_dir as default_results_dir
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+RESULTS_PAGE = REPO_ROOT / "docs" / "results.md"
 
 
 @dataclass(frozen=True)
@@ -161,10 +163,11 @@ def results_table(records: list[dict], headlines: list[Headline] = HEADLINES) ->
     return "\n".join(rows)
 
 
-def update_readme(path=None, results_dir=None) -> bool:
-    """Rewrite the table between the markers in `path` (default: the project's README.md);
-    True when the file changed."""
-    path = Path(path) if path is not None else project_root() / "README.md"
+def update_table(path=None, results_dir=None, check: bool = False) -> bool:
+    """Rewrite the table between the markers in `path` (default: docs/results.md of this
+    checkout) from the records; True when the file changed (with `check`: when it would change,
+    and nothing is written)."""
+    path = Path(path) if path is not None else RESULTS_PAGE
     text = path.read_text()
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
         raise ValueError(f"{path} must hold exactly one {START} followed by one {END}")
@@ -172,7 +175,7 @@ def update_readme(path=None, results_dir=None) -> bool:
     _, tail = rest.split(END)
     table = results_table(load_ledger(results_dir))
     new = f"{head}{START}\n{table}\n{END}{tail}"
-    if new != text:
+    if new != text and not check:
         path.write_text(new)
     return new != text
 
@@ -198,19 +201,21 @@ def ledger_for(benchmark: str, metric_path: str, results_dir=None, scale: float 
     return out
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    path = Path(argv[0]) if argv else project_root() / "README.md"
-    changed = update_readme(path)
+def main(argv=None) -> int:
+    """`python -m benchmarks.results [--check] [PATH]` (PATH default: docs/results.md)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.results")
+    p.add_argument("path", nargs="?", default=None, help=f"default: {RESULTS_PAGE}")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the table is stale")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    path = Path(a.path) if a.path else RESULTS_PAGE
+    changed = update_table(path, check=a.check)
+    if a.check:
+        state = "out of date: run python -m benchmarks.results" if changed else "up to date"
+        print(f"{path}: results table {state}")
+        return int(changed)
     print(f"{path}: results table {'updated' if changed else 'already up to date'}")
-
-
-
-def __getattr__(name):          # README: the name of earlier versions, resolved when read
-    if name == "README":
-        return project_root() / "README.md"
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark for chapter 1: this machine's ceilings, matmul and real decode points on its roofline.
 
-`python -m minillm.bench roofline` (or `python -m minillm.bench.roofline [--quick]`) measures
+`python -m benchmarks roofline` (or `python -m benchmarks.roofline [--quick]`) measures
 bandwidth and matmul FLOP/s, times decode- and prefill-shaped matmuls of SmolLM2's MLP
 (d -> 2 d_ff), times real decode steps of SmolLM2-135M at several batch sizes B with S cached
 tokens, and writes benchmarks/results/roofline_<device>.json plus two figures beside it.
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.common import save_figure_beside, write_result
+from benchmarks.records import save_figure_beside, write_result
 from minillm.viz.plotting import use_headless_backend
 from minillm.analysis.roofline import decode_costs, step_time, total_cost
-from minillm.bench.measure import (decode_breakdown, matmul_points, measure_decode_steps,
+from minillm.lab.measure import (decode_breakdown, matmul_points, measure_decode_steps,
                                       measure_hardware)
 
 
-def run(quick: bool = False, device=None, out_dir="benchmarks/results",
+def run(quick: bool = False, device=None, out_dir=None,
         num_threads: int | None = None, model=None) -> dict:
     """Measure, compare with the roofline, write JSON + figures; returns the JSON dict.
 

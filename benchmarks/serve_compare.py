@@ -1,4 +1,4 @@
-"""`python -m minillm.bench serve_compare`: minillm's server against `transformers serve
+"""`python -m benchmarks serve_compare`: minillm's server against `transformers serve
 --continuous-batching`, same model, same client, same load, one after the other on this machine.
 
 Each server runs as a subprocess on a free loopback port (`server_process`): started, waited for
@@ -30,8 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from minillm.bench.serve import benchmark, jsonable, sweep, sweep_table
-from minillm.bench.server_process import free_port, server_process
+from minillm.lab.loadgen import benchmark, jsonable, sweep, sweep_table
+from benchmarks.server_process import free_port, server_process
 
 SERVERS = ("minillm", "transformers")
 MINILLM_NAME = "smollm2-135m"
@@ -60,7 +60,7 @@ def hf_folder_ready(folder: Path | None) -> Path:
     from minillm.model.loading import cache_dir
     folder = Path(folder) if folder else cache_dir() / "smollm2-135m-hf"
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        from minillm.bench.hf_folder import save_hf_folder
+        from benchmarks.hf_folder import save_hf_folder
         save_hf_folder(folder)
     return folder
 
@@ -112,7 +112,7 @@ def compare(servers=SERVERS, fractions=(0.5, 1.0), num_prompts: int = 24, max_to
             sweeps[kind] = sweep_one(kind, rates, fractions, load, device, folder,
                                      (extra or {}).get(kind, ()), Path(logs))
             rates = sweeps[kind]["rates"]
-    from minillm.bench.serve_metrics import UNITS
+    from minillm.lab.serve_metrics import UNITS
     payload = {"units": UNITS, "servers": sweeps, "load": load, "fractions_of_first_saturation": list(fractions),
                "targets": targets(sweeps, fractions), "note": "loads run one server at a time"}
     _write(payload, out_dir)
@@ -120,7 +120,7 @@ def compare(servers=SERVERS, fractions=(0.5, 1.0), num_prompts: int = 24, max_to
 
 
 def _write(payload: dict, out_dir) -> None:
-    from minillm.bench.common import save_figure_beside, write_result
+    from benchmarks.records import save_figure_beside, write_result
     from minillm.viz.plotting import use_headless_backend
     from minillm.viz.serve import latency_vs_load_plot
     use_headless_backend()
@@ -134,7 +134,7 @@ def _write(payload: dict, out_dir) -> None:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m minillm.bench serve_compare")
+    p = argparse.ArgumentParser(prog="python -m benchmarks serve_compare")
     p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
     p.add_argument("--fractions", nargs="+", type=float, default=[0.5, 1.0],
                    help="offered rates as fractions of the first server's saturation rate")

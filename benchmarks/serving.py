@@ -15,7 +15,7 @@
    requests (the per-token TPOT a user feels) and their mean per-request TPOT, with and without
    chunking, plus the long prompt's TTFT.
 
-    python -m minillm.bench serving          # or: python -m minillm.bench.serving [--quick]
+    python -m benchmarks serving          # or: python -m benchmarks.serving [--quick]
 """
 import math
 import time
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from minillm.bench.common import save_figure_beside, write_result
+from benchmarks.records import save_figure_beside, write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.viz.serving import step_time_plot, throughput_bars
-from minillm.bench.workloads import long_prompt_workload, poisson_workload, replay
+from minillm.lab.workloads import long_prompt_workload, poisson_workload, replay
 
 SETTINGS = {  # quick: a smoke run of a minute or two; full: the numbers in the chapters
     # 256 requests: enough that continuous batching reaches its steady state (a full batch) instead
@@ -154,7 +154,7 @@ def stall(model, s: dict, chunks=None, seed: int = 0) -> tuple[dict, dict]:
     return runs, traces
 
 
-def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=None) -> dict:
+def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
     """Both benchmarks; writes serving_<device>.json and two figures beside it; returns the record."""
     if model is None:
         from minillm.model.loading import load_model

@@ -20,59 +20,21 @@ Generation stops at the chat end-of-turn token, the same for every method; greed
 output is checked to be identical to plain output. Times are the best of `repeat` runs; measure
 on a quiet machine (`--threads=N` pins torch's thread count).
 
-    python -m minillm.bench spec [--quick]
+    python -m benchmarks spec [--quick]
 """
-import time
-
 import torch
 
-from minillm.bench.common import save_figure_beside, write_result
-from minillm.bench.spec_costs import _best, forward_times, prefill_times  # noqa: F401 (public here too)
+from benchmarks.records import save_figure_beside, write_result
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
 from minillm.model.hf_convert import to_hf_model
 from minillm.model.loading import default_device, load_model
-from minillm.spec.proposers import (DraftModelProposer, NgramProposer, bf16_copy, early_exit_model,
-                        layer_skip_model)
+from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.loop import SpecStats, speculative_generate
 from minillm.analysis.spec_theory import expected_speedup, free_verify_costs, speedup_with_prefill
-
-PROMPTS = {
-    "summarize": "Text: The city council met on Tuesday to discuss the new bike lanes on Main Street. "
-    "Council members agreed that the lanes will be painted green and separated from traffic by a "
-    "low curb. Work starts in March and should finish by the end of May. Shop owners asked for "
-    "loading zones, and the council promised two loading zones near the market.\n\nSummarize the "
-    "text above in three sentences, reusing its exact wording where possible.",
-    "rewrite": "Rewrite the following paragraph, changing only the word 'cat' to 'dog' everywhere "
-    "and keeping everything else the same:\n\nThe cat sat by the window every morning. The cat "
-    "watched the birds in the garden and waited for the sun. When the sun came out, the cat "
-    "stretched, yawned, and walked slowly to the kitchen to ask for breakfast.",
-    "extract": "Here are some records:\nName: Alice Smith, Email: alice.smith@example.com, City: "
-    "Paris\nName: Bob Jones, Email: bob.jones@example.com, City: Berlin\nName: Carol White, Email: "
-    "carol.white@example.com, City: Madrid\nName: David Brown, Email: david.brown@example.com, "
-    "City: Rome\n\nList every name with its email, one per line, in the format 'Name - Email'.",
-    "code_edit": "Here is a Python function:\n\ndef total_price(items, tax_rate):\n    total = 0\n"
-    "    for item in items:\n        total = total + item.price * item.quantity\n    total = total "
-    "* (1 + tax_rate)\n    return round(total, 2)\n\nRename the variable 'total' to 'subtotal' and "
-    "return the complete edited function.",
-}
-SELF_DRAFTS = {  # name -> (builder, description)
-    "bf16": (bf16_copy, "all 30 layers in bfloat16"),
-    "layer_skip": (lambda m: layer_skip_model(m, [12, 16, 20, 24]), "26 layers: skips 12, 16, 20, 24"),
-    "early_exit": (lambda m: early_exit_model(m, 24), "first 24 of 30 layers"),
-}
-# min_ngram=2: on a CPU a 9-token verify costs about 1.5-2.5 1-token steps (forward_cost in the
-# decode records, by machine), so a proposal from a single-token match (often wrong) can cost more than it saves;
-# on the recorded schedules 1- and 2-token matches predict the same speedup at K = 8.
-SETTINGS = {False: dict(max_new_tokens=64, k_ngram=8, min_ngram=2, k_draft=4, repeat=2,
-                        draft_prompts=("summarize", "code_edit")),
-            True: dict(max_new_tokens=24, k_ngram=8, min_ngram=2, k_draft=4, repeat=1,
-                       draft_prompts=("summarize",))}
-# The one n-gram setup of chapter 6: the notebook's own run, this benchmark and the ceiling replayed
-# from benchmarks/spec_schedule.json (recorded with max_new_tokens = 64) all use it.
-NGRAM_SETUP = dict(max_new_tokens=SETTINGS[False]["max_new_tokens"],
-                   num_speculative_tokens=SETTINGS[False]["k_ngram"],
-                   min_ngram=SETTINGS[False]["min_ngram"])
+from minillm.lab.prompts import SELF_DRAFTS, SPEC_PROMPTS as PROMPTS, SPEC_SETTINGS as SETTINGS
+from minillm.lab.spec_costs import best_time, forward_times, prefill_times, small_batch
+from minillm.lab.spec_report import report  # noqa: F401  (`python -m benchmarks spec` prints it)
 
 
 def _hf_generate(hf, ids, n, stop, **kw) -> list[int]:
@@ -110,7 +72,7 @@ def _spec_entry(t_plain, t_spec, out, ref, st: SpecStats, k, c, v, t1, prefill, 
             "verify_cost_loop": st.verify_s / steps / t1}
 
 
-def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=None, tok=None,
+def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None,
         num_threads: int | None = None) -> dict:
     s = SETTINGS[quick]
     if num_threads:
@@ -145,18 +107,18 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
         pre = prefill_times({"target": model, **(drafts if name in s["draft_prompts"] else {})}, len(ids))
         pre = {m: t / t1 for m, t in pre.items()}
         result["costs"].setdefault("prefill_cost", {})[name] = pre
-        t_plain, ref = _best(lambda: generate(model, ids, N, stop_token_ids=stop), rep)
+        t_plain, ref = best_time(lambda: generate(model, ids, N, stop_token_ids=stop), rep)
         st = SpecStats()
         ngram = NgramProposer(min_ngram=s["min_ngram"])
-        t_spec, out = _best(lambda: speculative_generate(model, ngram, ids, N, Kn,
+        t_spec, out = best_time(lambda: speculative_generate(model, ngram, ids, N, Kn,
                                                          stop_token_ids=stop, stats=st), rep)
         st = _first_run(st, rep)
         entry = _spec_entry(t_plain, t_spec, out, ref, st, Kn, 0.0, verify[Kn], t1, pre["target"])
         # the same cost model fed with the steps that actually ran (k varies with the matches)
         step_cost = sum(verify[k] if k else 1.0 for k in st.num_proposed)
         entry["predicted_from_steps"] = speedup_with_prefill(len(out), len(out) / step_cost, pre["target"])
-        t_hf, hf_ref = _best(lambda: _hf_generate(hf, ids, N, stop), rep)
-        t_hf_pl, hf_out = _best(lambda: _hf_generate(hf, ids, N, stop, prompt_lookup_num_tokens=Kn,
+        t_hf, hf_ref = best_time(lambda: _hf_generate(hf, ids, N, stop), rep)
+        t_hf_pl, hf_out = best_time(lambda: _hf_generate(hf, ids, N, stop, prompt_lookup_num_tokens=Kn,
                                                      max_matching_ngram_size=3), rep)
         entry.update(plain_seconds=t_plain, plain_tokens=len(ref), hf_plain_seconds=t_hf,
                      hf_tokens=len(hf_ref), hf_prompt_lookup_seconds=t_hf_pl,
@@ -166,7 +128,7 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
             continue
         for dname, draft in drafts.items():
             st = SpecStats()
-            t_spec, out = _best(lambda: speculative_generate(
+            t_spec, out = best_time(lambda: speculative_generate(
                 model, DraftModelProposer(draft), ids, N, Kd, stop_token_ids=stop, stats=st), rep)
             st = _first_run(st, rep)
             # the first draft forward of a step feeds 2 tokens after a fully accepted step (p = a^K)
@@ -174,7 +136,7 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
             c_eff = cost[dname] + (cost2[dname] - cost[dname]) * full / Kd
             entry = _spec_entry(t_plain, t_spec, out, ref, st, Kd, c_eff, verify[Kd], t1,
                                 pre["target"], pre[dname])
-            t_hf_a, _ = _best(lambda: _hf_generate(hf, ids, N, stop, assistant_model=hf_drafts[dname]), rep)
+            t_hf_a, _ = best_time(lambda: _hf_generate(hf, ids, N, stop, assistant_model=hf_drafts[dname]), rep)
             entry.update(hf_speedup=t_hf / t_hf_a)
             result["self_drafts"][dname]["prompts"][name] = entry
     result["small_batch"] = small_batch(model, [encode_chat(tok, t) for t in PROMPTS.values()], stop, s)
@@ -184,45 +146,6 @@ def run(quick: bool = False, device=None, out_dir="benchmarks/results", model=No
     save_figure_beside(plot_spec_benchmark(result), path, "spec")
     result["path"] = str(path)
     return result
-
-
-def small_batch(model, prompts: list[list[int]], stop: list[int], s: dict) -> dict:
-    """All prompts served together by the engine (max_num_seqs = len(prompts)), greedy: plain
-    continuous batching vs the same engine with n-gram drafts. One verify pass now carries
-    B x (K + 1) tokens against B tokens for a plain step. "acceptance" here is the engine's
-    accepted / drafted tokens (`RequestOutput.metrics`), not the per-token rate a of the batch-1
-    runs (`spec_theory.estimate_acceptance`), which counts only the drafts actually tested: the
-    same summarize run is 34/64 = 0.53 one way and 34/39 = 0.87 the other."""
-    from minillm.engine.llm_engine import EngineConfig, LLMEngine
-    from minillm.engine.sequence import SamplingParams
-    params = SamplingParams(max_tokens=s["max_new_tokens"], stop_token_ids=stop)
-    B, res = len(prompts), {}
-    configs = {"plain": EngineConfig(max_num_seqs=B, max_num_batched_tokens=512),
-               "ngram": EngineConfig(max_num_seqs=B, max_num_batched_tokens=512,
-                                     num_speculative_tokens=s["k_ngram"], speculative_method="ngram",
-                                     prompt_lookup_min=s["min_ngram"])}
-    outs = {}
-    for _ in range(s["repeat"]):                       # interleaved, best of `repeat`
-        for label, cfg in configs.items():
-            engine = LLMEngine(model, cfg)
-            t0 = time.perf_counter()
-            outs[label] = engine.generate(prompts, params)
-            wall = time.perf_counter() - t0
-            if wall < res.get(label, {}).get("seconds", float("inf")):
-                tokens = sum(len(o.token_ids) for o in outs[label])
-                res[label] = {"seconds": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-                              "steps": len(engine.trace)}
-    m = [o.metrics for o in outs["ngram"]]
-    # "acceptance*" keys: accepted / drafted (kept for older records; accepted_fraction* the same)
-    res["ngram"]["acceptance_per_request"] = [x.accepted_fraction for x in m]
-    res["ngram"]["accepted_fraction_per_request"] = res["ngram"]["acceptance_per_request"]
-    res["ngram"]["acceptance"] = (sum(x.num_accepted_tokens for x in m)
-                                  / max(1, sum(x.num_draft_tokens for x in m)))
-    res["ngram"]["accepted_fraction"] = res["ngram"]["acceptance"]
-    res["batch"] = B
-    res["same_as_plain"] = [o.token_ids for o in outs["ngram"]] == [o.token_ids for o in outs["plain"]]
-    res["speedup"] = res["ngram"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
-    return res
 
 
 def _summarize(result: dict) -> None:
@@ -247,37 +170,6 @@ def _summarize(result: dict) -> None:
                              "c", "verify_cost", "draft_prefill_cost", "c_loop", "verify_cost_loop",
                              "hf_speedup", "measured_over_predicted")}
             d["summary"]["all_same"] = all(e["same_as_plain"] for e in es)
-
-
-def report(r: dict) -> str:
-    """The record as text. `alpha` is the per-token estimate (`SpecStats.alpha_estimate`, the
-    JSON's "acceptance" of batch-1 entries); "predicted from alpha" = the i.i.d. formula, "from the
-    steps run" = the same costs applied to the steps the run actually took."""
-    lines = ["n-gram (prompt lookup), K = %d:" % r["settings"]["k_ngram"]]
-    for name, e in r["ngram"].items():
-        lines.append(f"  {name:>10}: alpha={e['acceptance']:.2f} tokens/step={e['tokens_per_step']:.2f} "
-                     f"speedup {e['speedup']:.2f}x (predicted {e['predicted']:.2f}x from alpha, "
-                     f"{e['predicted_from_steps']:.2f}x from the steps run) | transformers "
-                     f"prompt lookup {e['hf_speedup']:.2f}x | identical={e['same_as_plain']}")
-    sm = r["ngram_summary"]
-    lines.append(f"  all prompts: minillm {sm['speedup']:.2f}x, transformers {sm['hf_speedup']:.2f}x; "
-                 f"ceiling of these schedules with v = 1 and free drafts {sm['ceiling_v1']:.2f}x")
-    lines.append("self-drafts, K = %d:" % r["settings"]["k_draft"])
-    for name, d in r["self_drafts"].items():
-        if "summary" in d:
-            m = d["summary"]
-            lines.append(f"  {name:>10} ({d['description']}): alpha={m['acceptance']:.2f} c={m['c']:.2f} "
-                         f"v={m['verify_cost']:.2f} draft prefill={m['draft_prefill_cost']:.1f} steps | "
-                         f"measured {m['speedup']:.2f}x predicted {m['predicted']:.2f}x "
-                         f"(decode only {m['predicted_decode']:.2f}x, ideal v=1 {m['predicted_ideal']:.2f}x)"
-                         f" | transformers assisted {m['hf_speedup']:.2f}x")
-    if "small_batch" in r:
-        b = r["small_batch"]
-        lines.append(f"batch of {b['batch']} in the engine, n-gram K = {r['settings']['k_ngram']}: "
-                     f"{b['plain']['tokens_per_s']:.1f} -> {b['ngram']['tokens_per_s']:.1f} tokens/s = "
-                     f"{b['speedup']:.2f}x (accepted/drafted {b['ngram']['acceptance']:.2f}, "
-                     f"identical={b['same_as_plain']})")
-    return "\n".join(lines + ([f"wrote {r['path']}"] if r.get("path") else []))
 
 
 def main(args=None) -> dict:

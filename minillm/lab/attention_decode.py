@@ -1,4 +1,4 @@
-"""Benchmark for chapter 9: decode attention alone at long context, three ways, in one process.
+"""Chapter 9: decode attention alone at long context, three ways, in one process.
 
 One layer of SmolLM2-135M's shape (H 9, Hkv 3, D 64), B sequences of S cached tokens each, one
 new query per sequence:
@@ -11,8 +11,8 @@ run in interleaved rounds (every point and variant once per round), so the bandw
 shared machine spreads over all of them; the record keeps per-round medians and the ratios
 paged/sdpa and flashdec/sdpa taken within each round.
 
-`run_decode(...)` returns the record; `write_result("attention_decode", ...)` is the caller's
-(`minillm/bench/long_context.py` adds the real model's step shares and writes both).
+`run_decode(...)` returns the table; the benchmark (`python -m benchmarks attention_decode`) adds
+the real model's step shares (`long_context.py`) and writes both.
 Left out on purpose: ragged batches (SDPA over a contiguous cache has one length) and
 quantized KV.
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from minillm.attention.backend_tuning import decode_step, decode_threshold
 from minillm.attention.flash_decoding import CHUNK
-from minillm.bench.common import time_fn
+from minillm.lab.common import time_fn
 
 CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
 BATCHES = (1, 8)
@@ -100,42 +100,3 @@ def decode_table(record: dict) -> str:
         lines.append(f'"auto" uses flash-decoding from {record.get("auto_threshold_keys")} keys '
                      f"(batch x context) on this machine (None: never)")
     return "\n".join(lines)
-
-
-def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None = 1,
-        prefill_lengths=None) -> dict:
-    """The decode-attention table, then the real model's long-context shares; writes
-    `attention_decode_<device>.json` and returns the record. num_threads=1 by default: on a
-    shared machine one thread gives steadier ratios (threads that wait on busy cores spin)."""
-    import os
-    from minillm.bench.common import write_result
-    from minillm.bench.long_context import PREFILL_LENGTHS, run_long_context
-    from minillm.bench.measure import measure_hardware
-    from minillm.model.loading import load_model
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    load_before = os.getloadavg()[0]
-    contexts = (128, 1024, 8192) if quick else CONTEXTS
-    table = run_decode(contexts, rounds=2 if quick else 3, repeat=2 if quick else 3)
-    hw = measure_hardware("cpu", quick=True, dtypes=("fp32",), progress=False)
-    model, _ = load_model(device="cpu")
-    prefill = prefill_lengths or ((128, 512) if quick else PREFILL_LENGTHS)
-    longctx = run_long_context(model, hw, contexts, prefill, rounds=2 if quick else 3,
-                               repeat=2 if quick else 3)
-    record = {"quick": quick, "decode_attention": table, "long_context": longctx,
-              "load_avg_1min": [load_before, os.getloadavg()[0]],
-              "units": {"*_ms": "ms (median over rounds of medians)", "*_over_sdpa": "ratio, "
-                        "median over rounds", "context": "tokens cached", "tokens": "prefill tokens",
-                        "share": "attention time / step time", "share_by_difference":
-                        "(step(S) - step(base_context)) / step(S)", "roofline_share":
-                        "attention's predicted share of the roofline step time",
-                        "kv_over_weight_bytes": "KV bytes at that context / weight bytes (fp32)",
-                        "crossover_tokens": "context where KV bytes reach the weight bytes",
-                        "mem_bandwidth": "bytes/s", "peak_flops": "FLOP/s",
-                        "load_avg_1min": "runnable processes, 1-minute average, before and after"}}
-    return {**record, "path": str(write_result("attention_decode", record, "cpu", out_dir))}
-
-
-def report(record: dict) -> str:
-    from minillm.bench.long_context import long_context_table
-    return decode_table(record["decode_attention"]) + "\n" + long_context_table(record["long_context"])

@@ -14,12 +14,13 @@ when s <= p), so one captured graph is valid at any position.
 
 Letters: B batch, T new tokens, S_max cache slots, H heads, Hkv kv heads, D head dim, V vocab.
 
+The benchmark (`python -m benchmarks cuda_graphs`, and the GPU script) writes the record.
 Left out on purpose: torch.compile, graphs for prefill or for several batch sizes (vLLM captures
 one graph per batch size), paged caches in graphs, and attention that skips the masked slots.
 """
 import torch
 
-from minillm.model.kv_cache import StaticKVCache  # noqa: F401  (its old home was here)
+from minillm.model.kv_cache import KVCache, StaticKVCache
 
 
 def forward_static(model, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -84,7 +85,6 @@ def _time_loop(step, first: torch.Tensor, steps: int, device) -> float:
 @torch.inference_mode()
 def measure_launch_overhead(model, steps: int = 64, prompt_len: int = 16, seed: int = 0) -> dict:
     """Batch-1 greedy decode, ms/step: eager with KVCache, eager with StaticKVCache, graph replay."""
-    from minillm.model.kv_cache import KVCache
     if not isinstance(steps, int) or not 1 <= steps <= 4096:
         raise ValueError(f"steps must be an int in [1, 4096], got {steps!r}")
     device = _require_cuda(model)
@@ -123,24 +123,3 @@ def measure_launch_overhead(model, steps: int = 64, prompt_len: int = 16, seed: 
             "graph_ms_per_step": results["graph"],
             "graph_speedup": results["eager_kvcache"] / results["graph"],
             "graph_max_abs_diff_vs_eager": (graph_logits - eager_logits).abs().max().item()}
-
-
-def run(quick: bool = False, device=None, out_dir=None) -> dict:
-    """Benchmark entry point (`bench` dispatcher protocol): writes cuda_graphs_<gpu>.json.
-
-    On a machine without CUDA it writes nothing and returns {"skipped": reason}.
-    """
-    from minillm.bench.common import write_result
-    from minillm.bench.gpu_model import bench_model
-    from minillm.model.loading import default_device
-    device = torch.device(device) if device is not None else default_device()
-    if device.type != "cuda" or not torch.cuda.is_available():
-        print("cuda_graphs: skipped, CUDA graphs need a CUDA device")
-        return {"benchmark": "cuda_graphs", "skipped": "CUDA graphs need a CUDA device"}
-    model, _, weights = bench_model(device)                  # bf16 on cuda
-    record = measure_launch_overhead(model, steps=16 if quick else 64)
-    record.update(quick=quick, weights=weights)
-    record["path"] = str(write_result("cuda_graphs", record, device, out_dir))
-    print(f"cuda_graphs: eager {record['eager_ms_per_step']:.3f} ms/step, graph "
-          f"{record['graph_ms_per_step']:.3f} ms/step -> {record['graph_speedup']:.2f}x")
-    return record

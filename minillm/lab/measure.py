@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minillm._validate import check_int
-from minillm.bench.common import time_fn
+from minillm.lab.common import time_fn
 from minillm.model.loading import default_device
 from minillm.model.config import ModelConfig
 from minillm.analysis.roofline import (Hardware, OpCost, decode_costs, dtype_bytes, dtype_name,

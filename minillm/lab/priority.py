@@ -1,6 +1,7 @@
-"""Priorities and SLOs (chapter 8), real model: what `scheduling_policy="priority"` buys
+"""Priorities and SLOs (chapter 8): what `scheduling_policy="priority"` buys
 interactive traffic, and seed 001's P95-driven choice of `max_num_batched_tokens`.
 
+Both parts as the benchmark runs them:
 1. A mix of interactive requests (short prompts and outputs, priority 0, a tight TTFT target)
    and batch requests (long outputs, priority 2), Poisson arrivals on the step clock (the same
    arrivals on every machine), served with fcfs and with priority (SEED_CLASSES, their bounds
@@ -19,36 +20,21 @@ TPOT <= 6 t1 (`SLO_STEPS`). So the targets scale with the machine and no constan
 decides anything. Every step's time is wall clock: on a shared machine the seconds are noisy,
 the step counts are not.
 
-    python -m minillm.bench priority [--quick]
+The benchmark (`python -m benchmarks priority [--quick]`) runs both on the real model and
+writes the record; chapter 8 calls these functions on its own mix.
 
 Left out on purpose: a closed-loop controller that retunes a live server (the sweep shows the
 rule; the server can apply it), and the standard class (the mix has two kinds of traffic).
 """
-import time
-
 import numpy as np
 
-from minillm.bench.common import save_figure_beside, write_result
-from minillm.bench.workloads import priority_mix_workload, replay
+from minillm.lab.workloads import priority_mix_workload, replay
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.priority import SEED_CLASSES
 from minillm.engine.sequence import SamplingParams
 
 SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot": 6}}
 CLASS_OF = {c.priority: c.name for c in SEED_CLASSES}
-SETTINGS = {  # quick: a smoke run under a minute on 2 cores; full: the recorded numbers
-    # kinds: (prompt_len range, output_len range, priority) of each kind of traffic
-    False: dict(num_requests=64, seats=8, load=0.9, budget=64, budgets=(16, 32, 64, 128),
-                kinds=dict(interactive=((8, 32), (4, 16), 0), batch=((32, 96), (32, 64), 2))),
-    True: dict(num_requests=10, seats=4, load=0.9, budget=16, budgets=(8, 32),
-               kinds=dict(interactive=((4, 12), (2, 4), 0), batch=((8, 24), (6, 10), 2))),
-}
-
-UNITS = {"solo_step_s / targets_s / seconds": "seconds", "ttft_* / tpot_*": "seconds per request (p50, p95, p99)",
-         "*_steps*": "engine steps", "goodput_rps": "requests per second meeting both targets",
-         "tokens_per_s": "generated tokens per second", "slo_steps": "targets in solo steps"}
-
-
 SEED_STEP_S = 0.025   # the step the seed's bounds are read against (an assumption, not a measurement)
 
 
@@ -164,73 +150,3 @@ def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name=
         rows[-1]["meets"] = rows[-1]["tpot_p95"] <= sla_tpot_p95
     ok = [r["budget"] for r in rows if r["meets"]]
     return {"sla_tpot_p95": sla_tpot_p95, "rows": rows, "chosen": max(ok) if ok else None}
-
-
-def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
-    """Both parts; writes priority_<device>.json and a figure beside it; returns the record."""
-    if model is None:
-        from minillm.model.loading import load_model
-        model, _ = load_model(device=device)
-    s = SETTINGS[bool(quick)]
-    t0 = time.perf_counter()
-    t1 = solo_step_seconds(model)
-    targets = {k: {m: v * t1 for m, v in d.items()} for k, d in SLO_STEPS.items()}
-    work = mix(model, s)
-    classes = scaled_classes(t1)
-    res = {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items() if k != "kinds"},
-           "kinds": {k: [list(x) if isinstance(x, tuple) else x for x in v] for k, v in s["kinds"].items()},
-           "solo_step_s": t1, "slo_steps": SLO_STEPS, "targets_s": targets, "policies": {}}
-    for policy in ("fcfs", "priority"):
-        outs, engine = serve(model, work, policy, s["budget"], s["seats"], classes)
-        res["policies"][policy] = class_table(outs, work, engine, targets)
-        res["policies"][policy]["priority_preemptions"] = getattr(
-            engine.scheduler, "num_priority_preemptions", 0)
-    f, p = res["policies"]["fcfs"]["interactive"], res["policies"]["priority"]["interactive"]
-    res["ratios"] = {"interactive_ttft_p95_fcfs_over_priority": f["ttft_p95"] / p["ttft_p95"],
-                     "interactive_goodput_priority_over_fcfs":
-                         p["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else None}
-    res["tuning"] = tune_budget(model, work, s["budgets"], targets["interactive"]["tpot"], s["seats"],
-                                classes=classes)
-    res["classes"] = [c.__dict__ for c in classes]
-    res["seconds"] = time.perf_counter() - t0
-    res["units"] = UNITS
-    path = write_result("priority", res, device=next(model.parameters()).device, out_dir=out_dir)
-    from minillm.viz.serving import priority_plot
-    save_figure_beside(priority_plot(res), path, "priority")
-    print(f"wrote {path}")
-    return res
-
-
-def report(res: dict) -> str:
-    lines = [f"solo step {res['solo_step_s'] * 1e3:.1f} ms; targets (s): "
-             + ", ".join(f"{k} ttft {v['ttft']:.3f} tpot {v['tpot']:.3f}" for k, v in res["targets_s"].items())]
-    for policy, table in res["policies"].items():
-        for name, r in table.items():
-            if isinstance(r, dict):
-                lines.append(f"{policy:8s} {name:11s} n={r['n']:3d} ttft p50/p95/p99 "
-                             f"{r['ttft_p50']:.3f}/{r['ttft_p95']:.3f}/{r['ttft_p99']:.3f} s "
-                             f"({r['ttft_steps_p50']:.0f}/{r['ttft_steps_p95']:.0f}/{r['ttft_steps_p99']:.0f} steps) "
-                             f"tpot p95 {r['tpot_p95'] or 0:.3f} s  met {r['met']}/{r['n']} promoted {r['promoted']} "
-                             f"goodput {r['goodput_rps']:.2f} req/s")
-    lines += [f"{k}: {v:.2f}x" for k, v in res["ratios"].items() if v is not None]
-    tun = res["tuning"]
-    for r in tun["rows"]:
-        lines.append(f"budget {r['budget']:4d}: {r['tokens_per_s']:.1f} tok/s, interactive p95 tpot "
-                     f"{r['tpot_p95']:.3f} s (SLA {tun['sla_tpot_p95']:.3f}) {'ok' if r['meets'] else 'over'}")
-    lines.append(f"chosen max_num_batched_tokens: {tun['chosen']}")
-    return "\n".join(lines)
-
-
-def main(args=None) -> dict:
-    import argparse
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--device", default=None)
-    a = p.parse_args(args)
-    res = run(quick=a.quick, device=a.device)
-    print(report(res))
-    return res
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ import random
 import time
 
 from minillm._validate import check_int, check_real
-from minillm.bench.serve_metrics import RequestResult
+from minillm.lab.serve_metrics import RequestResult
 
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
 

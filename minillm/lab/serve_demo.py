@@ -1,12 +1,14 @@
 """`make demo`'s chapter-8 part: the real model behind minillm's OpenAI-compatible server on a
 free loopback port, one chat answer streamed through the official `openai` client as it arrives,
-then a short load from the load generator (`bench/serve.py`) and its table.
+then a short load from the load generator (`lab/loadgen.py`) and its table.
 
-    from minillm.bench.serve_demo import run_serve_demo
+    from minillm.lab.serve_demo import run_serve_demo
     run_serve_demo(model, tokenizer)
 """
 import time
 
+from minillm.lab.loadgen import benchmark
+from minillm.lab.serve_metrics import format_table
 from minillm.llm import LLM
 
 
@@ -42,10 +44,8 @@ def run_serve_demo(model, tokenizer, num_prompts: int = 12, request_rate: float 
 
 def short_load(base_url: str, model: str, num_prompts: int, request_rate: float) -> dict:
     """The chapters' prompts at `request_rate` (Poisson), 32 tokens each, streamed; prints the table."""
-    from minillm.bench.serve import benchmark
-    from minillm.bench.serve_metrics import format_table
     print(f"\na short load: {num_prompts} chat requests, Poisson arrivals at {request_rate:g}/s, "
-          f"32 tokens each (python -m minillm.bench serve --base-url {base_url} ...)")
+          f"32 tokens each (python -m benchmarks serve --base-url {base_url} ...)")
     run = benchmark(base_url, model, dataset="chapters", num_prompts=num_prompts,
                     request_rate=request_rate, max_tokens=32, ignore_eos=True,
                     goodput=["ttft:2000", "tpot:500"])

@@ -15,52 +15,29 @@ and the times measured there are the times the real model would take:
 `replay(..., check=True)` on the real weights asserts that the logits accept exactly what the
 schedule says (tests/test_speculative.py does this on a tiny model), so the loop is the real one.
 
-    python -m minillm.bench.spec_replay record     # real weights -> benchmarks/spec_schedule.json
-    python -m minillm.bench spec_replay      # any weights, any device -> spec_replay_<device>.json
+    python -m benchmarks.spec_replay record   # real weights -> minillm/lab/spec_schedule.json
+    python -m benchmarks spec_replay          # any weights, any device -> spec_replay_<device>.json
 
 Left out on purpose: draft-model schedules (their cost needs the draft's own timings), sampling.
 """
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from minillm.bench.common import sync, write_result
+from minillm.lab.common import sync
 from minillm.model.generate import generate
 from minillm.model.kv_cache import KVCache
-from minillm.viz.plotting import project_root
 from minillm.spec.proposers import NgramProposer
 from minillm.spec.loop import replay_greedy
 from minillm.analysis.spec_theory import free_verify_costs
 from minillm.spec.rejection import greedy_verify
 
+
 def schedule_file() -> Path:
-    """The committed recording: benchmarks/spec_schedule.json of the project holding the
-    current directory (notebooks run in notebooks/, which finds the repository above)."""
-    return project_root() / "benchmarks" / "spec_schedule.json"
-
-
-def __getattr__(name):          # SCHEDULE: the name of earlier versions, resolved when read
-    if name == "SCHEDULE":
-        return schedule_file()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-SETTINGS = {False: dict(k=8, min_ngram=2, max_ngram=3, repeat=3),
-            True: dict(k=8, min_ngram=2, max_ngram=3, repeat=1)}
-
-
-def record(model, tok, prompts: dict, max_new_tokens: int = 64, path=None) -> dict:
-    """Greedy outputs of the real model for each prompt (stopping at the chat end-of-turn)."""
-    from minillm.model.chat import encode_chat
-    stop = [tok.convert_tokens_to_ids("<|im_end|>")]
-    data = {"model": model.config.name, "max_new_tokens": max_new_tokens, "prompts": {}}
-    for name, text in prompts.items():
-        ids = encode_chat(tok, text)
-        data["prompts"][name] = {"prompt": ids, "output": generate(model, ids, max_new_tokens,
-                                                                   stop_token_ids=stop)}
-    Path(path if path is not None else schedule_file()).write_text(json.dumps(data) + "\n")
-    return data
+    """The committed recording, shipped with the package: greedy outputs of the real model for
+    the prompts of `prompts.SPEC_PROMPTS` (written by `python -m benchmarks.spec_replay record`)."""
+    return Path(__file__).resolve().parent / "spec_schedule.json"
 
 
 def _drafts(proposer, context: list[int], k: int) -> list[int]:
@@ -154,65 +131,3 @@ def replay(model, prompt: list[int], output: list[int], k: int, proposer=None,
             "speedup": t_plain / t_spec, "steps": len(num_proposed),
             "tokens_per_step": N / len(num_proposed), "num_proposed": num_proposed,
             "num_accepted": num_accepted}
-
-
-def run(quick: bool = False, device=None, out_dir=None, model=None, schedule_path=None) -> dict:
-    """Replay every recorded prompt (best of `repeat`); writes spec_replay_<device>.json."""
-    from minillm.bench.gpu_model import bench_model
-    s = SETTINGS[bool(quick)]
-    data = json.loads(Path(schedule_path or schedule_file()).read_text())
-    weights = "given"
-    if model is None:
-        model, _, weights = bench_model(device)        # fp32 on a CPU, bf16 on a GPU
-    proposer = NgramProposer(min_ngram=s["min_ngram"], max_ngram=s["max_ngram"])
-    res = {"settings": s, "schedule_model": data["model"], "weights": weights,
-           "dtype": str(model.dtype), "prompts": {},
-           "units": {"plain_seconds": "s (best of repeat)", "spec_seconds": "s (best of repeat)",
-                     "speedup": "plain / speculative time", "tokens_per_step": "tokens per target pass"}}
-    first = next(iter(data["prompts"].values()))
-    replay(model, first["prompt"], first["output"][:4], s["k"], proposer)      # warm-up
-    for name, p in data["prompts"].items():
-        best = None
-        for _ in range(s["repeat"]):
-            r = replay(model, p["prompt"], p["output"], s["k"], proposer)
-            if best is None:
-                best = r
-            best["plain_seconds"] = min(best["plain_seconds"], r["plain_seconds"])
-            best["spec_seconds"] = min(best["spec_seconds"], r["spec_seconds"])
-        best["speedup"] = best["plain_seconds"] / best["spec_seconds"]
-        res["prompts"][name] = best
-    ps = res["prompts"].values()
-    res["speedup"] = sum(r["plain_seconds"] for r in ps) / sum(r["spec_seconds"] for r in ps)
-    res["path"] = str(write_result("spec_replay", res, device=model.device, out_dir=out_dir))
-    return res
-
-
-def report(r: dict) -> str:
-    lines = [f"n-gram schedule of {r['schedule_model']} replayed with {r['weights']} weights, "
-             f"K = {r['settings']['k']}:"]
-    for name, e in r["prompts"].items():
-        lines.append(f"  {name:>10}: {e['tokens']} tokens in {e['steps']} steps "
-                     f"({e['tokens_per_step']:.2f}/step): {e['speedup']:.2f}x")
-    lines.append(f"  all prompts: {r['speedup']:.2f}x   wrote {r['path']}")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m minillm.bench.spec_replay")
-    p.add_argument("command", nargs="?", default="replay", choices=["record", "replay"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--quick", action="store_true")
-    a = p.parse_args(argv)
-    if a.command == "record":
-        from minillm.bench.spec import PROMPTS
-        from minillm.model.loading import load_model
-        model, tok = load_model(device="cpu")
-        record(model, tok, PROMPTS)
-        print(f"wrote {schedule_file()}")
-    else:
-        print(report(run(a.quick, a.device)))
-
-
-if __name__ == "__main__":
-    main()

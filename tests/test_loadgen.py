@@ -1,5 +1,6 @@
-"""The HTTP load generator (minillm.bench.serve*): metrics against numpy on hand-made timings,
-the arrival process statistically, SSE parsing and ITL recording against a stub server,
+"""The HTTP load generator (minillm.lab: loadgen, serve_client, serve_metrics, datasets; and
+benchmarks.serve, serve_compare): metrics against numpy on hand-made timings, the arrival process
+statistically, SSE parsing and ITL recording against a stub server,
 max-concurrency, failures counted, and clear errors for bad arguments."""
 import asyncio
 import json
@@ -8,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from minillm.bench.datasets import chapter_prompts, humaneval_prompts, load_prompts
-from minillm.bench.serve import benchmark, main as serve_main
-from minillm.bench.serve_client import SSEParser, arrival_times, run_load
-from minillm.bench.serve_metrics import RequestResult, parse_goodput, summarize
+from benchmarks.serve import main as serve_main
+from minillm.lab.datasets import chapter_prompts, humaneval_prompts, load_prompts
+from minillm.lab.loadgen import benchmark
+from minillm.lab.serve_client import SSEParser, arrival_times, run_load
+from minillm.lab.serve_metrics import RequestResult, parse_goodput, summarize
 from serve_stub import CHUNKS, USAGE, running_stub
 
 
@@ -146,7 +148,7 @@ def test_datasets_ship_in_packages():
 
 
 def test_cli_writes_a_strict_json_record_and_figure(tmp_path, capsys):
-    from minillm.bench import main as bench_main
+    from benchmarks.__main__ import main as bench_main
     from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     with running_stub() as (_, url):
@@ -178,7 +180,7 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def test_server_process_waits_for_health_and_frees_the_port(tmp_path):
     import socket
     import sys
-    from minillm.bench.server_process import free_port, server_process
+    from benchmarks.server_process import free_port, server_process
     port = free_port()
     argv = [sys.executable, "-c", _HEALTH_SERVER, str(port)]
     with server_process(argv, f"http://127.0.0.1:{port}/health", tmp_path / "log", timeout_s=30) as (proc, _):
@@ -195,7 +197,7 @@ def test_server_process_waits_for_health_and_frees_the_port(tmp_path):
 
 
 def test_compare_targets_from_hand_made_runs():
-    from minillm.bench.serve_compare import server_command, targets
+    from benchmarks.serve_compare import server_command, targets
     def s(tok_s, ttft_p99):
         return {"summary": {"output_throughput": tok_s, "ttft_ms": {"p99": ttft_p99}}}
     sweeps = {"minillm": {"runs": [s(120, 900), s(30, 100), s(60, 200)]},
@@ -210,7 +212,7 @@ def test_compare_targets_from_hand_made_runs():
 def test_save_hf_folder_round_trips_through_transformers(tmp_path):
     import torch
     from transformers import LlamaForCausalLM
-    from minillm.bench.hf_folder import save_hf_folder
+    from benchmarks.hf_folder import save_hf_folder
     from minillm.model.loading import tiny_model
     model = tiny_model(vocab_size=128, seed=5)
     folder = save_hf_folder(tmp_path / "hf", model=model)
@@ -223,7 +225,7 @@ def test_save_hf_folder_round_trips_through_transformers(tmp_path):
 
 
 def test_sweep_offers_fractions_of_the_saturation_rate():
-    from minillm.bench.serve import sweep, sweep_table
+    from minillm.lab.loadgen import sweep, sweep_table
     with running_stub(delay_s=0.002) as (_, url):
         rows = sweep(url, "stub", fractions=(1.0, 0.5), num_prompts=4, max_tokens=8)
     sat = rows[-1]["summary"]["request_throughput"]

@@ -1,5 +1,5 @@
-"""minillm.bench.priority and the workload pieces it uses: the record of a --quick run (tiny model),
-goodput and percentiles against hand-made metrics and numpy, the budget rule, the mix workload and
+"""benchmarks.priority, minillm.lab.priority and the workload pieces they use: the record of a
+--quick run (tiny model), goodput and percentiles against hand-made metrics and numpy, the budget rule, the mix workload and
 replay's priorities and simulated clock. No speed is asserted."""
 import json
 from types import SimpleNamespace
@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from minillm import bench, tiny_model
-from minillm.bench import priority as bp
-from minillm.bench.workloads import priority_mix_workload, replay
+from benchmarks.__main__ import main as bench_main
+from benchmarks import priority as bp
+from minillm import tiny_model
+from minillm.lab import priority as lp
+from minillm.lab.workloads import priority_mix_workload, replay
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.priority import SEED_CLASSES
 from minillm.engine.sequence import RequestMetrics
@@ -26,7 +28,7 @@ def test_quick_run_writes_a_record_a_figure_and_follows_the_budget_rule(monkeypa
     monkeypatch.setattr(minillm.model.loading, "load_model", lambda *a, device=None, **k:
                         (tiny_model(vocab_size=128, device=device), None))
     torch.set_num_threads(1)
-    bench.main(["priority", "--quick", "--device", "cpu", "--out", str(tmp_path)])
+    bench_main(["priority", "--quick", "--device", "cpu", "--out", str(tmp_path)])
     rec = json.loads((tmp_path / "priority_cpu.json").read_text())
     assert (tmp_path / "priority_cpu.png").exists()
     assert set(rec["policies"]) == {"fcfs", "priority"}
@@ -55,7 +57,7 @@ def test_class_table_goodput_and_percentiles_by_hand():
     outs = [_out((0.5, 0.5)), _out((2.0, 0.5)), _out((0.5, 3.0)), _out((9.0, 0.1))]
     engine = SimpleNamespace(trace=[{"t_start": 1.0, "t_end": 2.0}, {"t_start": 4.0, "t_end": 5.0}])
     targets = {"interactive": {"ttft": 1.0, "tpot": 1.0}, "batch": {"ttft": 10.0, "tpot": 1.0}}
-    t = bp.class_table(outs, work, engine, targets)
+    t = lp.class_table(outs, work, engine, targets)
     assert (t["interactive"]["met"], t["interactive"]["goodput_rps"]) == (1, 0.25)
     assert (t["batch"]["met"], t["batch"]["goodput_rps"]) == (1, 0.25)
     assert t["interactive"]["ttft_p95"] == pytest.approx(np.percentile([0.5, 2.0, 0.5], 95))

@@ -1,7 +1,7 @@
-"""minillm.bench.paging: the shape of its answer and its bad-input errors (no speed is asserted)."""
+"""minillm.lab.paging: the shape of its answer and its bad-input errors (no speed is asserted)."""
 import pytest
 
-from minillm.bench.paging import time_paged_vs_block_size
+from minillm.lab.paging import time_paged_vs_block_size
 
 
 def test_block_size_timing_shape_and_bad_input():

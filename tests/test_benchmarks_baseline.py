@@ -1,4 +1,4 @@
-"""bench baseline: the package of another commit, exported and timed beside this checkout.
+"""benchmarks.baseline: the package of another commit, exported and timed beside this checkout.
 
 No clock is checked. What is: the exported tree is the commit's, file for file and byte for byte;
 each probe process runs the package it was given (not whatever `import minillm` finds first);
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from minillm.bench import baseline
+from benchmarks import baseline
 
 
 def _root_or_skip():

@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmark suite: dispatcher, JSON records, results table, the GPU run script.
+"""Smoke tests of the benchmark suite (`python -m benchmarks`): dispatcher, JSON records, results
+table, the GPU run script.
 
 No timing assertions: these check that the suite runs and that its records say what ran where.
 The roofline benchmark runs through the dispatcher on a tiny model (load_model patched); decode,
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import bench, get_config, tiny_model
-from minillm.bench.gpu_run import STEPS, import_results, parse_args
-from minillm.bench.gpu_run import main as gpu_run_main
-from minillm.bench.results import END, START, get_metric, ledger_for, results_table, update_readme
+from benchmarks import __main__ as bench
+from benchmarks.gpu_run import STEPS, import_results, parse_args
+from benchmarks.gpu_run import main as gpu_run_main
+from benchmarks.results import END, START, get_metric, ledger_for, results_table, update_table
+from minillm import get_config, tiny_model
 
 MACHINE_KEYS = {"device", "device_name", "cpu", "torch", "python", "git_commit", "date"}
 NO_UNITS_YET = {"roofline", "serving", "spec"}      # committed records written before "units"
@@ -89,7 +91,7 @@ def test_roofline_record_names_the_unit_of_every_number(roofline_record):
 
 
 def test_committed_ledger_records_say_where_they_ran():
-    from minillm.bench.results import load_ledger
+    from benchmarks.results import load_ledger
     for r in load_ledger():
         assert MACHINE_KEYS <= set(r["machine"]), r["_source"]
         if r["benchmark"] not in NO_UNITS_YET:
@@ -136,28 +138,42 @@ def test_get_metric_walks_dicts_and_lists():
     assert get_metric(r, "decode.measured_s.5") is None and get_metric(r, "nope.x") is None
 
 
-def test_update_readme_rewrites_only_between_markers(tmp_path):
+def test_update_table_rewrites_only_between_markers(tmp_path):
     ledger = tmp_path / "results"
     ledger.mkdir()
     for r in LEDGER:
         (ledger / f"{r['benchmark']}_{r['machine']['device']}.json").write_text(json.dumps(r))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\n{START}\nold table\n{END}\n\nafter\n")
-    assert update_readme(readme, ledger) is True
-    text = readme.read_text()
+    page = tmp_path / "results.md"
+    stale = f"# title\n\n{START}\nold table\n{END}\n\nafter\n"
+    page.write_text(stale)
+    assert update_table(page, ledger, check=True) is True and page.read_text() == stale
+    assert update_table(page, ledger) is True
+    text = page.read_text()
     assert text.startswith(f"# title\n\n{START}\n| benchmark |") and text.endswith(f"{END}\n\nafter\n")
     assert "old table" not in text and "123 tok/s" in text
-    assert update_readme(readme, ledger) is False                 # idempotent
-    readme.write_text("no markers\n")
+    assert update_table(page, ledger) is False                   # idempotent
+    assert update_table(page, ledger, check=True) is False
+    page.write_text("no markers\n")
     with pytest.raises(ValueError, match="results:start"):
-        update_readme(readme, ledger)
+        update_table(page, ledger)
     rows = ledger_for("decode", "batch1.minillm_tok_per_s", ledger)
     assert {(e["device"], e["value"]) for e in rows} == {("cpu", 20.04), ("cuda", 123.456)}
     assert any("decode_cuda.json" in e["label"] and "random weights" in e["label"] for e in rows)
 
 
+def test_results_check_exits_1_on_a_stale_table_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from benchmarks.results import main as results_main
+    monkeypatch.setenv("MINILLM_RESULTS_DIR", str(tmp_path / "no-records"))
+    page = tmp_path / "results.md"
+    page.write_text(f"{START}\nold\n{END}\n")
+    assert results_main(["--check", str(page)]) == 1 and "out of date" in capsys.readouterr().out
+    assert page.read_text() == f"{START}\nold\n{END}\n"
+    assert results_main([str(page)]) == 0 and "no results committed yet" in page.read_text()
+    assert results_main(["--check", str(page)]) == 0 and "up to date" in capsys.readouterr().out.splitlines()[-1]
+
+
 def test_bench_model_random_weights_fallback(monkeypatch):
-    from minillm.bench.gpu_model import RANDOM_WEIGHTS, bench_model
+    from benchmarks.gpu_model import RANDOM_WEIGHTS, bench_model
     monkeypatch.setenv("MINILLM_RANDOM_WEIGHTS", "1")
     monkeypatch.setenv("MINILLM_TOKENIZER", "/nonexistent")
     m1, tok, weights = bench_model("cpu")
@@ -181,7 +197,7 @@ def test_gpu_run_arguments():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the benchmark really runs")
 def test_cuda_graphs_benchmark_skips_without_cuda(tmp_path):
-    from minillm import cuda_graphs
+    from benchmarks import cuda_graphs
     assert "CUDA" in cuda_graphs.run(True, "cpu", tmp_path)["skipped"]
     assert list(tmp_path.iterdir()) == []
 
@@ -212,28 +228,11 @@ def test_import_results_copies_records_and_figures(tmp_path):
     assert (dest / "roofline_h200.png").read_bytes() == b"png" and not (dest / "summary.json").exists()
 
 
-def test_route_timers_time_every_route_and_restore_the_setting():
-    """forward_cost pins routes for a block and skinny_matmul_times times each candidate; the
-    pinned route must not outlive the call."""
-    from minillm import cpu_kernels
-    from minillm.bench.decode import forward_cost
-    from minillm.kernels.cpu_tuning import CANDIDATES
-    from minillm.analysis.roofline import Hardware
-    from minillm.bench.measure import skinny_matmul_times
-    cost = forward_cost(tiny_model(), rows=(1, 3), context=8, rounds=1)
-    assert set(cost) == {"auto", "F.linear"} and all(set(v) == {"1", "3"} for v in cost.values())
-    hw = Hardware("toy", {"fp32": 1e11}, mem_bandwidth=1e10, mem_bytes=1e9)
-    t = skinny_matmul_times(hw, 16, 32, rows=(1, 2), repeats=1, min_weight_bytes=4096)
-    assert list(t)[0] == "F.linear" and list(t)[-1] == "bound" and set(t) <= {*CANDIDATES, "bound"}
-    assert all(len(v) == 2 for v in t.values())
-    assert t["bound"][0] == pytest.approx(16 * 32 * 4 / 1e10)
-    assert cpu_kernels._PINNED.get() == "auto"
-
-
 def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tmp_path, monkeypatch):
     """bench decode, quick, on the tiny model: batch 1's rounds time the step's matmuls alone
     beside the step and the floor, and the record's shares are those times' ratios."""
-    from minillm.bench import decode
+    from benchmarks import decode
+    from minillm.lab.forward_cost import least_forward_ratio
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))       # the tuning table
     monkeypatch.setattr(decode, "_equal_length_prompts", lambda tok, n: [[1, 2, 3, 4, 5]] * n)
     r = decode.run(quick=True, model=tiny_model(n_layer=2), tok=None, out_dir=tmp_path)
@@ -248,51 +247,5 @@ def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tm
     assert "matmuls_ms_per_step" in r["units"] and (tmp_path / "decode_cpu.json").exists()
     for part in (r["stored_once"], r["with_copies"]):
         assert set(part["forward_cost"]["matmuls"]) == set(part["forward_cost"]["auto"]) == {"1", "2", "4"}
-        assert part["least_forward_ratio"] == decode.least_forward_ratio(part["forward_cost"])
+        assert part["least_forward_ratio"] == least_forward_ratio(part["forward_cost"])
     assert decode.report(r).count("its matmuls alone") == 4
-
-
-def test_least_forward_ratio_adds_only_the_matmuls_growth_to_one_token():
-    from minillm.bench.decode import least_forward_ratio
-    cost = {"auto": {"1": 10.0, "9": 20.0, "64": 50.0}, "matmuls": {"1": 6.0, "9": 14.0, "64": 40.0}}
-    assert least_forward_ratio(cost) == {"1": 1.0, "9": 1.8, "64": 4.4}
-
-
-def test_data_paths_follow_the_project_or_the_environment_never_the_package(tmp_path, monkeypatch):
-    """Records, the recorded schedule and the tokenizer folder are found from the current
-    project (or $MINILLM_RESULTS_DIR), not from where the package's files are installed."""
-    from minillm.bench import common, gpu_model, spec_replay
-    monkeypatch.delenv("MINILLM_RESULTS_DIR", raising=False)
-    monkeypatch.chdir(tmp_path)                                  # no pyproject.toml or .git here
-    assert common.results_dir() == tmp_path / "benchmarks" / "results"
-    assert common.RESULTS_DIR == common.results_dir()            # the old name still reads
-    assert spec_replay.SCHEDULE == tmp_path / "benchmarks" / "spec_schedule.json"
-    assert gpu_model.TOKENIZER_DIR == tmp_path / "build" / "smollm2_tokenizer"
-    monkeypatch.setenv("MINILLM_RESULTS_DIR", str(tmp_path / "elsewhere"))
-    path = common.write_result("unit", {"x": 1}, "cpu")
-    assert path.parent == tmp_path / "elsewhere"
-    package = Path(common.__file__).resolve().parents[1]
-    assert package not in path.resolve().parents
-
-def test_requests_queued_behind_a_long_prompt_wait_for_its_chunks():
-    """Head-of-line blocking, worked by hand: 4 decodes, then a 256-token prompt and three
-    16-token prompts behind it at step 4, budget 64 (decode-first). Steps 4-7 carry 60 tokens of
-    the long prompt each; step 8 its last 16 and 16 + 16 + 12 of the short ones; step 9 the last
-    4. So TTFT in steps: long 5, shorts 5, 5, 6; the decodes never miss a step."""
-    import torch
-    from minillm import EngineConfig, LLMEngine, tiny_model
-    from minillm.bench.workloads import long_prompt_workload, replay, request_latencies
-    work = long_prompt_workload(256, num_running=4, output_len=16, long_prompt_len=256,
-                                arrival=4, num_behind=3)
-    assert [len(w.prompt_token_ids) for w in work] == [16] * 4 + [256] + [16] * 3
-    assert [w.arrival for w in work] == [0.0] * 4 + [4.0] * 4
-    assert work[:5] == long_prompt_workload(256, num_running=4, output_len=16,
-                                            long_prompt_len=256, arrival=4)   # same draws
-    model = tiny_model(vocab_size=256, seed=0, dtype=torch.float64, max_seq_len=1024)
-    eng = LLMEngine(model, EngineConfig(max_num_batched_tokens=64))
-    lat = request_latencies(replay(eng, work, time_unit="steps"), eng.trace)
-    assert [r["ttft_steps"] for r in lat] == [1] * 4 + [5, 5, 5, 6]
-    assert [r["max_gap_steps"] for r in lat[:4]] == [1] * 4
-    assert all(len(r["itl"]) == 15 for r in lat[:4])
-    with pytest.raises(ValueError, match="num_behind"):
-        long_prompt_workload(256, num_behind=-1)

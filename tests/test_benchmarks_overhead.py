@@ -1,10 +1,10 @@
-"""bench overhead's op count: a count of ATen ops, so it can be checked without a clock.
+"""benchmarks.overhead's op count: a count of ATen ops, so it can be checked without a clock.
 
 Each decoder layer runs the same ops whatever the batch, so the count grows by a fixed number per
 layer (measured here as the difference between 2- and 4-layer models) and a decode step of 1 or 8
 sequences differs only by the per-step work outside the layers.
 """
-from minillm.bench.overhead import decoding_engine, ops_per_step, overhead_model, report, run
+from benchmarks.overhead import decoding_engine, ops_per_step, overhead_model, report, run
 
 
 def test_ops_grow_by_a_fixed_count_per_layer():
