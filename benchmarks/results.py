@@ -208,6 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the table is stale")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     path = Path(a.path) if a.path else RESULTS_PAGE
+    if not path.is_file():
+        p.error(f"{path} does not exist: the results table lives between {START} and {END} there")
     changed = update_table(path, check=a.check)
     if a.check:
         state = "out of date: run python -m benchmarks.results" if changed else "up to date"

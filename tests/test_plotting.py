@@ -55,12 +55,12 @@ def test_relative_env_var_is_taken_from_the_project_root(project, fig, monkeypat
     assert not (project / "notebooks" / "figures").exists()
 
 
-def test_the_checkout_holding_the_package_wins_over_the_current_directory(project, fig, tmp_path_factory,
-                                                                        monkeypatch):
+def test_the_checkout_holding_the_package_wins_over_the_cwd(project, fig, tmp_path_factory, monkeypatch):
     other = tmp_path_factory.mktemp("other_project")
     (other / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     monkeypatch.chdir(other)                            # a script run from another project
-    assert checkout_root() == project and save_figure(fig, "demo") == project / "build" / "figures" / "demo.png"
+    assert checkout_root() == project
+    assert save_figure(fig, "demo") == project / "build" / "figures" / "demo.png"
     assert not (other / "build").exists()
 
 
