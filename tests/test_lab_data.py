@@ -14,7 +14,7 @@ import pytest
 import minillm
 from minillm.lab import common
 from minillm.lab.spec_replay import schedule_file
-from minillm.viz import plotting
+from minillm import _paths
 
 PACKAGE = Path(minillm.__file__).resolve().parent
 CHECKOUT = PACKAGE.parent
@@ -47,8 +47,8 @@ def test_results_env_var_is_read_and_a_relative_one_is_taken_from_the_checkout(e
 def test_an_installed_package_has_no_records_and_says_so(elsewhere, monkeypatch):
     site = elsewhere / "site-packages"
     (site / "minillm").mkdir(parents=True)                     # no pyproject.toml above it
-    monkeypatch.setattr(plotting, "PACKAGE_DIR", site / "minillm")
-    assert plotting.checkout_root() is None and common.results_dir() is None
+    monkeypatch.setattr(_paths, "PACKAGE_DIR", site / "minillm")
+    assert _paths.checkout_root() is None and common.results_dir() is None
     with pytest.warns(UserWarning, match="not a source checkout.*MINILLM_RESULTS_DIR"):
         assert common.load_results("spec") == []
     monkeypatch.setenv(common.RESULTS_ENV, str(elsewhere / "missing"))

@@ -9,8 +9,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from minillm.viz import plotting
-from minillm.viz.plotting import FIGURES_ENV, checkout_root, figures_dir, project_root, save_figure
+from minillm import _paths
+from minillm._paths import checkout_root, project_root
+from minillm.viz.plotting import FIGURES_ENV, figures_dir, save_figure
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def project(tmp_path, monkeypatch):
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     for folder in ("minillm", "figures", "notebooks"):
         (tmp_path / folder).mkdir()
-    monkeypatch.setattr(plotting, "PACKAGE_DIR", tmp_path / "minillm")
+    monkeypatch.setattr(_paths, "PACKAGE_DIR", tmp_path / "minillm")
     monkeypatch.chdir(tmp_path / "notebooks")
     monkeypatch.delenv(FIGURES_ENV, raising=False)
     return tmp_path
@@ -67,7 +68,7 @@ def test_the_checkout_holding_the_package_wins_over_the_cwd(project, fig, tmp_pa
 def test_an_installed_package_uses_the_current_directory(tmp_path, monkeypatch):
     site = tmp_path / "site-packages"
     (site / "minillm").mkdir(parents=True)              # no pyproject.toml above it
-    monkeypatch.setattr(plotting, "PACKAGE_DIR", site / "minillm")
+    monkeypatch.setattr(_paths, "PACKAGE_DIR", site / "minillm")
     monkeypatch.chdir(tmp_path)                         # e.g. an installed package run from ~
     monkeypatch.delenv(FIGURES_ENV, raising=False)
     assert checkout_root() is None and project_root() == tmp_path

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minillm.model.kv_cache import KVCache
-from minillm.viz.plotting import checkout_root, project_root
+from minillm._paths import checkout_root, project_root
 
 RESULTS_ENV = "MINILLM_RESULTS_DIR"
 

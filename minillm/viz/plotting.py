@@ -4,8 +4,9 @@ re-running a notebook rewrites the same bytes when the data are the same.
 
 Where figures go: running the notebooks (`make test`) or the demo must not rewrite committed
 files, so by default `save_figure` writes to `build/figures/` (ignored by git) of the source
-checkout that holds this package, found from the package's own files, not from the current
-directory: a notebook run from notebooks/ and a script run from anywhere write to the same place.
+checkout that holds this package, found from the package's own files (`minillm._paths`), not from
+the current directory: a notebook run from notebooks/ and a script run from anywhere write to the
+same place.
 An installed package (a wheel, no checkout around it) writes to build/figures/ of the current
 directory instead. The committed `figures/` is written only on request:
 `MINILLM_FIGURES_DIR=figures` (any folder; a relative one is taken from that same base), which is
@@ -16,20 +17,9 @@ from pathlib import Path
 
 import matplotlib
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]     # minillm/
+from minillm._paths import project_root
+
 FIGURES_ENV = "MINILLM_FIGURES_DIR"
-
-
-def checkout_root() -> Path | None:
-    """The source checkout holding this package (the folder above minillm/, when it holds the
-    project's pyproject.toml), or None for an installed package (site-packages holds none)."""
-    root = PACKAGE_DIR.parent
-    return root if (root / "pyproject.toml").is_file() else None
-
-
-def project_root() -> Path:
-    """`checkout_root()`, else the current directory: the base of relative data paths."""
-    return checkout_root() or Path.cwd()
 
 
 def figures_dir() -> Path:
