@@ -1,7 +1,7 @@
 """The engine of another commit, timed beside this one in the same run on this machine.
 
 Issue 13 asks to halve the engine's own cost per decode step, measured on a many-layer tiny model
-(`bench overhead`). "Halve" compares with the engine as it was when the issue was filed
+(`python -m benchmarks overhead`). "Halve" compares with the engine as it was when the issue was filed
 (`ISSUE_BASE`), and numbers from another day on a shared machine cannot be compared: the same
 step can take 4.5 ms in one run and 7 ms in the next. So `compare` exports the package as it was
 at a commit (`git archive`, into a temporary folder) and starts two processes, one on that tree
@@ -92,9 +92,9 @@ def repo_root() -> Path:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, text=True,
                              capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"bench baseline needs git: {e}") from None
+        raise RuntimeError(f"benchmarks.baseline needs git: {e}") from None
     if out.returncode != 0 or not (Path(out.stdout.strip()) / "minillm").is_dir():
-        raise RuntimeError(f"bench baseline needs the minillm git checkout; {here} is not in one")
+        raise RuntimeError(f"benchmarks.baseline needs the minillm git checkout; {here} is not in one")
     return Path(out.stdout.strip())
 
 
@@ -171,7 +171,7 @@ def compare(commit: str = ISSUE_BASE, rounds: int = 20, threads: int = 1, batche
     check_int("steps", steps, 1)
     check_int("warmup_rounds", warmup_rounds, 0)
     if batches is None:
-        batches = BATCHES                                      # bench overhead's sizes
+        batches = BATCHES                                      # the overhead benchmark's sizes
     batches = tuple(batches)
     if not batches:
         raise ValueError("batches must list at least one batch size")
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     try:
         print(report(compare(argv[0] if argv else ISSUE_BASE)))
     except (ValueError, RuntimeError) as e:
-        print(f"bench baseline: {e}", file=sys.stderr)
+        print(f"benchmarks.baseline: {e}", file=sys.stderr)
         return 1
     return 0
 

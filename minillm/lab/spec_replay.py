@@ -3,9 +3,9 @@
 Greedy speculative decoding with prompt lookup is a deterministic function of the prompt and the
 target's greedy output: which tokens get drafted, how many are accepted, which forward passes run.
 How long a forward pass takes depends on its shape (tokens fed, context length), not on the weight
-values. So the real model's outputs, recorded once where the weights are (`record`), can be
-replayed on a machine that cannot hold the weights, with random weights of the same architecture,
-and the times measured there are the times the real model would take:
+values. So the real model's outputs, recorded once where the weights are (`spec_schedule.json`),
+can be replayed on a machine that cannot hold the weights, with random weights of the same
+architecture, and the times measured there are the times the real model would take:
 
 - plain: `generate` for exactly as many tokens (one prefill, then one forward per token);
 - speculative: the loop of `speculative_generate` (prefill, then per step the n-gram lookup on the
