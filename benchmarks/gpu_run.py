@@ -13,7 +13,7 @@ real model's recorded n-gram schedule instead, which only needs the shapes.
 DIR ends up with three files (the device returns at most 8): results.tar (one JSON record per
 benchmark, <name>_<device>.json, and every PNG the run drew), summary.json (status and seconds per
 step, the test tally) and gpu_run.log. `python -m benchmarks.gpu_run --import-from DIR` unpacks
-results.tar into benchmarks/results/ (then `python -m benchmarks.results` for the results table).
+results.tar into benchmarks/results/ (then `python -m benchmarks.results_table` for the table).
 
 Left out on purpose: retries, several GPUs, installing anything on the GPU machine.
 """

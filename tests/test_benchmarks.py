@@ -16,7 +16,7 @@ import torch
 from benchmarks import __main__ as bench
 from benchmarks.gpu_run import STEPS, import_results, parse_args
 from benchmarks.gpu_run import main as gpu_run_main
-from benchmarks.results import END, START, get_metric, ledger_for, results_table, update_table
+from benchmarks.results_table import END, START, get_metric, ledger_for, results_table, update_table
 from minillm import get_config, tiny_model
 
 MACHINE_KEYS = {"device", "device_name", "cpu", "torch", "python", "git_commit", "date"}
@@ -91,7 +91,7 @@ def test_roofline_record_names_the_unit_of_every_number(roofline_record):
 
 
 def test_committed_ledger_records_say_where_they_ran():
-    from benchmarks.results import load_ledger
+    from benchmarks.results_table import load_ledger
     for r in load_ledger():
         assert MACHINE_KEYS <= set(r["machine"]), r["_source"]
         if r["benchmark"] not in NO_UNITS_YET:
@@ -162,7 +162,7 @@ def test_update_table_rewrites_only_between_markers(tmp_path):
 
 
 def test_results_check_exits_1_on_a_stale_table_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    from benchmarks.results import main as results_main
+    from benchmarks.results_table import main as results_main
     monkeypatch.setenv("MINILLM_RESULTS_DIR", str(tmp_path / "no-records"))
     page = tmp_path / "results.md"
     page.write_text(f"{START}\nold\n{END}\n")

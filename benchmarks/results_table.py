@@ -1,9 +1,9 @@
 """The results ledger: headline numbers from benchmarks/results/*.json, for docs/results.md.
 
-`python -m benchmarks.results` rewrites the results table of docs/results.md (the lines between
-`<!-- results:start -->` and `<!-- results:end -->`) from the committed JSON records, so no number
-in the docs is typed by hand; `python -m benchmarks.results --check` only says whether the table
-is up to date (exit status 1 when it is not). `ledger_for(benchmark, metric_path)` gives the
+`python -m benchmarks.results_table` rewrites the results table of docs/results.md (the lines
+between `<!-- results:start -->` and `<!-- results:end -->`) from the committed JSON records, so no
+number in the docs is typed by hand; `python -m benchmarks.results_table --check` only says whether
+the table is up to date (exit status 1 when it is not). `ledger_for(benchmark, metric_path)` gives the
 committed values of every device (the CPU run, the H200 run) with labels saying where each came
 from.
 
@@ -202,8 +202,8 @@ def ledger_for(benchmark: str, metric_path: str, results_dir=None, scale: float 
 
 
 def main(argv=None) -> int:
-    """`python -m benchmarks.results [--check] [PATH]` (PATH default: docs/results.md)."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.results")
+    """`python -m benchmarks.results_table [--check] [PATH]` (PATH default: docs/results.md)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.results_table")
     p.add_argument("path", nargs="?", default=None, help=f"default: {RESULTS_PAGE}")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the table is stale")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         p.error(f"{path} does not exist: the results table lives between {START} and {END} there")
     changed = update_table(path, check=a.check)
     if a.check:
-        state = "out of date: run python -m benchmarks.results" if changed else "up to date"
+        state = "out of date: run python -m benchmarks.results_table" if changed else "up to date"
         print(f"{path}: results table {state}")
         return int(changed)
     print(f"{path}: results table {'updated' if changed else 'already up to date'}")
