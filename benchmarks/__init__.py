@@ -5,6 +5,6 @@ own history. Not part of the installed package; run from the checkout's top fold
 
 (`__main__.py` lists the names). Each benchmark imports the instruments of `minillm.lab` and
 writes its record through `records.write_result`; `results_table` turns the records into the
-results table (docs/results.md), `gpu_run` is the one prepared script for a borrowed GPU, `baseline` times the engine of an
-earlier commit beside this one.
+results table (docs/results.md), `gpu_run` is the one prepared script for a borrowed GPU, and
+`baseline` times the engine of an earlier commit beside this one.
 """
