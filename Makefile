@@ -30,7 +30,7 @@ test: setup
 	$(PY) -m pytest -q tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 --durations=15
 
 bench: setup
-	$(PY) -m minillm.bench all
+	$(PY) -m benchmarks all
 
 # The committed figures/: every notebook and the demo re-run with save_figure pointed there. The
 # executed notebooks land in build/notebooks/, so the committed ones (and their outputs) stay as they are.

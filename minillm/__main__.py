@@ -13,8 +13,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-DEMO_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                "Explain in two sentences why the sky is blue.", "Give three tips for a first marathon."]
+from minillm.lab.prompts import DEMO_PROMPTS
 
 
 def _decode_demo(model, tok, max_new_tokens: int):
@@ -58,14 +57,11 @@ def demo(max_new_tokens: int = 48) -> None:
           f"{model.device} in {time.perf_counter() - t0:.1f}s, dtype {model.dtype}")
     rows = _decode_demo(model, tok, max_new_tokens)
     print(f"\nwrote {_figure(rows)}")
-    try:
-        from minillm.bench.demo import run_demo, run_quant_demo, run_spec_demo
-    except ImportError:
-        return
+    from minillm.lab.demo import run_demo, run_quant_demo, run_spec_demo
+    from minillm.lab.serve_demo import run_serve_demo
     run_demo(model, tok)
     run_spec_demo(model, tok)
     run_quant_demo(model, tok)
-    from minillm.bench.serve_demo import run_serve_demo
     run_serve_demo(model, tok)
 
 

@@ -126,7 +126,7 @@ def test_the_scores_matrix_is_what_disappears():
 
 def test_bench_prefill_quick_record(tmp_path):
     import json
-    from minillm.bench.attention import run_prefill
+    from benchmarks.attention import run_prefill
     r = run_prefill(quick=True, out_dir=tmp_path)
     saved = json.loads((tmp_path / "attention_cpu.json").read_text())
     assert saved["units"] and saved["memory"]["1024"]["tiled64_over_dense"] < 1 / 8

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minillm import KVCache, tiny_model
-from minillm.bench.cuda_graphs import (GraphDecoder, StaticKVCache, forward_static,
+from minillm.lab.cuda_graphs import (GraphDecoder, StaticKVCache, forward_static,
                                  measure_launch_overhead)
 
 F64 = torch.float64

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillm import exercises
-from minillm.bench.workloads import poisson_workload, replay
+from minillm.lab.workloads import poisson_workload, replay
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.exercises import ch04

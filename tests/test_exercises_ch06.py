@@ -6,7 +6,7 @@ import torch
 
 from minillm import exercises, tiny_model
 from minillm.analysis import spec_theory as th
-from minillm.bench.spec_replay import schedule_file
+from minillm.lab.spec_replay import schedule_file
 from minillm.exercises import ch06
 
 F64 = torch.float64

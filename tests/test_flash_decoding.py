@@ -181,8 +181,8 @@ def test_engine_option_with_int8_kv_matches_paged_int8():
 def test_benchmarks_run_at_small_sizes():
     """A smoke test of the benchmark code (no timing is judged): rows, ratios and shares."""
     from minillm.analysis.roofline import Hardware
-    from minillm.bench.attention_decode import decode_table, run_decode
-    from minillm.bench.long_context import long_context_table, run_long_context
+    from minillm.lab.attention_decode import decode_table, run_decode
+    from minillm.lab.long_context import long_context_table, run_long_context
     table = run_decode(contexts=(20, 300), batches=(1, 2), rounds=1, repeat=1)
     assert [(r["batch"], r["context"]) for r in table["rows"]] == [(1, 20), (1, 300), (2, 20), (2, 300)]
     assert all(r["paged_over_sdpa"] > 0 and r["flashdec_ms"] > 0 for r in table["rows"])

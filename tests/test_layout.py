@@ -34,13 +34,13 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("folder", CORE)
 def test_the_core_imports_no_plotting_and_no_benchmarks(folder):
     for path in (PKG / folder).glob("*.py"):
-        bad = {n for n in _imports(path) if n.startswith(("minillm.viz", "minillm.bench", "matplotlib"))}
+        bad = {n for n in _imports(path) if n.startswith(("minillm.viz", "minillm.lab", "matplotlib"))}
         assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
 def test_import_minillm_loads_no_plotting_or_benchmark_code():
     code = ("import sys, minillm; bad = [m for m in sys.modules if m.startswith("
-            "('matplotlib', 'minillm.viz', 'minillm.bench', 'ipywidgets'))]; print(bad)")
+            "('matplotlib', 'minillm.viz', 'minillm.lab', 'ipywidgets'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

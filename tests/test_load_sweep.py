@@ -1,4 +1,4 @@
-"""Latency in steps, batch occupancy and the offered-load sweep (bench/workloads.py), checked
+"""Latency in steps, batch occupancy and the offered-load sweep (minillm/lab/workloads.py), checked
 against schedules worked out by hand."""
 import math
 
@@ -8,8 +8,8 @@ import torch
 
 matplotlib.use("Agg")
 
-from minillm.bench.workloads import (WorkloadRequest, batch_occupancy, load_sweep, replay,
-                                     step_latencies)
+from minillm.lab.workloads import (WorkloadRequest, batch_occupancy, load_sweep, replay,
+                                   step_latencies)
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.model.loading import tiny_model
@@ -73,3 +73,25 @@ def test_plots_accept_old_and_new_arguments(tiny):
     with pytest.raises(ValueError, match="num_blocks"):
         occupancy_plot({"a": eng.trace}, num_blocks={"b": 16})
     latency_cdfs({"a": [o.metrics for o in outs]})
+
+
+def test_requests_queued_behind_a_long_prompt_wait_for_its_chunks():
+    """Head-of-line blocking, worked by hand: 4 decodes, then a 256-token prompt and three
+    16-token prompts behind it at step 4, budget 64 (decode-first). Steps 4-7 carry 60 tokens of
+    the long prompt each; step 8 its last 16 and 16 + 16 + 12 of the short ones; step 9 the last
+    4. So TTFT in steps: long 5, shorts 5, 5, 6; the decodes never miss a step."""
+    from minillm.lab.workloads import long_prompt_workload, request_latencies
+    work = long_prompt_workload(256, num_running=4, output_len=16, long_prompt_len=256,
+                                arrival=4, num_behind=3)
+    assert [len(w.prompt_token_ids) for w in work] == [16] * 4 + [256] + [16] * 3
+    assert [w.arrival for w in work] == [0.0] * 4 + [4.0] * 4
+    assert work[:5] == long_prompt_workload(256, num_running=4, output_len=16,
+                                            long_prompt_len=256, arrival=4)   # same draws
+    model = tiny_model(vocab_size=256, seed=0, dtype=torch.float64, max_seq_len=1024)
+    eng = LLMEngine(model, EngineConfig(max_num_batched_tokens=64))
+    lat = request_latencies(replay(eng, work, time_unit="steps"), eng.trace)
+    assert [r["ttft_steps"] for r in lat] == [1] * 4 + [5, 5, 5, 6]
+    assert [r["max_gap_steps"] for r in lat[:4]] == [1] * 4
+    assert all(len(r["itl"]) == 15 for r in lat[:4])
+    with pytest.raises(ValueError, match="num_behind"):
+        long_prompt_workload(256, num_behind=-1)

@@ -1,14 +1,17 @@
 """save_figure: running notebooks and the demo must not rewrite the committed figures/.
 
-By default figures go to build/figures/ of the project holding the current directory; the
-committed folder is written only when MINILLM_FIGURES_DIR asks for it (`make figures`)."""
+By default figures go to build/figures/ of the checkout holding the package, wherever the current
+directory is (an installed package: of the current directory); the committed folder is written
+only when MINILLM_FIGURES_DIR asks for it (`make figures`)."""
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from minillm.viz.plotting import FIGURES_ENV, figures_dir, project_root, save_figure
+from minillm import _paths
+from minillm._paths import checkout_root, project_root
+from minillm.viz.plotting import FIGURES_ENV, figures_dir, save_figure
 
 
 @pytest.fixture
@@ -21,11 +24,12 @@ def fig():
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    """A fake checkout (pyproject.toml, committed figures/, notebooks/) entered from notebooks/,
-    where nbval starts the kernels."""
+    """A fake checkout (pyproject.toml, the package, committed figures/, notebooks/) holding the
+    package, entered from notebooks/, where nbval starts the kernels."""
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
-    (tmp_path / "figures").mkdir()
-    (tmp_path / "notebooks").mkdir()
+    for folder in ("minillm", "figures", "notebooks"):
+        (tmp_path / folder).mkdir()
+    monkeypatch.setattr(_paths, "PACKAGE_DIR", tmp_path / "minillm")
     monkeypatch.chdir(tmp_path / "notebooks")
     monkeypatch.delenv(FIGURES_ENV, raising=False)
     return tmp_path
@@ -52,12 +56,22 @@ def test_relative_env_var_is_taken_from_the_project_root(project, fig, monkeypat
     assert not (project / "notebooks" / "figures").exists()
 
 
-def test_outside_a_project_the_current_directory_is_used(tmp_path, monkeypatch):
-    if any((d / m).exists() for d in tmp_path.parents for m in ("pyproject.toml", ".git")):
-        pytest.skip("the temporary folder lies inside a project")
+def test_the_checkout_holding_the_package_wins_over_the_cwd(project, fig, tmp_path_factory, monkeypatch):
+    other = tmp_path_factory.mktemp("other_project")
+    (other / "pyproject.toml").write_text("[project]\nname = 'y'\n")
+    monkeypatch.chdir(other)                            # a script run from another project
+    assert checkout_root() == project
+    assert save_figure(fig, "demo") == project / "build" / "figures" / "demo.png"
+    assert not (other / "build").exists()
+
+
+def test_an_installed_package_uses_the_current_directory(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    (site / "minillm").mkdir(parents=True)              # no pyproject.toml above it
+    monkeypatch.setattr(_paths, "PACKAGE_DIR", site / "minillm")
     monkeypatch.chdir(tmp_path)                         # e.g. an installed package run from ~
     monkeypatch.delenv(FIGURES_ENV, raising=False)
-    assert project_root() == tmp_path
+    assert checkout_root() is None and project_root() == tmp_path
     assert figures_dir() == tmp_path / "build" / "figures"
 
 

@@ -14,7 +14,7 @@ from minillm.model.config import PRESETS
 from minillm.analysis.roofline import (HARDWARE_PRESETS, Hardware, OpCost, decode_compute_bound_batch,
                               decode_costs, dtype_bytes, get_hardware, prefill_costs, step_costs,
                               step_time, total_cost)
-from minillm.bench.measure import (decode_breakdown, decode_weight_bytes,
+from minillm.lab.measure import (decode_breakdown, decode_weight_bytes,
                                       measure_bandwidth, measure_decode_steps,
                                       measure_matmul_flops, time_matmul)
 
@@ -196,7 +196,7 @@ def test_bad_step_inputs(kwargs, match):
 def fake_clock(monkeypatch):
     """time_fn that runs the timed function twice (a warmup and one repeat, as the real one
     does at least) and reports 0.25 s: the formulas around the clock become exact."""
-    import minillm.bench.measure as rm
+    import minillm.lab.measure as rm
     calls = []
 
     def time_fn(fn, device="cpu", warmup=1, repeat=3):
@@ -279,7 +279,7 @@ def test_flops_match_flop_counter_random_shapes(B, T, S, heads):
 
 
 def test_breakdown_splits_overhead_into_matmuls_below_roof_and_the_rest():
-    from minillm.bench.measure import decode_breakdown
+    from minillm.lab.measure import decode_breakdown
     cfg = get_config("smollm2-135m")
     hw = Hardware("toy", {"fp32": 1e12}, mem_bandwidth=10e9, mem_bytes=1e9)
     base = decode_breakdown(cfg, hw, 1, 64, measured_s=0.1)
@@ -317,7 +317,7 @@ def test_decode_matmuls_are_the_matmuls_of_a_real_decode_step(route):
     """The matmuls `decode_matmuls` times are those one decode step of the model runs: the same
     ATen ops on the same weights with the same shapes, in the same order, at batch 1 and 3; the
     reference forward (route None: plain nn.Linear) and the flat loop under each pinned route."""
-    from minillm.bench import measure
+    from minillm.lab import measure
     from minillm.kernels.cpu_tuning import accelerate
     from minillm.model.kv_cache import KVCache
     from minillm.model.loading import tiny_model
@@ -337,7 +337,7 @@ def test_decode_matmuls_are_the_matmuls_of_a_real_decode_step(route):
 
 
 def test_measure_decode_matmuls_times_one_step_per_batch(monkeypatch):
-    from minillm.bench import measure
+    from minillm.lab import measure
     from minillm.model.loading import tiny_model
     model = tiny_model(n_layer=2)
     monkeypatch.setattr(measure, "time_fn", lambda fn, device, repeat: (fn(), 0.5)[1])
@@ -380,7 +380,7 @@ def test_chunk_compute_bound_tokens_none_and_bad_input():
 
 
 def test_bandwidth_buffer_outgrows_the_last_level_cache(monkeypatch):
-    import minillm.bench.measure as rm
+    import minillm.lab.measure as rm
     monkeypatch.setattr(rm, "last_level_cache_bytes", lambda: 300 * 2**20)     # a 300 MiB L3
     ram = rm._memory_bytes(torch.device("cpu"))
     assert rm.bandwidth_buffer_bytes() == max(256 * 2**20, min(1200 * 2**20, int(ram) // 8))

@@ -178,7 +178,7 @@ def test_timing_replay_runs_the_real_schedule(tiny_pair):
     """spec_replay with the weights that produced the output: the logits accept exactly what the
     schedule says at every step (check=True), and the steps are those of the real loop. With
     another model's output the check fails: the replay is not free to invent its schedule."""
-    from minillm.bench.spec_replay import ceiling, replay, schedule
+    from minillm.lab.spec_replay import ceiling, replay, schedule
     target, draft = tiny_pair
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]
     out = generate(target, prompt, 30)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minillm.analysis.spec_theory import accepted_law
-from minillm.bench.common import load_results
+from minillm.lab.common import load_results
 from minillm.viz.spec import plot_accepted_histogram, plot_spec_benchmark
 
 

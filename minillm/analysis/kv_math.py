@@ -155,7 +155,7 @@ def lognormal_lengths(n: int, median: float, sigma: float, high: int | None = No
                       generator: torch.Generator | None = None, seed: int = 0) -> list[int]:
     """n seeded log-normal lengths (ints >= 1, at most `high`): exp(log(median) + sigma * z),
     z standard normal, rounded up. The one heavy-tailed length law of chapters 2 and 3 (chapter 4's
-    arrival workloads use a bounded Pareto, `bench.workloads.heavy_tailed_lengths`). Pass a
+    arrival workloads use a bounded Pareto, `lab.workloads.heavy_tailed_lengths`). Pass a
     `generator` to draw several streams from one seed, else `seed` makes one."""
     _check_pos_int("n", n)
     if high is not None:

@@ -21,7 +21,7 @@ SWEEP = dict(num_requests=120, seed=0, prompt_len=(8, 64), output_len=(4, 96))
 
 
 def _workload(spec: dict, rate: float = math.inf, vocab_size: int = 256):
-    from minillm.bench.workloads import poisson_workload
+    from minillm.lab.workloads import poisson_workload
     s = dict(spec)
     return poisson_workload(s.pop("num_requests"), rate, vocab_size, **s)
 
@@ -56,7 +56,7 @@ def serve_loop(model, work, max_num_seqs: int, admit) -> tuple[list[list[int]], 
 
 
 def _static_steps() -> int:
-    from minillm.bench.workloads import replay
+    from minillm.lab.workloads import replay
     from minillm.engine.config import EngineConfig
     from minillm.engine.llm_engine import LLMEngine
     eng = LLMEngine(_tiny(), EngineConfig(block_size=16, num_blocks=200, max_num_seqs=6,
@@ -81,7 +81,7 @@ def _swap_bytes() -> float:
 def _test_static_rule(admit) -> None:
     if not callable(admit):
         raise AssertionError(f"pass your admission function, got {type(admit).__name__}")
-    from minillm.bench.workloads import replay
+    from minillm.lab.workloads import replay
     from minillm.engine.config import EngineConfig
     from minillm.engine.llm_engine import LLMEngine
     model = _tiny()

@@ -30,7 +30,7 @@ def _engine(model, cfg):
 def _chapter_run(prefill_first: bool) -> dict:
     """The notebook's step-counted run; returns the long prompt's TTFT and the decodes' worst gap
     (both in engine steps)."""
-    from minillm.bench.workloads import long_prompt_workload, replay, request_latencies
+    from minillm.lab.workloads import long_prompt_workload, replay, request_latencies
     from minillm.engine.config import EngineConfig
     work = long_prompt_workload(256, num_running=_RUNNING, output_len=12,
                                 long_prompt_len=_LONG, arrival=4)
@@ -44,7 +44,7 @@ def _cached_prefix_run() -> int:
     """05.6: the chapter's step-counted run with prefix caching, after a request that shares the
     long prompt's first 256 tokens (16 blocks of 16) has been served; returns the long prompt's
     TTFT in engine steps."""
-    from minillm.bench.workloads import long_prompt_workload, replay, request_latencies
+    from minillm.lab.workloads import long_prompt_workload, replay, request_latencies
     from minillm.engine.config import EngineConfig
     from minillm.engine.sequence import SamplingParams
     work = long_prompt_workload(256, num_running=_RUNNING, output_len=12, long_prompt_len=384,

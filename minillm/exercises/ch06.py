@@ -79,20 +79,20 @@ numeric("06.2", f"alpha = 1 - TV: for tiny_model(vocab_size=64, seed=0) as targe
 
 
 def _recorded() -> dict:
-    from minillm.bench.spec_replay import schedule_file
+    from minillm.lab.spec_replay import schedule_file
     return json.loads(schedule_file().read_text())
 
 
 def _schedule(name: str, k: int):
-    from minillm.bench.spec import NGRAM_SETUP
-    from minillm.bench.spec_replay import schedule
+    from minillm.lab.prompts import NGRAM_SETUP
+    from minillm.lab.spec_replay import schedule
     from minillm.spec.proposers import NgramProposer
     p = _recorded()["prompts"][name]
     return schedule(p["prompt"], p["output"], k, NgramProposer(min_ngram=NGRAM_SETUP["min_ngram"]))
 
 
 def _alpha_of(name: str) -> float:
-    from minillm.bench.spec import NGRAM_SETUP
+    from minillm.lab.prompts import NGRAM_SETUP
     s = _schedule(name, NGRAM_SETUP["num_speculative_tokens"])
     return th.estimate_acceptance(s["num_accepted"], s["num_proposed"])
 
@@ -109,8 +109,8 @@ numeric("06.3", f"Best K: take the alpha estimate of the recorded '{BEST_K_SETUP
 
 
 def _ceiling() -> float:
-    from minillm.bench.spec import NGRAM_SETUP
-    from minillm.bench.spec_replay import ceiling
+    from minillm.lab.prompts import NGRAM_SETUP
+    from minillm.lab.spec_replay import ceiling
     from minillm.spec.proposers import NgramProposer
     return ceiling(_recorded(), CEILING_K, NgramProposer(min_ngram=NGRAM_SETUP["min_ngram"]))["all"]
 
@@ -139,7 +139,7 @@ code("06.5", "Policies: write a K policy class (no arguments; .k, .update(num_ac
 
 
 def _accepted_fraction() -> float:
-    from minillm.bench.spec import NGRAM_SETUP
+    from minillm.lab.prompts import NGRAM_SETUP
     s = _schedule("summarize", NGRAM_SETUP["num_speculative_tokens"])
     return sum(s["num_accepted"]) / sum(s["num_proposed"])
 

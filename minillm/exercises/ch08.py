@@ -6,7 +6,7 @@ code exercises run the reader's function on inputs made when they check: Prometh
 quantile (08.2, against a plain implementation here, on histograms filled by
 `serve.metrics.Histogram`), the text of a streamed chat answer (08.3, on event streams written by
 `serve.protocol` with interleaved completions, multi-byte characters and a usage chunk), the load
-generator's TPOT (08.5, against `bench.serve_metrics.RequestResult`) and the priority scheduler's
+generator's TPOT (08.5, against `lab.serve_metrics.RequestResult`) and the priority scheduler's
 memory-pressure victim (08.7, against `PriorityScheduler`).
 """
 import json
@@ -110,7 +110,7 @@ code("08.3", "Write stream_text(lines) -> {index: text}: the text of each comple
 
 # ---- section 7: the load generator --------------------------------------------------------------
 def _test_tpot_ms(candidate) -> None:
-    from minillm.bench.serve_metrics import RequestResult
+    from minillm.lab.serve_metrics import RequestResult
     if not callable(candidate):
         raise AssertionError("pass your function tpot_ms(ttft_s, e2e_s, output_tokens)")
     rng = random.Random(8)

@@ -3,34 +3,27 @@
 re-running a notebook rewrites the same bytes when the data are the same.
 
 Where figures go: running the notebooks (`make test`) or the demo must not rewrite committed
-files, so by default `save_figure` writes to `build/figures/` (ignored by git) of the project
-that holds the current directory. The committed `figures/` is written only on request:
-`MINILLM_FIGURES_DIR=figures` (any folder; a relative one is taken from that same project
-root), which is what `make figures` sets.
+files, so by default `save_figure` writes to `build/figures/` (ignored by git) of the source
+checkout that holds this package, found from the package's own files (`minillm._paths`), not from
+the current directory: a notebook run from notebooks/ and a script run from anywhere write to the
+same place.
+An installed package (a wheel, no checkout around it) writes to build/figures/ of the current
+directory instead. The committed `figures/` is written only on request:
+`MINILLM_FIGURES_DIR=figures` (any folder; a relative one is taken from that same base), which is
+what `make figures` sets.
 """
 import os
 from pathlib import Path
 
 import matplotlib
 
-REPO_ROOT = Path(__file__).resolve().parents[2]   # the source checkout (gpu_run runs its tests);
-                                                  # data paths come from project_root() or $MINILLM_*
+from minillm._paths import project_root
+
 FIGURES_ENV = "MINILLM_FIGURES_DIR"
 
 
-def project_root(start: Path | None = None) -> Path:
-    """The nearest folder at or above `start` (default: the current directory) holding
-    pyproject.toml or .git; `start` itself when there is none (e.g. an installed package run
-    from a home folder). Notebooks run in notebooks/, so this finds the repo top from there."""
-    start = Path.cwd() if start is None else Path(start)
-    for folder in (start, *start.parents):
-        if (folder / "pyproject.toml").exists() or (folder / ".git").exists():
-            return folder
-    return start
-
-
 def figures_dir() -> Path:
-    """Where `save_figure` writes: $MINILLM_FIGURES_DIR if set, else <project>/build/figures."""
+    """Where `save_figure` writes: $MINILLM_FIGURES_DIR if set, else <project_root()>/build/figures."""
     chosen = os.environ.get(FIGURES_ENV)
     if not chosen:
         return project_root() / "build" / "figures"

@@ -1,4 +1,5 @@
-"""Plots for the HTTP load generator (`python -m minillm.bench serve`); each returns a Figure.
+"""Plots for the HTTP load generator (`minillm.lab.loadgen`; `python -m benchmarks serve`); each
+returns a Figure.
 
 - `serve_run_plot`: one run: TTFT, ITL and e2e empirical CDFs (ms) of the completed requests;
 - `latency_vs_load_plot`: one or more servers swept over offered load (request rate):

@@ -4,13 +4,13 @@ a matplotlib Figure (save it with `minillm.viz.plotting.save_figure`).
 - `gantt_chart`: which request is in the batch at each step (prefill vs decode), one panel per run;
 - `occupancy_plot`: sequences in the batch and (optionally) the fraction of the KV pool booked, per step;
 - `latency_cdfs`: TTFT, TPOT and end-to-end latency empirical CDFs (step functions), one per run;
-- `load_sweep_plot`: latency percentiles against offered load (rows of `bench.workloads.load_sweep`);
+- `load_sweep_plot`: latency percentiles against offered load (rows of `lab.workloads.load_sweep`);
 - `step_time_plot`: wall time of each step with its prefill tokens (the prefill stall);
 - `step_cost_plot`: time of one forward against its new tokens, measured and the roofline floor;
 - `tradeoff_plot`: TTFT of the long prompt vs p99 TPOT of the others, one point per chunk size;
 - `throughput_bars`: tokens/s per method;
 - `priority_plot`: per-class TTFT percentiles under fcfs and priority, and tokens/s against the
-  interactive P95 TPOT per token budget (a record of `bench.priority`).
+  interactive P95 TPOT per token budget (a record of `python -m benchmarks priority`).
 """
 import matplotlib.pyplot as plt
 import numpy as np

@@ -1,0 +1,22 @@
+"""The instruments the chapters measure with: what notebooks, exercises and tests import to time,
+load and replay things on the reader's own machine.
+
+- `common`: careful timing (`time_fn`, `sync`), a prefilled cache for timing forwards, and
+  `load_results`, which reads the committed benchmark records of the checkout;
+- `measure`, `forward_cost`: this machine's ceilings, matmul points and decode-step costs (ch. 0, 1, 5);
+- `cuda_graphs`: launch overhead and graph replay (ch. 1, GPU only);
+- `paging`: paged attention timed against the block size (ch. 3);
+- `workloads`: synthetic request streams replayed through the engine (ch. 4, 5, 8);
+- `prompts`: every prompt list the chapters, the demo and the benchmarks share;
+- `spec_costs`, `spec_replay`, `spec_report`: what a speculative step costs, the recorded greedy
+  schedule (`spec_schedule.json`, package data) and its ceilings, a spec record as text (ch. 6);
+- `priority`: the priority mix and the P95-driven token budget (ch. 8);
+- `loadgen`, `serve_client`, `serve_metrics`, `datasets`: the HTTP load generator (ch. 8);
+- `attention_decode`, `long_context`: decode attention and its share of a step at long context (ch. 9);
+- `demo`, `serve_demo`: the serving parts of `python -m minillm demo`.
+
+Left out on purpose: anything that writes benchmark records. The record writers, their command
+line (`python -m benchmarks NAME`) and the project's own history tools live in the top-level
+`benchmarks/` package of the checkout, beside the records in `benchmarks/results/`; they import
+this package, never the other way round.
+"""

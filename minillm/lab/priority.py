@@ -1,0 +1,152 @@
+"""Priorities and SLOs (chapter 8): what `scheduling_policy="priority"` buys
+interactive traffic, and seed 001's P95-driven choice of `max_num_batched_tokens`.
+
+Both parts as the benchmark runs them:
+1. A mix of interactive requests (short prompts and outputs, priority 0, a tight TTFT target)
+   and batch requests (long outputs, priority 2), Poisson arrivals on the step clock (the same
+   arrivals on every machine), served with fcfs and with priority (SEED_CLASSES, their bounds
+   of 50 / 200 / 1000 ms read as 2 / 8 / 40 steps of 25 ms and scaled to this machine's solo
+   step, `scaled_classes`; promote). Per class: TTFT / TPOT p50 / p95 / p99 in
+   seconds, TTFT in steps, and goodput = requests of the class meeting both of its targets per
+   second of the run.
+2. P95-driven budget tuning: the same mix under priority for several budgets; per budget the
+   output tokens/s and the interactive class's P95 TPOT and TTFT; `tune_budget` picks the
+   largest budget whose P95 TPOT meets the SLA (seed 001: "when P95 exceeds the SLA, lower the
+   max batch tokens").
+
+Targets are multiples of the solo step `t1`, measured first in the same run (one request
+decoding alone): interactive TTFT <= 8 t1 and TPOT <= 3 t1, batch TTFT <= 400 t1 and
+TPOT <= 6 t1 (`SLO_STEPS`). So the targets scale with the machine and no constant of this CPU
+decides anything. Every step's time is wall clock: on a shared machine the seconds are noisy,
+the step counts are not.
+
+The benchmark (`python -m benchmarks priority [--quick]`) runs both on the real model and
+writes the record; chapter 8 calls these functions on its own mix.
+
+Left out on purpose: a closed-loop controller that retunes a live server (the sweep shows the
+rule; the server can apply it), and the standard class (the mix has two kinds of traffic).
+"""
+import numpy as np
+
+from minillm.lab.workloads import priority_mix_workload, replay
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.priority import SEED_CLASSES
+from minillm.engine.sequence import SamplingParams
+
+SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot": 6}}
+CLASS_OF = {c.priority: c.name for c in SEED_CLASSES}
+SEED_STEP_S = 0.025   # the step the seed's bounds are read against (an assumption, not a measurement)
+
+
+def scaled_classes(solo_step: float, classes=SEED_CLASSES) -> tuple:
+    """The classes with each bound multiplied by solo_step / SEED_STEP_S: the same number of
+    steps on every machine."""
+    from dataclasses import replace
+    return tuple(replace(c, max_queue_wait=None if c.max_queue_wait is None else
+                         c.max_queue_wait * solo_step / SEED_STEP_S) for c in classes)
+
+
+def solo_step_seconds(model, prompt_len: int = 16, tokens: int = 12) -> float:
+    """Median wall time of a decode step with one request alone (the SLOs' unit)."""
+    engine = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=1, max_num_batched_tokens=64))
+    engine.generate([list(range(1, prompt_len + 1))], SamplingParams(max_tokens=tokens, ignore_eos=True))
+    times = [r["t_end"] - r["t_start"] for r in engine.trace if r["num_prefill_tokens"] == 0]
+    return float(np.median(times[2:] or times))      # the first decodes warm the caches
+
+
+def mix(model, s: dict, seed: int = 0) -> list:
+    """The workload: arrival rate = load x seats / mean output tokens (requests per step)."""
+    probe = priority_mix_workload(s["num_requests"], 1.0, model.config.vocab_size, seed, **s["kinds"])
+    rate = s["load"] * s["seats"] / np.mean([w.max_tokens for w in probe])
+    return priority_mix_workload(s["num_requests"], rate, model.config.vocab_size, seed, **s["kinds"])
+
+
+def serve(model, workload, policy: str, budget: int, seats: int, classes=SEED_CLASSES,
+          step_seconds: float | None = None):
+    """One replay on the step clock; returns (outputs, engine)."""
+    cfg = EngineConfig(block_size=16, max_num_seqs=seats, max_num_batched_tokens=budget,
+                       scheduling_policy=policy, priority_classes=classes if policy == "priority" else ())
+    engine = LLMEngine(model, cfg)
+    return replay(engine, workload, time_unit="steps", step_seconds=step_seconds), engine
+
+
+def ttft_steps(out) -> int | None:
+    """A request's TTFT in engine steps (1 = the step right after it arrived), None without one."""
+    m = out.metrics
+    return None if m.first_token_step is None else m.first_token_step - m.arrival_step + 1
+
+
+def class_table(outs, workload, engine, targets: dict) -> dict:
+    """Per class: percentiles of TTFT / TPOT (s), TTFT in steps, goodput and the share meeting."""
+    wall = engine.trace[-1]["t_end"] - engine.trace[0]["t_start"]
+    table = {}
+    for prio, name in CLASS_OF.items():
+        mine = [o for o, w in zip(outs, workload) if w.priority == prio]
+        if not mine:
+            continue
+        ttft = [o.metrics.ttft for o in mine if o.metrics.ttft is not None]
+        tpot = [o.metrics.tpot for o in mine if o.metrics.tpot is not None]
+        steps = [n for n in map(ttft_steps, mine) if n is not None]
+        t = targets[name]
+        met = sum(o.metrics.ttft is not None and o.metrics.ttft <= t["ttft"] and
+                  (o.metrics.tpot or 0.0) <= t["tpot"] for o in mine)
+        row = {"n": len(mine), "met": met, "goodput_rps": met / wall, "rejected":
+               sum(o.finish_reason == "abort" for o in mine),
+               "promoted": sum(o.metrics.num_promotions for o in mine)}
+        for key, vals in (("ttft", ttft), ("tpot", tpot), ("ttft_steps", steps)):
+            for p in (50, 95, 99):
+                row[f"{key}_p{p}"] = float(np.percentile(vals, p)) if vals else None
+        table[name] = row
+    return table
+
+
+def ttft_steps_by_class(outs, workload) -> dict:
+    """Per class: TTFT in engine steps (1 = the next step), p50 / p95 / max; deterministic."""
+    table = {}
+    for prio, name in CLASS_OF.items():
+        steps = [n for o, w in zip(outs, workload) if w.priority == prio
+                 for n in [ttft_steps(o)] if n is not None]
+        if steps:
+            table[name] = {"p50": float(np.percentile(steps, 50)), "p95": float(np.percentile(steps, 95)),
+                           "max": max(steps)}
+    return table
+
+
+def try_queue_timeouts(model, workload, waits=(0.05, 0.2, 1.0), seats: int = 4, budget: int = 32,
+                       step_seconds: float = 0.025) -> list[dict]:
+    """Seed 001's queue timeouts on the batch class, each with on_timeout promote and reject, on
+    a simulated clock of `step_seconds` per step (so 50 ms = 2 steps at 25 ms). Per trial: the
+    classes' TTFT steps, batch promotions, rejections and the first rejection's error."""
+    from minillm.engine.priority import PriorityClass
+    rows = []
+    for wait in waits:
+        for how in ("promote", "reject"):
+            classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, wait, how))
+            outs, engine = serve(model, workload, "priority", budget, seats, classes, step_seconds)
+            errors = [o.error for o in outs if o.error]
+            rows.append({"max_queue_wait": wait, "on_timeout": how,
+                         "promoted": sum(o.metrics.num_promotions for o in outs),
+                         "rejected": len(errors), "error": errors[0] if errors else None,
+                         "steps": len(engine.trace), **{f"{k}_ttft_steps": v for k, v in
+                                                        ttft_steps_by_class(outs, workload).items()}})
+    return rows
+
+
+def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name="interactive",
+                classes=SEED_CLASSES) -> dict:
+    """Seed 001's rule: serve the workload at each budget (priority policy); the choice is the
+    largest budget whose class `name` has P95 TPOT <= `sla_tpot_p95` (None if none does)."""
+    rows = []
+    for budget in sorted(budgets):
+        outs, engine = serve(model, workload, "priority", budget, seats, classes)
+        wall = engine.trace[-1]["t_end"] - engine.trace[0]["t_start"]
+        prio = next(c.priority for c in SEED_CLASSES if c.name == name)
+        mine = [o.metrics for o, w in zip(outs, workload) if w.priority == prio]
+        tpot = [m.tpot for m in mine if m.tpot is not None]
+        rows.append({"budget": budget, "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+                     "tpot_p95": float(np.percentile(tpot, 95)),
+                     "ttft_p95": float(np.percentile([m.ttft for m in mine], 95)),
+                     "steps": len(engine.trace)})
+        rows[-1]["meets"] = rows[-1]["tpot_p95"] <= sla_tpot_p95
+    ok = [r["budget"] for r in rows if r["meets"]]
+    return {"sla_tpot_p95": sla_tpot_p95, "rows": rows, "chosen": max(ok) if ok else None}
