@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from minillm.attention.backend_tuning import decode_step, decode_threshold
+from minillm.attention.backends import decode_step, decode_threshold
 from minillm.attention.flash_decoding import CHUNK
 from minillm.bench.common import time_fn
 

@@ -19,7 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minillm.paging.paged_attention import PagedAttentionMetadata, paged_attention
+from minillm.attention.metadata import PagedAttentionMetadata
+from minillm.attention.paged import paged_attention
 
 
 def _best_ms(fns: dict, rounds: int) -> dict:

@@ -18,7 +18,9 @@ it wins on this machine, timed once: attention/backend_tuning.py); prefill chunk
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
+from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
+from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,9 @@ class EngineConfig:
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
                              f"each step) and >= 1 + num_speculative_tokens="
                              f"{1 + self.num_speculative_tokens} (one verify step)")
-        from minillm.attention.flash_decoding import ATTENTION_BACKENDS
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineConfig.attention_backend must be one of "
                              f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        from minillm.quant.kv import check_kv_cache_dtype   # the platform is probed by the cache
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)
