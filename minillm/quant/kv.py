@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minillm.paging.kv_storage import dequantize_kv, quantize_kv  # noqa: F401 (chapter 7 reads them here)
+from minillm.paging.kv_storage import dequantize_kv, quantize_kv  # noqa: F401 (read here too)
 from minillm.paging.paged_cache import PagedKVCache
 
 
