@@ -25,7 +25,7 @@ from minillm.model.kv_cache import KVCache
 from .llm import LLM
 from minillm.model.loading import default_device, load_model, tiny_model
 from minillm.model.llama import Transformer
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 from minillm.spec.loop import speculative_generate

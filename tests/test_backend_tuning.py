@@ -6,10 +6,13 @@ import json
 import pytest
 import torch
 
-import minillm.attention.backend_tuning as bt
+import minillm.attention.backends as bt
+import minillm.paging.paged_cache as pc
 from minillm import EngineConfig, LLMEngine, SamplingParams, tiny_model
 from minillm.attention import flash_decoding as fd
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.attention.metadata import PagedAttentionMetadata
+from minillm.kernels import cpu_tuning
+from minillm.paging.paged_cache import PagedKVCache
 
 
 def _times(wins):
@@ -37,14 +40,14 @@ def test_threshold_is_timed_once_and_cached(tmp_path, monkeypatch):
         calls.append(args)
         return _times([False, False, True, True, True, True])
     monkeypatch.setattr(bt, "time_backends", fake_time)
-    bt._MEMORY.clear()
+    cpu_tuning._MEMORY.clear()
     first = bt.decode_threshold(9, 3, 64, cache_dir=tmp_path)
     assert first == bt.decide(fake_time()) and len(calls) == 2
-    bt._MEMORY.clear()                                                 # a new process: the file
+    cpu_tuning._MEMORY.clear()                                         # a new process: the file
     assert bt.decode_threshold(9, 3, 64, cache_dir=tmp_path) == first and len(calls) == 2
     [path] = tmp_path.glob("decode_attention_*.json")
     path.write_text("{not json")                                       # corrupt: timed again
-    bt._MEMORY.clear()
+    cpu_tuning._MEMORY.clear()
     assert bt.decode_threshold(9, 3, 64, cache_dir=tmp_path) == first and len(calls) == 3
     assert json.loads(path.read_text())["threshold"] == first
     with pytest.raises(ValueError, match="head_dim"):
@@ -68,8 +71,8 @@ def test_auto_gives_the_paged_tokens_and_takes_the_path_it_decided(threshold, mo
     ref = [o.token_ids for o in paged.generate(prompts, params)]
     monkeypatch.setattr(bt, "decode_threshold", lambda *a, **k: threshold)
     used = []
-    real = fd.flash_decode
-    monkeypatch.setattr(fd, "flash_decode", lambda *a, **k: used.append(1) or real(*a, **k))
+    real = pc.flash_decode                                             # as the cache calls it
+    monkeypatch.setattr(pc, "flash_decode", lambda *a, **k: used.append(1) or real(*a, **k))
     engine = LLMEngine(model, EngineConfig(attention_backend="auto"))
     assert [o.token_ids for o in engine.generate(prompts, params)] == ref
     assert bool(used) == (threshold is not None)
@@ -83,3 +86,29 @@ def test_auto_never_times_short_contexts(monkeypatch):
     engine = LLMEngine(model, EngineConfig(attention_backend="auto"))
     engine.generate([[1, 2, 3] * 10] * 4, SamplingParams(max_tokens=5, ignore_eos=True))
     assert PagedKVCache(model.config, 4, 4, attention_backend="auto").attention_backend == "auto"
+
+
+@pytest.mark.parametrize("crossover", [None, 600, 10**9])
+def test_choice_asks_the_crossover_once_and_follows_it(crossover, monkeypatch):
+    """BackendChoice("auto") times nothing for one-chunk contexts, asks `decode_threshold` once
+    (a None answer, "never", is remembered too), plans flash-decoding from the crossover on, and
+    never for a step with a prefill chunk; "paged" / "flash_decoding" need no crossover."""
+    calls = []
+    monkeypatch.setattr(bt, "decode_threshold", lambda *a, **k: calls.append(a) or crossover)
+    choice = bt.BackendChoice("auto", n_kv_head=1, head_dim=4)
+    q = torch.zeros(2, 2, 4)                                               # (B, H, D)
+    short = PagedAttentionMetadata([1, 1], [fd.CHUNK, 3], [[0], [1]], fd.CHUNK)
+    assert choice.decode_plan(q, short) is None and not calls and not choice.crossover_known
+    long = PagedAttentionMetadata([1, 1], [fd.CHUNK + 50, 9], [[0, 1], [2]], fd.CHUNK)
+    for _ in range(3):                                                     # 2 x 306 keys
+        plan = choice.decode_plan(q, long)
+        assert (plan is not None) == (crossover is not None and 2 * (fd.CHUNK + 50) >= crossover)
+    assert len(calls) == 1 and choice.crossover_known and choice.crossover == crossover
+    assert calls[0][:3] == (2, 1, 4)                                       # H, Hkv, D of the step
+    prefill = PagedAttentionMetadata([1, 2], [fd.CHUNK + 50, 9], [[0, 1], [2]], fd.CHUNK)
+    assert choice.decode_plan(torch.zeros(3, 2, 4), prefill) is None
+    assert bt.BackendChoice("paged", 1, 4).decode_plan(q, long) is None
+    assert isinstance(bt.BackendChoice("flash_decoding", 1, 4).decode_plan(q, short), fd.DecodePlan)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="attention_backend"):
+        bt.BackendChoice("flash", 1, 4)

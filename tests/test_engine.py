@@ -230,7 +230,7 @@ def test_speculative_draft_model_is_target(model, workload):
 
 def test_num_blocks_from_memory_budget(model):
     """num_blocks=None: as many blocks as fit in kv_cache_memory_bytes (K and V, all layers)."""
-    from minillm.paging.paged_attention import PagedKVCache
+    from minillm.paging.paged_cache import PagedKVCache
     per_block = PagedKVCache.bytes_per_block(model.config, 16, torch.float64)
     engine = LLMEngine(model, EngineConfig(num_blocks=None, kv_cache_memory_bytes=10 * per_block + 5))
     assert engine.num_blocks == 10 and engine.num_free_blocks == 10

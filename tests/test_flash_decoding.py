@@ -11,8 +11,9 @@ from minillm import generate, tiny_model
 from minillm.attention.flash_decoding import DecodePlan, flash_decode, merge_partials
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
-from minillm.paging.paged_attention import (PagedAttentionMetadata, PagedKVCache,
-                                            dense_attention, paged_attention)
+from minillm.attention.metadata import PagedAttentionMetadata
+from minillm.attention.paged import dense_attention, paged_attention
+from minillm.paging.paged_cache import PagedKVCache
 
 H, HKV, D, P, N = 9, 3, 16, 4, 64        # SmolLM2's GQA 9/3, small head dim and blocks
 
@@ -149,10 +150,10 @@ def test_bad_input_names_the_argument():
 
 
 def test_engine_option_gives_the_same_greedy_tokens(monkeypatch):
-    import minillm.attention.flash_decoding as fd
+    import minillm.paging.paged_cache as pc        # where the cache calls it
     calls = []
-    real = fd.flash_decode
-    monkeypatch.setattr(fd, "flash_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = pc.flash_decode
+    monkeypatch.setattr(pc, "flash_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = tiny_model(vocab_size=128, seed=0, dtype=torch.float64)
     prompts = [[1, 2, 3], [5] * 40, list(range(10, 31)), [7]]
     refs = [generate(model, p, 12) for p in prompts]

@@ -14,7 +14,7 @@ import minillm
 from minillm.kernels import cpu_kernels as ck
 from minillm.kernels.flat_forward import FlatTransformer, flatten, unflatten
 from minillm.model.kv_cache import KVCache
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.paging.paged_cache import PagedKVCache
 
 
 def _pair(dtype=torch.float64, **cfg):

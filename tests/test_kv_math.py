@@ -9,7 +9,7 @@ from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, kv
                              plan_capacity, reservation_waste, sample_output_lengths,
                              activation_reserve_bytes, seed_max_batch_tokens,
                              weight_bytes)
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.paging.paged_cache import PagedKVCache
 from minillm.analysis.roofline import get_hardware
 
 MiB, GiB = 2**20, 2**30

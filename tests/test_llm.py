@@ -15,7 +15,7 @@ from minillm.model.chat import encode_chat
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.args import num_blocks_for_memory
 from minillm.analysis.kv_math import plan_capacity, weight_bytes
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.paging.paged_cache import PagedKVCache
 
 QUICKSTART = ["Hello, my name is", "The president of the United States is",
               "The capital of France is", "The future of AI is"]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from minillm.model.config import ModelConfig
-from minillm.paging.paged_attention import (PagedAttentionMetadata, PagedKVCache, dense_attention,
-                                     paged_attention, ragged_dense_attention, write_kv)
+from minillm.attention.metadata import PagedAttentionMetadata, long_tensor
+from minillm.attention.paged import dense_attention, paged_attention, ragged_dense_attention, write_kv
+from minillm.paging.paged_cache import PagedKVCache
 
 
 def _random_batch(rng, block_size, n_head, n_kv_head, dtype, max_ctx=40, num_seqs=None):
@@ -241,7 +242,6 @@ def test_metadata_fast_paths_match_sdpa(case):
 
 
 def test_long_tensor():
-    from minillm.paging.paged_attention import long_tensor
     t = long_tensor([3, -1, 2**40])
     assert t.dtype == torch.long and t.tolist() == [3, -1, 2**40]
     assert long_tensor([]).shape == (0,)

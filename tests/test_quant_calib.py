@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minillm
-from minillm.quant.api import PROJECTIONS
+from minillm.quant.targets import PROJECTIONS
 from minillm.quant import awq, gptq, outliers, quality
 from minillm.quant.formats import Int4Weight, quantize_int4
 

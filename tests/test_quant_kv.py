@@ -16,8 +16,10 @@ from minillm.analysis.kv_math import kv_bytes_per_token
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.model.llama import DenseCausalAttention
-from minillm.paging.paged_attention import PagedKVCache, ragged_dense_attention
-from minillm.quant.kv import dequantize_kv, kv_dtype_bytes, kv_perplexity, quantize_kv
+from minillm.attention.paged import ragged_dense_attention
+from minillm.paging.kv_storage import dequantize_kv, kv_dtype_bytes, quantize_kv
+from minillm.paging.paged_cache import PagedKVCache
+from minillm.quant.kv import kv_perplexity
 
 from engine_configs import CONFIGS, workload as equivalence_workload
 

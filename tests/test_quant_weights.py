@@ -5,14 +5,13 @@ dequantize-then-matmul, and the same tiny model holding the dequantized weights 
 nn.Linear layers.
 """
 import copy
-import sys
-import types
 
 import pytest
 import torch
 
 import minillm
 from minillm import EngineConfig, LLMEngine, SamplingParams
+from minillm.quant import api
 from minillm.quant.api import quantize, quantized_bytes
 from minillm.quant.formats import (Int4Weight, pack_int4, quantize_int4, quantize_int8,
                                    unpack_int4)
@@ -230,9 +229,8 @@ def test_refuses_a_model_twice_and_non_models():
 
 
 def _fake(monkeypatch, name, fn):
-    module = types.ModuleType(f"minillm.quant.{name}")
-    setattr(module, f"{name}_weights", fn)
-    monkeypatch.setitem(sys.modules, f"minillm.quant.{name}", module)
+    """`quantize` calls `fn` as the calibration method `name` (gptq_weights / awq_weights)."""
+    monkeypatch.setattr(api, f"{name}_weights", fn)
 
 
 def test_gptq_and_awq_dispatch_with_checked_calibration(monkeypatch):

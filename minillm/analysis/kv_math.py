@@ -25,7 +25,7 @@ import torch
 
 from minillm.model.config import ModelConfig
 from minillm._validate import check_int, check_real
-from minillm.analysis.roofline import Hardware, _check_pos_int, dtype_bytes
+from minillm.analysis.roofline import Hardware, dtype_bytes
 
 
 def _check_cfg(cfg) -> None:
@@ -46,8 +46,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype="bf16", scale_bytes: float = 0) -
 
 def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, batch_size: int = 1, dtype="bf16") -> float:
     """KV bytes of B sequences holding S tokens each."""
-    _check_pos_int("num_tokens", num_tokens, allow_zero=True)
-    _check_pos_int("batch_size", batch_size)
+    check_int("num_tokens", num_tokens, 0)
+    check_int("batch_size", batch_size, 1)
     return kv_bytes_per_token(cfg, dtype) * num_tokens * batch_size
 
 
@@ -102,9 +102,9 @@ def plan_capacity(cfg: ModelConfig, memory, gpu_memory_utilization: float = 0.9,
     memory_bytes = memory.mem_bytes if isinstance(memory, Hardware) else memory
     check_real("memory (a Hardware or a byte count)", memory_bytes, 0, low_open=True)
     check_real("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
-    _check_pos_int("block_size", block_size)
+    check_int("block_size", block_size, 1)
     max_model_len = cfg.max_seq_len if max_model_len is None else max_model_len
-    _check_pos_int("max_model_len", max_model_len)
+    check_int("max_model_len", max_model_len, 1)
     if activation_bytes < 0:
         raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes}")
     budget = gpu_memory_utilization * memory_bytes
@@ -133,9 +133,9 @@ def activation_reserve_bytes(cfg: ModelConfig, num_tokens: int, dtype="bf16",
     * 2 + 256 * 128256 * 4 = 970,194,944 bytes (about 0.9 GiB).
     """
     _check_cfg(cfg)
-    _check_pos_int("num_tokens", num_tokens)
+    check_int("num_tokens", num_tokens, 1)
     rows = num_tokens if logits_rows is None else logits_rows
-    _check_pos_int("logits_rows", rows)
+    check_int("logits_rows", rows, 1)
     T, d, D = num_tokens, cfg.d_model, cfg.head_dim
     attn = (cfg.n_head + 2 * cfg.n_kv_head) * D + cfg.n_head * D     # qkv + attention output
     mlp = 3 * cfg.d_ff                                               # gate/up + activated
@@ -157,9 +157,9 @@ def lognormal_lengths(n: int, median: float, sigma: float, high: int | None = No
     z standard normal, rounded up. The one heavy-tailed length law of chapters 2 and 3 (chapter 4's
     arrival workloads use a bounded Pareto, `lab.workloads.heavy_tailed_lengths`). Pass a
     `generator` to draw several streams from one seed, else `seed` makes one."""
-    _check_pos_int("n", n)
+    check_int("n", n, 1)
     if high is not None:
-        _check_pos_int("high (None or)", high)
+        check_int("high (None or)", high, 1)
     if not (median > 0 and sigma > 0):
         raise ValueError(f"median and sigma must be > 0, got {median}, {sigma}")
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
@@ -171,7 +171,7 @@ def lognormal_lengths(n: int, median: float, sigma: float, high: int | None = No
 def sample_output_lengths(n: int, max_len: int = 2048, median: float = 128.0,
                           sigma: float = 1.2, seed: int = 0) -> list[int]:
     """n seeded log-normal output lengths in [1, max_len]: most short, a few very long."""
-    _check_pos_int("max_len", max_len)
+    check_int("max_len", max_len, 1)
     return lognormal_lengths(n, median, sigma, high=max_len, seed=seed)
 
 
@@ -191,16 +191,16 @@ class Reservation:
 def reservation_waste(lengths: list[int], max_len: int,
                       block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[Reservation]:
     """Static reservation (every request holds max_len slots) vs blocks of P (ceil(len/P)*P)."""
-    _check_pos_int("max_len", max_len)
+    check_int("max_len", max_len, 1)
     if not lengths:
         raise ValueError("lengths must be a non-empty list of ints")
     for x in lengths:
-        _check_pos_int("each length", x)
+        check_int("each length", x, 1)
         if x > max_len:
             raise ValueError(f"length {x} exceeds max_len {max_len}")
     used = sum(lengths)
     out = [Reservation("static", used, max_len * len(lengths))]
     for p in block_sizes:
-        _check_pos_int("block_size", p)
+        check_int("block_size", p, 1)
         out.append(Reservation(f"block {p}", used, sum(math.ceil(x / p) * p for x in lengths)))
     return out

@@ -23,7 +23,7 @@ as (B, Hkv, n, C, D) and q viewed as (B, Hkv, 1, G, D) meets its kv head without
 A tile's K and V go into two buffers the plan owns and every layer reuses: they stay small
 enough to be read back from the CPU's cache, and no layer asks the OS for fresh pages.
 
-Left out on purpose: prefill (T > 1 queries go through `paged_attention`), a fused kernel (we
+Left out on purpose: prefill (T > 1 queries go through `paged.py`), a fused kernel (we
 still copy each tile once, which a real kernel would not), and choosing C or the tile size by
 timing them here (both are fixed round numbers).
 """
@@ -32,11 +32,9 @@ import math
 import torch
 
 from minillm._validate import check_int
-from minillm.paging.paged_attention import PagedAttentionMetadata, long_tensor
+from minillm.attention.metadata import PagedAttentionMetadata, long_tensor
 
-ATTENTION_BACKENDS = ("paged", "flash_decoding", "auto")   # EngineConfig / PagedKVCache(attention_backend=)
-# "auto": flash-decoding for decode steps at least as large as this machine's timed crossover
-# (attention/backend_tuning.py), the paged path otherwise
+# which steps come here is backends.py's choice (EngineConfig(attention_backend=...))
 CHUNK = 256          # keys per split, the engine's choice: a fixed round number, not tuned here
 TILE_KEYS = 2048     # slot rows gathered at once (~1.5 MiB of K for SmolLM2 fp32): a round
                      # number near a core's L2 size, not measured here
@@ -155,7 +153,7 @@ def _gather(slots_2d, plan: DecodePlan, tile: int, D: int, name: str):
         rows = torch.index_select(slots_2d.view(-1, D), 0, index,
                                   out=plan.buffer(name, slots_2d, D, index.numel()))  # (B*Hkv*n*C, D)
         return rows.view(B, Hkv, c1 - c0, C, D)
-    rows = slots_2d.index_select(0, slots)       # a quantized pool (quant/kv.py KVSlots)
+    rows = slots_2d.index_select(0, slots)       # a quantized pool (paging/kv_storage.py KVSlots)
     return rows.view(B, c1 - c0, C, Hkv, D).permute(0, 3, 1, 2, 4)           # (B, Hkv, n, C, D)
 
 

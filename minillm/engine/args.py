@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.paging.paged_cache import PagedKVCache
 from minillm._validate import check_real
 
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")

@@ -8,17 +8,19 @@ Order within a step: decodes first (default), or `prefill_first=True` (prompts f
 scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a long-running
 engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
 dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int8" and "fp8"
-store one byte per element (quant/kv.py), so the same memory holds about 2x (bf16/fp16) or 4x
+store one byte per element (paging/kv_storage.py), so the same memory holds about 2x (bf16/fp16) or 4x
 (fp32) the blocks. Order across requests: `scheduling_policy` "fcfs" (arrival order) or "priority"
 (each request's int priority, lower first, with optional `priority_classes`: priority.py).
 Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
 "flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
 minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from the step size where
-it wins on this machine, timed once: attention/backend_tuning.py); prefill chunks take the paged path.
+it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
+from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
+from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,9 @@ class EngineConfig:
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes "
                              f"each step) and >= 1 + num_speculative_tokens="
                              f"{1 + self.num_speculative_tokens} (one verify step)")
-        from minillm.attention.flash_decoding import ATTENTION_BACKENDS
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineConfig.attention_backend must be one of "
                              f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        from minillm.quant.kv import check_kv_cache_dtype   # the platform is probed by the cache
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)

@@ -35,7 +35,7 @@ from minillm.engine.config import EngineConfig
 from minillm.engine.spec_decoder import SpecDecoder
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
-from minillm.paging.paged_attention import PagedKVCache
+from minillm.paging.paged_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.static_scheduler import StaticScheduler
 from minillm.engine.trace import progress_bar, prune, trace_row

@@ -18,7 +18,8 @@ Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work, logp
 import torch
 
 from minillm.paging.block_manager import BlockManager
-from minillm.paging.paged_attention import PagedKVCache, long_tensor
+from minillm.attention.metadata import long_tensor
+from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sequence import Sequence

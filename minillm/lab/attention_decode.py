@@ -2,7 +2,7 @@
 
 One layer of SmolLM2-135M's shape (H 9, Hkv 3, D 64), B sequences of S cached tokens each, one
 new query per sequence:
-- "paged": the engine's gather path, `_attend_rows` (gather through the block table, then SDPA);
+- "paged": the engine's gather path, `attend_slot_rows` (gather through the block table, then SDPA);
 - "flashdec": `flash_decode` over the same slot rows (chunks merged by log-sum-exp);
 - "sdpa": `F.scaled_dot_product_attention` over a contiguous cache (B, Hkv, S, D), as `KVCache`
   attends: the floor a paged layout pays its gather against.
@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from minillm.attention.backend_tuning import decode_step, decode_threshold
+from minillm.attention.backends import decode_step, decode_threshold
 from minillm.attention.flash_decoding import CHUNK
 from minillm.lab.common import time_fn
 
@@ -33,7 +33,7 @@ VARIANTS = ("paged", "flashdec", "sdpa")
 def decode_point(B: int, S: int, H: int = 9, Hkv: int = 3, D: int = 64, block_size: int = 16,
                  chunk: int = CHUNK, dtype=torch.float32, seed: int = 0) -> dict:
     """Inputs of one (B, S) point and a zero-argument function per variant -> {name: fn}: the
-    engine's two paths over shuffled paged pools (`backend_tuning.decode_step`, every sequence S
+    engine's two paths over shuffled paged pools (`backends.decode_step`, every sequence S
     long) and SDPA over a contiguous cache of the same shape."""
     step = decode_step(H, Hkv, D, B, S, dtype, seed=seed, context_lens=[S] * B,
                        block_size=block_size, chunk=chunk)

@@ -2,7 +2,7 @@
 
 On SmolLM2-135M (`load_model()`, fp32) through the engine's `PagedKVCache`:
 - decode, batch 1, context S: a full step (metadata + 30 layers + lm_head) with S tokens
-  cached, and the attention part alone (the same metadata, then `_attend_rows` or
+  cached, and the attention part alone (the same metadata, then `attend_slot_rows` or
   `flash_decode` in each of the 30 layers); attention's share two ways: attention / step, and
   (step(S) - step(16)) / step(S), what the context adds;
 - prefill of T tokens in one forward (no chunking): the same two timings.
@@ -25,7 +25,8 @@ import torch
 from minillm.analysis.kv_math import kv_bytes_per_token, weight_bytes
 from minillm.analysis.roofline import decode_costs, op_time, prefill_costs, step_time
 from minillm.attention.flash_decoding import DecodePlan, CHUNK, flash_decode
-from minillm.paging.paged_attention import PagedKVCache, _attend_rows
+from minillm.attention.paged import attend_slot_rows
+from minillm.paging.paged_cache import PagedKVCache
 
 DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096)
@@ -78,7 +79,7 @@ def _step_and_attention(model, cache, table, T: int, S: int, backend: str):
                 flash_decode(q.transpose(0, 1), k, v, cfg.n_kv_head, plan)
         else:
             for k, v in zip(cache._k_slots, cache._v_slots):
-                _attend_rows(q.transpose(0, 1), k, v, cfg.n_kv_head, meta)
+                attend_slot_rows(q.transpose(0, 1), k, v, cfg.n_kv_head, meta)
     return step, attention
 
 

@@ -11,7 +11,7 @@ round: a burst of other work on a shared machine then slows every candidate alik
 one. Timings are for the reader's machine; nothing here asserts a speed.
 
 Left out on purpose: a fused paged kernel (minillm gathers into a dense tensor, see
-minillm.paging.paged_attention) and GPU timing.
+minillm.paging.paged_cache) and GPU timing.
 """
 import random
 import time
@@ -19,7 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minillm.paging.paged_attention import PagedAttentionMetadata, paged_attention
+from minillm.attention.metadata import PagedAttentionMetadata
+from minillm.attention.paged import paged_attention
 
 
 def _best_ms(fns: dict, rounds: int) -> dict:

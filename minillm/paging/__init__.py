@@ -1,4 +1,4 @@
 """The paged KV cache (chapter 3): `block_manager` (block tables, reference counts,
-copy-on-write, prefix caching; pure Python, no tensors), `metadata` (a step's index tensors:
-slot mapping, gather slots, masks) and `paged_attention` (the KV pool, writes through the slot
-mapping, attention over block tables, and the dense references)."""
+copy-on-write, prefix caching; pure Python, no tensors), `paged_cache` (the KV pools, written and
+read through the block tables by the attention in minillm/attention/paged.py) and `kv_storage`
+(the int8 / fp8 formats a pool may store)."""

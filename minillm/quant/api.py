@@ -15,61 +15,33 @@ exact for "gguf", and `quantized_bytes` counts it, so the tables show what it co
 Methods: "int8" per output channel (group_size must be None); "int4" round-to-nearest in groups
 (default 32); "gguf" the shipped file's own Q4_1 blocks (groups of 32; only for the shipped
 SmolLM2, checked weight by weight); "gptq" and "awq" int4 from a calibration set (`gptq.py`,
-`awq.py`, imported only when asked for). Everything is checked and every new module built before
-the first swap: a refused call leaves the model as it was.
+`awq.py`). Everything is checked and every new module built before the first swap: a refused call
+leaves the model as it was. This module is the top of quant/: the projections, the checks of the
+calibration ids and `rtn_weights` live in `targets.py`, which the methods import instead.
 
 Left out on purpose: quantizing the embedding / lm_head, mixed formats per layer, saving and
 loading quantized checkpoints.
 """
 import torch
-import torch.nn as nn
 
-from minillm.quant.formats import check_group_size, quantize_int4, quantize_int8
+from minillm.model.config import get_config
+from minillm.model.llama import Transformer
+from minillm.quant.awq import awq_weights
+from minillm.quant.formats import check_group_size
+from minillm.quant.gguf import gguf_weights
+from minillm.quant.gptq import gptq_weights
 from minillm.quant.linear import Int4Linear, Int8Linear, check_path
+from minillm.quant.targets import check_calibration, projections, rtn_weights
 
 METHODS = ("int8", "int4", "gguf", "gptq", "awq")
-PROJECTIONS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 DEFAULT_GROUP = 32
-
-
-def projections(model) -> dict:
-    """module name -> the module, for the projections `quantize` replaces."""
-    return {f"layers.{i}.{p}": layer.get_submodule(p)
-            for i, layer in enumerate(model.layers) for p in PROJECTIONS}
 
 
 def is_quantized(model) -> bool:
     return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
 
 
-def check_calibration(calibration, vocab_size: int) -> torch.Tensor:
-    """A LongTensor (B, T) or a list of equal-length token-id lists -> LongTensor (B, T), T >= 2."""
-    if isinstance(calibration, (list, tuple)):
-        rows = list(calibration)
-        if not rows or not all(isinstance(r, (list, tuple)) for r in rows):
-            raise ValueError("calibration must be a non-empty list of token-id lists (or a "
-                             "LongTensor (B, T))")
-        if any(isinstance(t, bool) or not isinstance(t, int) for r in rows for t in r):
-            raise TypeError("calibration lists must hold int token ids")
-        if len({len(r) for r in rows}) != 1:
-            raise ValueError(f"calibration lists must all have one length, got "
-                             f"{sorted({len(r) for r in rows})}")
-        calibration = torch.tensor(rows, dtype=torch.long)
-    if not isinstance(calibration, torch.Tensor) or calibration.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"calibration must be a LongTensor (B, T) or a list of token-id lists, got "
-                        f"{calibration.dtype if isinstance(calibration, torch.Tensor) else type(calibration).__name__}")
-    if calibration.dim() != 2 or calibration.shape[0] == 0 or calibration.shape[1] < 2:
-        raise ValueError(f"calibration must be (B, T) with B >= 1 and T >= 2, got shape "
-                         f"{tuple(calibration.shape)}")
-    lo, hi = int(calibration.min()), int(calibration.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"calibration must hold token ids in [0, {vocab_size}) (the model's "
-                         f"vocabulary), got values in [{lo}, {hi}]")
-    return calibration.long()
-
-
 def _check(model, method, group_size, calibration, path):
-    from minillm.model.llama import Transformer
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a minillm Transformer, got {type(model).__name__}")
     if method not in METHODS:
@@ -105,26 +77,11 @@ def _check(model, method, group_size, calibration, path):
 
 def _check_smollm2_shape(cfg) -> None:
     """The cheap half of "is this the shipped SmolLM2?" (the weights are compared once read)."""
-    from minillm.model.config import get_config
     ref = get_config("smollm2-135m")
     fields = ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "vocab_size")
     if any(getattr(cfg, f) != getattr(ref, f) for f in fields):
         raise ValueError(f"method='gguf' needs the shipped SmolLM2-135M (minillm.load_model()); "
                          f"model has the shape of {cfg.name!r}")
-
-
-def _weight(module: nn.Linear) -> torch.Tensor:
-    return module.weight.detach().contiguous()       # tuned CPU layouts may store it transposed
-
-
-@torch.no_grad()
-def rtn_weights(model, bits: int = 4, group_size: int = 32) -> dict:
-    """Round-to-nearest of every projection (module name -> weight): int8 per channel (bits=8)
-    or int4 in groups of `group_size` (bits=4). The model is not changed."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-    quant = quantize_int8 if bits == 8 else (lambda w: quantize_int4(w, group_size))
-    return {n: quant(_weight(m)) for n, m in projections(model).items()}
 
 
 @torch.no_grad()
@@ -134,14 +91,11 @@ def _new_weights(model, method, group, calibration):
     if method in ("int8", "int4"):
         return rtn_weights(model, 8 if method == "int8" else 4, group), {}
     if method == "gguf":
-        from minillm.quant.gguf import gguf_weights
         weights = gguf_weights()
         _check_same_model(mods, weights)
         return weights, {}
     if method == "gptq":
-        from minillm.quant.gptq import gptq_weights
         return gptq_weights(model, calibration, group), {}
-    from minillm.quant.awq import awq_weights
     return awq_weights(model, calibration, group)
 
 

@@ -31,10 +31,10 @@ each layer's, and a fused kernel (the result is ordinary Int4Weight).
 """
 import torch
 
+from minillm._validate import check_int, check_real
 from minillm.quant.blocks import BlockRunner, record
 from minillm.quant.formats import quantize_int4
-from minillm.quant.gptq import check_groups
-from minillm.quant.api import PROJECTIONS
+from minillm.quant.targets import PROJECTIONS, check_groups
 
 
 def _output_error(d: torch.Tensor, X: torch.Tensor, Hx: torch.Tensor | None) -> float:
@@ -96,7 +96,6 @@ def awq_fold(model, calibration, group_size: int, n_grid: int = 20,
     took the 1/s (by `named_parameters()` name). `model` is not modified. `search_tokens` evenly
     subsamples the calibration tokens the search uses (speed); `alpha` in [0, 1] skips the
     search and uses that exponent everywhere."""
-    from minillm._validate import check_int, check_real
     check_groups(model, group_size)
     check_int("n_grid", n_grid, 1)
     if alpha is not None:

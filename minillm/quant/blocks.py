@@ -14,7 +14,7 @@ Left out on purpose: padding and masks (calibration rows are all full), batching
 import torch
 
 from minillm.model.llama import DenseCausalAttention, rope_cos_sin
-from minillm.quant.quality import check_ids
+from minillm.quant.targets import check_ids
 
 
 class _Stop(Exception):

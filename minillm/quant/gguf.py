@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from minillm.model.loading import smollm2_gguf_path
 from minillm.quant.formats import Int4Weight
 
 BLOCK = 32                 # weights per Q4_1 block
@@ -124,7 +125,6 @@ def gguf_weights(path=None) -> dict:
 
 def _path(path) -> str:
     if path is None:
-        from minillm.model.loading import smollm2_gguf_path
         path = smollm2_gguf_path()
     if not Path(path).is_file():
         raise FileNotFoundError(f"path must be a GGUF file, got {str(path)!r}")

@@ -29,7 +29,7 @@ import torch
 
 from minillm.quant.blocks import BlockRunner, capture
 from minillm.quant.formats import Int4Weight, check_group_size, int4_params, round_int4
-from minillm.quant.api import PROJECTIONS
+from minillm.quant.targets import PROJECTIONS, check_groups
 
 
 def inverse_hessian_factor(H: torch.Tensor, damp: float = 0.01):
@@ -129,12 +129,6 @@ def hessian(X: torch.Tensor) -> torch.Tensor:
     """2 X^T X / T (K, K) from inputs X (T, K): the 1/T only rescales, the solution is the same."""
     X = X.float()
     return 2 * (X.t() @ X) / X.shape[0]                                      # (K, K)
-
-
-def check_groups(model, group_size) -> None:
-    """Every projection's input width must be divisible by group_size (a clear error if not)."""
-    for p in PROJECTIONS:
-        check_group_size(group_size, model.layers[0].get_submodule(p).in_features)
 
 
 @torch.no_grad()

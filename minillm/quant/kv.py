@@ -1,164 +1,27 @@
-"""KV-cache quantization: K and V stored in one byte per element, dequantized inside attention.
+"""Chapter 7's measurement of the quantized KV cache: what int8 / fp8 storage costs in perplexity.
 
-Letters: Hkv kv heads, D head dim, M tokens written, S tokens of a sequence, V vocab.
+Letters: S tokens of the text, T tokens of one chunk, V vocab.
 
-A cached K (or V) vector of one token and one kv head, x (D,), is stored in one byte per element:
-- **int8**: `s = max_d |x_d| / 127` and `q = round(x / s)` in [-127, 127]: symmetric, one fp16
-  scale per token per kv head (so one loud token or head does not coarsen the others), as Q4_1
-  stores its own scales: D + 2 bytes per vector.
-- **fp8** (`torch.float8_e4m3fn`: 4 exponent bits, 3 mantissa bits, largest value 448): the value
-  itself, cast (clamped to +-448), no scale: D bytes per vector. A per-token per-head scale
-  (`x / s`, `s = max |x| / 448`) was measured and not kept: on SmolLM2's real K/V (512 tokens of
-  pydoc_data.topics) it cut the relative rms error only from 2.6% to 2.1% (K) and from 2.7% to
-  2.5% (V), and left the 2,048-token perplexity as it was (12.0483 unscaled, 12.0479 scaled;
-  11.8833 with fp32 KV), because 97-99% of the values already lie in fp8's normal range
-  (|x| >= 2^-6). vLLM's fp8 KV cache likewise uses a scale of 1.0 unless calibrated scales are
-  loaded. `quantize_kv(..., scaled=True)` keeps the scaled variant for that comparison.
-Against 2 D bytes (bf16/fp16) or 4 D (fp32) per vector. The codes are written once, when a token
-enters the cache, and every read dequantizes them: attention runs in the model's dtype, so the
-quantized cache costs accuracy (one rounding per element) and saves memory and bandwidth, not
-FLOPs. fp8 codes are kept as their raw bytes (uint8): `index_copy_`, which the paged cache writes
-with, is not implemented for float8 tensors on the CPU (torch 2.13).
+The formats themselves live with the paged cache (minillm/paging/kv_storage.py: `quantize_kv`,
+`dequantize_kv`, `KVSlots`); they are imported here too, where chapter 7 reads them.
+`kv_perplexity` runs a long text through a `PagedKVCache` in chunks, each attending to the
+quantized cache of the ones before, to measure what the storage costs.
 
-`KVSlots` is one layer's quantized pool seen as slot rows (N*P, Hkv*D): it has the two methods
-paged attention calls on a pool (`index_copy_` quantizes, `index_select` dequantizes), so the
-default path's code is unchanged. `kv_perplexity` runs a long text through the paged cache in
-chunks, each attending to the quantized cache of the ones before, to measure what it costs.
+What it found for fp8's scale: a per-token per-head scale (`x / s`, `s = max |x| / 448`) on
+SmolLM2's real K/V (512 tokens of pydoc_data.topics) cut the relative rms error only from 2.6% to
+2.1% (K) and from 2.7% to 2.5% (V), and left the 2,048-token perplexity as it was (12.0483
+unscaled, 12.0479 scaled; 11.8833 with fp32 KV), because 97-99% of the values already lie in
+fp8's normal range (|x| >= 2^-6): so fp8 is stored unscaled.
 
-Left out on purpose: per-tensor (static, calibrated) scales as vLLM's fp8 KV uses, fp8 e5m2,
-int4 KV, and attention kernels that read the codes directly (we dequantize a padded copy).
+Left out on purpose: task accuracy with a quantized cache, and perplexity over sliding windows.
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
-from minillm._validate import ArgumentTypeError
-
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-SCALE_DTYPE = torch.float16                      # int8's scales (and fp8's, if scaled)
-INT8_MAX, FP8_MAX = 127.0, 448.0
-
-
-def check_kv_cache_dtype(kv_cache_dtype, device=None) -> str:
-    """`kv_cache_dtype` if it is one of KV_CACHE_DTYPES (and, for "fp8" with a device given, the
-    device can cast to and from float8_e4m3fn: probed, not assumed), else ValueError."""
-    if not isinstance(kv_cache_dtype, str):
-        raise ArgumentTypeError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
-                                f"{type(kv_cache_dtype).__name__} {kv_cache_dtype!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
-                         f"{kv_cache_dtype!r}")
-    if kv_cache_dtype == "fp8" and device is not None:
-        _probe_fp8(torch.device(device))
-    return kv_cache_dtype
-
-
-def _probe_fp8(device: torch.device) -> None:
-    """Cast a few values to fp8 and back on `device`, through the byte view the cache stores."""
-    fp8 = getattr(torch, "float8_e4m3fn", None)
-    try:
-        if fp8 is None:
-            raise RuntimeError("this torch has no torch.float8_e4m3fn")
-        x = torch.tensor([1.5, -0.3125, 448.0, 2.0 ** -6], device=device)
-        y = x.to(fp8).view(torch.uint8).view(fp8).to(torch.float32)
-        if not torch.equal(x, y):            # all four are exact in e4m3
-            raise RuntimeError(f"round trip gave {y.tolist()}")
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"kv_cache_dtype='fp8' needs float8_e4m3fn casts on {device}, which "
-                         f"this platform lacks ({e}); use kv_cache_dtype='int8' or 'auto'") from None
-
-
-def quantize_kv(x: torch.Tensor, kv_cache_dtype: str, scaled: bool | None = None):
-    """x (..., D) -> (codes (..., D), scales (...,) fp16, or None for unscaled fp8).
-
-    int8 codes are int8 (always scaled); fp8 codes are the uint8 bytes of float8_e4m3fn values,
-    unscaled unless `scaled=True` (None: the format's default, see the module docstring)."""
-    kind = check_kv_cache_dtype(kv_cache_dtype)
-    if kind == "auto":
-        raise ValueError("quantize_kv needs kv_cache_dtype 'int8' or 'fp8' ('auto' stores x as is)")
-    if scaled is None:
-        scaled = kind == "int8"
-    if kind == "int8" and not scaled:
-        raise ValueError("int8 KV needs its scales (scaled=True or None)")
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))     # bf16/fp16 -> fp32 math
-    top = INT8_MAX if kind == "int8" else FP8_MAX
-    scale = None
-    if scaled:
-        fmt = torch.finfo(SCALE_DTYPE)
-        # the scale is rounded to fp16 first and the codes use that rounded scale, so codes *
-        # stored scale is the best the codes can do; an all-zero vector gets the smallest normal
-        # scale (codes 0), never a division by zero
-        scale = (xf.abs().amax(dim=-1) / top).clamp(fmt.tiny, fmt.max).to(SCALE_DTYPE)  # (...,)
-        xf = xf / scale.to(xf.dtype)[..., None]                                       # (..., D)
-    y = xf.clamp(-top, top)
-    if kind == "int8":
-        return y.round().to(torch.int8), scale
-    return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
-
-
-def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor | None, out_dtype=torch.float32):
-    """codes (..., D) (int8, or uint8 bytes of fp8), scales (...,) or None -> (..., D) out_dtype."""
-    if codes.dtype == torch.int8:
-        vals = codes.to(out_dtype)
-    elif codes.dtype in (torch.uint8, getattr(torch, "float8_e4m3fn", None)):
-        vals = codes.view(torch.float8_e4m3fn).to(out_dtype)
-    else:
-        raise TypeError(f"codes must be int8 or uint8 (fp8 bytes), got {codes.dtype}")
-    return vals if scales is None else vals * scales.to(out_dtype)[..., None]         # (..., D)
-
-
-def kv_dtype_bytes(kv_cache_dtype: str, head_dim: int, dtype=torch.float32) -> float:
-    """Bytes per cached K (or V) element, the scale's share included: "auto" -> dtype's size;
-    "int8" -> 1 + 2 / head_dim (one fp16 scale per vector of head_dim codes); "fp8" -> 1."""
-    kind = check_kv_cache_dtype(kv_cache_dtype)
-    if kind == "auto":
-        return torch.empty(0, dtype=dtype).element_size()
-    if kind == "fp8":
-        return 1
-    return 1 + torch.empty(0, dtype=SCALE_DTYPE).element_size() / head_dim
-
-
-def kv_pools(kv_cache_dtype: str, shape, device=None, out_dtype=torch.float32):
-    """Zeroed codes (L, N, P, Hkv, D), scales (L, N, P, Hkv) (None for fp8) of K or V, and each
-    layer's `KVSlots` over them (views: writing through one writes the pools)."""
-    kind = check_kv_cache_dtype(kv_cache_dtype, device if device is not None else "cpu")
-    if kind == "auto":
-        raise ValueError("kv_pools is for kv_cache_dtype 'int8' or 'fp8'")
-    L, N, P, Hkv, D = shape
-    codes = torch.zeros(shape, dtype=torch.int8 if kind == "int8" else torch.uint8, device=device)
-    rows = codes.view(L, N * P, Hkv * D)                                     # (L, N*P, Hkv*D)
-    if kind == "fp8":
-        return codes, None, [KVSlots(c, None, Hkv, kind, out_dtype) for c in rows]
-    scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)       # (L, N, P, Hkv)
-    slots = [KVSlots(c, s, Hkv, kind, out_dtype) for c, s in zip(rows, scales.view(L, N * P, Hkv))]
-    return codes, scales, slots
-
-
-class KVSlots:
-    """One layer's quantized K (or V) pool as slot rows: codes (N*P, Hkv*D), scales (N*P, Hkv)
-    or None.
-
-    Paged attention calls only `index_copy_(0, slots, rows)` (write) and `index_select(0, slots)`
-    (gather) on a pool; here the first quantizes the rows (M, Hkv*D) and the second returns the
-    gathered rows dequantized to `out_dtype`."""
-
-    def __init__(self, codes, scales, num_kv_heads: int, kv_cache_dtype: str, out_dtype):
-        self.codes, self.scales, self.kind, self.out_dtype = codes, scales, kv_cache_dtype, out_dtype
-        self.Hkv = num_kv_heads
-
-    def index_copy_(self, dim: int, index, rows) -> None:
-        M = rows.shape[0]
-        codes, scales = quantize_kv(rows.view(M, self.Hkv, -1), self.kind)   # (M, Hkv, D), (M, Hkv)
-        self.codes.index_copy_(0, index, codes.view(M, -1))                   # (M, Hkv*D)
-        if scales is not None:
-            self.scales.index_copy_(0, index, scales)
-
-    def index_select(self, dim: int, index):
-        n = index.shape[0]
-        codes = self.codes.index_select(0, index).view(n, self.Hkv, -1)      # (n, Hkv, D)
-        scales = None if self.scales is None else self.scales.index_select(0, index)  # (n, Hkv)
-        return dequantize_kv(codes, scales, self.out_dtype).view(n, -1)      # (n, Hkv*D)
+from minillm.paging.kv_storage import dequantize_kv, quantize_kv  # noqa: F401 (read here too)
+from minillm.paging.paged_cache import PagedKVCache
 
 
 @torch.inference_mode()
@@ -167,7 +30,6 @@ def kv_perplexity(model, ids, kv_cache_dtype: str = "auto", block_size: int = 16
     """Perplexity of token ids (S,) computed through a paged cache in `kv_cache_dtype`: chunked
     prefill of `chunk` tokens at a time, each chunk attending to the cached (quantized) K/V of
     all earlier tokens and its own; every token but the first is predicted once."""
-    from minillm.paging.paged_attention import PagedKVCache   # quant imports the core, not back
     ids = torch.as_tensor(ids, dtype=torch.long, device=model.device).reshape(-1)     # (S,)
     S = ids.shape[0]
     if not 2 <= S <= model.config.max_seq_len:

@@ -27,9 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minillm._validate import check_real
 from minillm.quant.blocks import BlockRunner, record
 from minillm.quant.formats import quantize_int8
-from minillm.quant.api import PROJECTIONS
+from minillm.quant.targets import PROJECTIONS
 
 
 def outlier_dims(X: torch.Tensor, threshold: float = 6.0) -> tuple[list[int], float]:
@@ -44,7 +45,6 @@ def outlier_dims(X: torch.Tensor, threshold: float = 6.0) -> tuple[list[int], fl
 def outlier_features(model, ids, threshold: float = 6.0) -> list[dict]:
     """One row per (layer, projection): its outlier dims, how many, the fraction of tokens they
     touch and the largest |x| seen, on the fp32 model's activations for `ids`."""
-    from minillm._validate import check_real
     check_real("threshold", threshold, low=0, low_open=True)
     runner = BlockRunner(model, ids)
     x, rows = runner.x0, []
@@ -91,7 +91,6 @@ def w8a8(model, threshold: float | None = 6.0):
     """A copy of `model` whose projections (not the lm_head) are `W8A8Linear`: threshold=None is
     plain W8A8, a number keeps the dims reaching it in fp32. `model` is left as it is."""
     if threshold is not None:
-        from minillm._validate import check_real
         check_real("threshold", threshold, low=0, low_open=True)
     out = copy.deepcopy(model)
     for block in out.layers:

@@ -32,8 +32,11 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from minillm.quant.api import projections, rtn_weights  # noqa: F401 (rtn_weights: the chapter calls it here)
+from minillm._validate import check_int
+from minillm.model.generate import generate
 from minillm.quant.formats import Int4Weight, Int8Weight
+from minillm.quant.targets import check_ids, projections
+from minillm.quant.targets import rtn_weights  # noqa: F401 (the chapter calls quality.rtn_weights)
 
 EVAL_TOPICS = ("objects", "execmodel", "exceptions", "types")
 CALIBRATION_MODULES = ("re", "statistics", "configparser", "argparse", "json", "csv", "shelve",
@@ -63,7 +66,6 @@ def calibration_text() -> str:
 
 def text_ids(tokenizer, text: str, n_seqs: int, seq_len: int) -> torch.Tensor:
     """The first n_seqs * seq_len tokens of `text` (no special tokens) as rows: (n_seqs, seq_len)."""
-    from minillm._validate import check_int
     check_int("n_seqs", n_seqs, 1)
     check_int("seq_len", seq_len, 2)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -79,21 +81,6 @@ def eval_ids(tokenizer, n_seqs: int = 2, seq_len: int = 256) -> torch.Tensor:
 
 def calibration_ids(tokenizer, n_seqs: int = 8, seq_len: int = 128) -> torch.Tensor:
     return text_ids(tokenizer, calibration_text(), n_seqs, seq_len)
-
-
-def check_ids(name: str, ids, vocab_size: int, min_len: int = 1) -> torch.Tensor:
-    """(T,) or (B, T) integer token ids in [0, vocab_size) -> (B, T), or a clear error."""
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{name} must be an int64 tensor of token ids, got "
-                        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    ids = ids[None] if ids.dim() == 1 else ids
-    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] < min_len:
-        raise ValueError(f"{name} must be (T,) or (B, T) with B >= 1 and T >= {min_len}, "
-                         f"got shape {tuple(ids.shape)}")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got values in "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
-    return ids.long()
 
 
 @torch.no_grad()
@@ -133,7 +120,6 @@ def kl_divergence(ref_model, model, ids) -> float:
 
 def reference_continuation(ref_model, prompt_ids, n: int = 32, stop_token_ids=None) -> list[int]:
     """The reference's greedy continuation: n tokens, or fewer when it emits a stop token."""
-    from minillm.model.generate import generate
     return generate(ref_model, list(prompt_ids), n, stop_token_ids=stop_token_ids)
 
 
@@ -151,7 +137,6 @@ def greedy_agreement(ref_model, model, prompt_ids, n: int = 32, mode: str = "tea
                      stop_token_ids=None) -> float:
     """Fraction of the reference's first n greedy tokens the model agrees with (module docstring:
     "teacher_forced" counts every position, "prefix" only those before the first divergence)."""
-    from minillm._validate import check_int
     check_int("n", n, 1)
     if mode not in ("teacher_forced", "prefix"):
         raise ValueError(f"mode must be 'teacher_forced' or 'prefix', got {mode!r}")

@@ -14,7 +14,7 @@ Letters: N physical blocks, P block size (token slots per block).
   prompt: no sharing, fork + copy-on-write, and full-block-only sharing (vLLM's newer design).
 
 Left out on purpose: memory limits and preemption (the simulations measure, they never run
-out: the scheduler chapter does that), and the KV tensors themselves (minillm.paging.paged_attention).
+out: the scheduler chapter does that), and the KV tensors themselves (minillm.paging.paged_cache).
 """
 import matplotlib.pyplot as plt
 import numpy as np

@@ -4,7 +4,7 @@ Letters: L layers.
 """
 import matplotlib.pyplot as plt
 
-from minillm.quant.api import PROJECTIONS
+from minillm.quant.targets import PROJECTIONS
 
 
 def plot_outliers(rows: list[dict], threshold: float = 6.0):

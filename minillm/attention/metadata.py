@@ -1,12 +1,12 @@
 """Per-step attention metadata for the paged KV cache: built once per forward pass, read by
-every layer (`paged_attention.py` defines the layout and the attention that uses it).
+every layer (`paged.py` defines the layout and the attention that uses it).
 
 `PagedAttentionMetadata` turns the per-sequence query lengths, context lengths and block tables of
 one step into index tensors: `slot_mapping` (where each new token's K/V goes) and, per group of
 sequences attended together (the decodes, the prefill chunks), the slots to gather, the mask
 (made once per step, as the 0 / -inf tensor SDPA would otherwise rebuild in every layer) and the
 indices that move a padded group's queries and outputs to and from the flattened batch.
-Letters as in `paged_attention.py`.
+Letters as in `paged.py`.
 """
 from array import array
 

@@ -1,4 +1,15 @@
-"""Which decode attention is faster on this machine, paged or flash-decoding: timed once, cached.
+"""Which attention path a paged cache's step takes, and where flash-decoding starts to pay on
+this machine: timed once, cached.
+
+Letters: B sequences, H query heads, Hkv kv heads, D head dim, Sg the longest context of a step,
+M new tokens of the step.
+
+Backends (`EngineConfig(attention_backend=...)`, `PagedKVCache(attention_backend=...)`):
+"paged" attends every step through `attend_slot_rows` (paged.py); "flash_decoding" sends every
+decode-only step through `flash_decode` (flash_decoding.py); "auto", the default, sends a
+decode-only step there when it is at least as large as this machine's crossover. Steps with a
+prefill chunk always take the paged path. `BackendChoice` makes that choice once per step, for
+every layer; the cache only asks it.
 
 The paged path gathers every sequence's whole context into one padded tensor per layer and runs
 one SDPA over it: few operations, so it wins while the gathered copy is small. Flash-decoding
@@ -8,14 +19,14 @@ the machine (its caches, its allocator, its core count), so it is measured, not 
 `decode_threshold(...)` times both on the model's head shape over a grid of (batch, context)
 decode steps and keeps the total number of keys (batch x longest context) from which
 flash-decoding wins at every larger point of the grid. The result is cached as JSON beside the
-matmul table (`$MINILLM_CACHE/kernels/`, one file per CPU model, instruction set, torch version, thread count,
-device and head shape), so a machine decides once and every later run reuses it: a run never
-switches paths because of a timing taken during it. A corrupt or foreign file is re-timed; a
-folder that cannot be written keeps the result for the process.
+matmul table (`$MINILLM_CACHE/kernels/`, one file per CPU model, instruction set, torch version,
+thread count, device and head shape), so a machine decides once and every later run reuses it: a
+run never switches paths because of a timing taken during it. A corrupt or foreign file is
+re-timed; a folder that cannot be written keeps the result for the process.
 
-`EngineConfig(attention_backend="auto")` uses it for decode-only steps whose longest context
-spans more than one chunk (below that, flash-decoding has nothing to split and is never chosen,
-so short-context runs never time anything).
+"auto" asks for the crossover only for decode-only steps whose longest context spans more than
+one chunk (below that, flash-decoding has nothing to split and is never chosen, so short-context
+runs never time anything).
 
 Left out on purpose: a finer model of the crossover (per batch size, per dtype of the KV codes);
 quantized KV pools are timed as their float equivalent.
@@ -26,9 +37,53 @@ import torch
 
 from minillm._validate import check_int
 from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
+from minillm.attention.metadata import PagedAttentionMetadata
+from minillm.attention.paged import attend_slot_rows
 from minillm.kernels.cpu_kernels import cpu_name, kernel_isa
-from minillm.kernels.cpu_tuning import _MEMORY, read_tuned, settled, tuning_file, write_tuned  # noqa: F401
-from minillm.paging.paged_attention import PagedAttentionMetadata, _attend_rows
+from minillm.kernels.cpu_tuning import read_tuned, settled, tuning_file, write_tuned
+
+ATTENTION_BACKENDS = ("paged", "flash_decoding", "auto")
+
+
+class BackendChoice:
+    """The attention path of each step of one paged cache: `decode_plan(q, meta)` is asked once
+    per step and returns the step's flash-decoding plan, or None for the paged path.
+
+    name: one of ATTENTION_BACKENDS; n_kv_head, head_dim: the model's; max_context: the model's
+    longest sequence (a plan refuses longer contexts)."""
+
+    def __init__(self, name: str, n_kv_head: int, head_dim: int, max_context: int | None = None):
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {name!r}")
+        self.name, self.n_kv_head, self.head_dim = name, n_kv_head, head_dim
+        self.max_context = max_context
+        # "auto" only: the crossover in keys (None: flash-decoding never wins here), asked of
+        # `decode_threshold` the first time a step is long enough to need it
+        self.crossover_known = False
+        self.crossover: int | None = None
+
+    def decode_plan(self, q, meta: PagedAttentionMetadata) -> DecodePlan | None:
+        """q (M, H, D) of the step `meta` describes -> its `DecodePlan` if this step goes
+        through flash-decoding (decode-only, and the backend says so), else None."""
+        if meta.num_tokens != len(meta.query_lens) or not self._flash(q, meta):
+            return None
+        return DecodePlan.from_metadata(meta, self.n_kv_head, CHUNK, self.max_context)
+
+    def _flash(self, q, meta: PagedAttentionMetadata) -> bool:
+        """Decode-only step: always with "flash_decoding"; with "auto" when the longest context
+        spans more than one chunk and the step's keys (B x Sg) reach the crossover."""
+        if self.name != "auto":
+            return self.name == "flash_decoding"
+        B, _, Sg = meta.groups[0].shape
+        if Sg <= CHUNK:
+            return False
+        if not self.crossover_known:
+            self.crossover = decode_threshold(q.shape[1], self.n_kv_head, self.head_dim,
+                                              q.dtype, q.device)
+            self.crossover_known = True
+        return self.crossover is not None and B * Sg >= self.crossover
+
 
 GRID = ((1, 512), (1, 2048), (8, 512), (1, 8192), (8, 2048), (8, 8192))   # (batch, context)
 BLOCK = 16
@@ -78,7 +133,7 @@ def decode_step(n_head, n_kv_head, head_dim, batch, context, dtype=torch.float32
     meta = PagedAttentionMetadata([1] * batch, lens, tables, block_size, device)
     plan = DecodePlan.from_metadata(meta, n_kv_head, chunk)
     q = torch.randn(batch, n_head, head_dim, generator=g).to(device, dtype)           # (B, H, D)
-    return {"paged": lambda: _attend_rows(q, k, v, n_kv_head, meta),
+    return {"paged": lambda: attend_slot_rows(q, k, v, n_kv_head, meta),
             "flash_decoding": lambda: flash_decode(q, k, v, n_kv_head, plan), "q": q}
 
 
