@@ -13,7 +13,6 @@ The folders are the architecture (core first; the core never imports `viz` or `b
 - `viz/`       figures and widgets; `bench/` benchmarks, the GPU script, the results ledger, the demo
 - `exercises/` every chapter's checks: `exercises.check("07.1", answer)`
 
-Earlier flat paths (`minillm.roofline`, `minillm.engine_spec`, ...) still import (`_compat`).
 """
 from minillm.paging.block_manager import BlockManager, NoFreeBlocksError
 from minillm.attention.tiled import flash_attention
@@ -32,8 +31,6 @@ from minillm.spec.loop import speculative_generate
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.rejection import greedy_verify, rejection_sample
 
-from minillm import _compat
-
 
 def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
              path: str = "auto"):
@@ -42,8 +39,6 @@ def quantize(model, method: str = "int4", group_size: int | None = None, calibra
     from minillm.quant.api import quantize as _quantize
     return _quantize(model, method, group_size, calibration, path)
 
-
-_compat.install(__name__)   # the old flat paths (minillm.roofline, ...) still import
 
 __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat", "encode_chat", "PRESETS", "ModelConfig",
            "get_config", "EngineConfig", "LLMEngine", "generate", "generate_batch",

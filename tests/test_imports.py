@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The floors, from the ground up. A module may import its own folder and any lower floor.
 FLOORS = [
-    {"_validate"},
+    {"_validate", "_paths"},
     {"model"},
     {"analysis", "kernels"},
     {"attention"},
