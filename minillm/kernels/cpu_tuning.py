@@ -15,7 +15,7 @@ otherwise a quick probe (`quick_plan`: the routes timed at one row, a few second
 process only) and one line saying so and how to tune. `plain(model)` undoes it.
 
 A measurement taken under noise is not a measurement. A tuning during which the load average
-was above the core count, or where more than UNSETTLED_OK of the winning times never settled, is
+(with its own threads) was above the core count (`tuning_cache.is_busy`), or where more than UNSETTLED_OK of the winning times never settled, is
 saved marked "busy" and not used: `accelerate` keeps the quick choice (F.linear on a busy machine)
 and says so, and the next tuning times everything again. A corrupt, foreign or malformed cache
 file is ignored with one line; a folder that cannot be written keeps the table in memory for this
@@ -131,10 +131,11 @@ def tune(model: nn.Module, cache_dir=None, retune: bool = False, rounds: int = 3
                                 disable=not progress):
             table[group], b, n = _time_shape([m.weight.detach() for m in mods], rounds=rounds)
             bad, total = bad + b, total + n
-        load1, _ = machine_load()
+        load1, _ = machine_load()                  # our timing threads are in this one
         busy = []
-        if is_busy(max(load0, load1), cores):
-            busy.append(f"load {max(load0, load1):.1f} on {cores} cores")
+        if is_busy(load0, cores, torch.get_num_threads()) or is_busy(load1, cores):
+            busy.append(f"load {load0:.1f} before and {load1:.1f} after timing with "
+                        f"{torch.get_num_threads()} threads on {cores} cores")
         if bad > UNSETTLED_OK * total:
             busy.append(f"{bad} of {total} winning times never settled")
         write_tuned(path, key, {"shapes": table, "busy": "; ".join(busy) or None,
@@ -177,9 +178,10 @@ def quick_plan(model: nn.Module, rounds: int = 3) -> tuple[dict, str]:
     otherwise; more rows take F.linear. Made once per process, never saved."""
     groups = linears(model)
     load, cores = machine_load()
-    if is_busy(load, cores):
+    if is_busy(load, cores, torch.get_num_threads()):
         return ({g: _pinned("F.linear") for g in groups},
-                f"the machine is busy (load {load:.1f} on {cores} cores), so nothing was timed: F.linear")
+                f"the machine is busy (load {load:.1f} on {cores} cores, {torch.get_num_threads()} "
+                f"threads to time with), so nothing was timed: F.linear")
     memo = (json.dumps(cache_key(), sort_keys=True), tuple(groups))
     if memo not in _QUICK:
         t0, plan = time.perf_counter(), {}

@@ -9,9 +9,9 @@ foreign file reads as None (with the reason, for the one line the user sees), ne
 process and says so once.
 
 A measurement taken under noise is not a measurement: `machine_load()` reads the 1-minute load
-average and the cores this process may use, and `is_busy` calls a machine busy when the load
-is above the core count. Tuners record the load beside their timings and refuse to trust a table
-timed on a busy machine.
+average and the cores this process may use, and `is_busy` calls a machine busy when the threads
+that want to run (the load, plus the timing threads about to start) are above the core count.
+Tuners record the load beside their timings and refuse to trust a table timed on a busy machine.
 
 `notice(line)` is how tuning talks: one line, logged on the "minillm.kernels" logger at INFO (a
 server that configures logging shows it), and printed to stderr when stderr is a terminal and no
@@ -96,10 +96,15 @@ def machine_load() -> tuple[float, int]:
     return load, cores
 
 
-def is_busy(load: float, cores: int) -> bool:
-    """More runnable threads than cores, on average over the last minute: timings taken now
-    measure the other work as much as the kernels."""
-    return load > cores
+BUSY_SLACK = 0.5      # cores' worth of the OS's own background work that does not count as busy
+
+
+def is_busy(load: float, cores: int, own_threads: int = 0) -> bool:
+    """More threads wanting to run than cores: the 1-minute load average plus `own_threads`
+    (timing threads not yet in it) above `cores` + BUSY_SLACK. Timings taken then measure the
+    other work as much as the kernels. The load average lags by about a minute, so tuners also
+    watch whether their rounds settle."""
+    return load + own_threads > cores + BUSY_SLACK
 
 
 def notice(line: str) -> None:
