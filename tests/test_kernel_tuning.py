@@ -193,3 +193,21 @@ def test_the_tuning_command_answers_help(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--retune" in out.stdout, out.stderr
+
+
+def test_the_probe_stops_at_its_time_budget(tmp_path, monkeypatch, caplog):
+    now = [0.0]
+    race, calls = _fake_race({"F.linear": 10.0, "ksplit": 4.0})
+
+    def slow_race(*a, **k):
+        now[0] += 3.0                                          # each weight shape: 3 s
+        return race(*a, **k)
+    monkeypatch.setattr(ct, "race", slow_race)
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: now[0])
+    caplog.set_level(logging.INFO, logger="minillm.kernels")
+    model = ct.accelerate(minillm.tiny_model(), cache_dir=tmp_path)   # 4 weight shapes
+    assert len(calls) == 2                                     # 0 s, 3 s: timed; 6 s: past 5 s
+    firsts = [p["routes"][1] for p in model.linear_plan.values()]
+    assert firsts == ["ksplit", "ksplit", "F.linear", "F.linear"]
+    assert "2 weight shapes past the time budget" in caplog.records[0].getMessage()
+    _agrees_with_plain(model)

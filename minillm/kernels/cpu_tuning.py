@@ -45,6 +45,7 @@ from minillm.kernels.tuning_cache import (_MEMORY, is_busy, machine_load, notice
 
 QUICK_CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io")   # no copies
 UNSETTLED_OK = 0.25     # a tuning with more of its winning times unsettled than this is noise
+QUICK_BUDGET_S = 5.0    # a first start's probe stops timing new weight shapes after this long
 TUNE_HINT = "`python -m minillm.kernels` times every route here (minutes) and later runs use its table"
 _QUICK: dict = {}       # (cache key, weight groups) -> (plan, what it did): one probe per process
 
@@ -170,12 +171,14 @@ def _pinned(route: str) -> dict:
     return {"layout": LAYOUT_OF.get(route, "out_in"), "routes": {b: route for b in BUCKETS}}
 
 
-def quick_plan(model: nn.Module, rounds: int = 3) -> tuple[dict, str]:
+def quick_plan(model: nn.Module, rounds: int = 3, budget_s: float = QUICK_BUDGET_S) -> tuple[dict, str]:
     """({weights: plan}, what was done, in words): the safe choice for a first start. On a busy
     machine F.linear everywhere, untimed. Otherwise each group's single-copy routes timed at one
-    row (batch-1 decode, the case a first start meets; `rounds` to 2 x `rounds` rounds, a few
-    seconds for a 135M model): the fastest takes bucket 1 if its time settled, F.linear
-    otherwise; more rows take F.linear. Made once per process, never saved."""
+    row (batch-1 decode, the case a first start meets; `rounds` rounds, no more: about a second
+    for a 135M model on a quiet 2-core machine): the fastest takes bucket 1 if its time settled,
+    F.linear otherwise; more rows take F.linear. Groups not reached within `budget_s` (a machine
+    slower or busier than its load average says) keep F.linear. Made once per process, never
+    saved."""
     groups = linears(model)
     load, cores = machine_load()
     if is_busy(load, cores, torch.get_num_threads()):
@@ -184,17 +187,22 @@ def quick_plan(model: nn.Module, rounds: int = 3) -> tuple[dict, str]:
                 f"threads to time with), so nothing was timed: F.linear")
     memo = (json.dumps(cache_key(), sort_keys=True), tuple(groups))
     if memo not in _QUICK:
-        t0, plan = time.perf_counter(), {}
+        t0, plan, late = time.perf_counter(), {}, 0
         for group, mods in groups.items():
-            times, unsettled = race([m.weight.detach() for m in mods], [1], rounds,
-                                    QUICK_CANDIDATES, max_rounds=2 * rounds)
-            best = min(times, key=lambda r: times[r][1])
-            best = "F.linear" if (best, 1) in unsettled else best
+            best = "F.linear"
+            if time.perf_counter() - t0 < budget_s:
+                times, unsettled = race([m.weight.detach() for m in mods], [1], rounds,
+                                        QUICK_CANDIDATES, max_rounds=rounds)
+                best = min(times, key=lambda r: times[r][1])
+                best = "F.linear" if (best, 1) in unsettled else best
+            else:
+                late += 1
             plan[group] = {"layout": LAYOUT_OF[best],
                            "routes": {b: best if b == 1 else "F.linear" for b in BUCKETS}}
         chosen = sorted({p["routes"][1] for p in plan.values()})
-        _QUICK[memo] = plan, (f"a {time.perf_counter() - t0:.1f} s probe at 1 row chose "
-                              f"{', '.join(chosen)} (F.linear for more rows)")
+        what = (f"a {time.perf_counter() - t0:.1f} s probe at 1 row chose {', '.join(chosen)} "
+                f"(F.linear for more rows{f'; {late} weight shapes past the time budget' if late else ''})")
+        _QUICK[memo] = plan, what
     return _QUICK[memo]
 
 
