@@ -50,7 +50,7 @@ BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 256)   # a call with R rows uses the first
 LAYOUT_OF = {"F.linear": "out_in", "nsplit": "out_in", "skinny": "out_in", "x@W": "in_out",
              "ksplit": "in_out", "prepacked": "packed", "onednn": "out_in", "onednn_io": "in_out"}
 PACK_HINT = 64                            # the row count oneDNN lays its packed weight out for
-TABLE_VERSION = 2
+TABLE_VERSION = 3                         # 3: tables record the load they were timed under
 _PINNED = contextvars.ContextVar("minillm_linear_route", default="auto")
 PREPACK_OK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
