@@ -268,12 +268,13 @@ def plain(model: nn.Module) -> nn.Module:
 
 
 def kernel_report(model: nn.Module) -> dict:
-    """The plan `accelerate` applied, per weight group, with the extra bytes of packed copies."""
+    """The plan `accelerate` applied, per weight group, how it was chosen ("tuned", "quick: ...",
+    "pinned ROUTE"), and the extra bytes of packed copies."""
     plan = model.__dict__.get("linear_plan", {})
     extra = sum(m.extra_bytes() for m in model.modules() if isinstance(m, RoutedLinear))
-    return {"key": cache_key(), "source": model.__dict__.get("linear_plan_source", "plain"), "plan": {k: {"layout": p["layout"],
-                                             "routes": {str(b): r for b, r in p["routes"].items()}}
-                                         for k, p in plan.items()},
+    return {"key": cache_key(), "source": model.__dict__.get("linear_plan_source", "plain"),
+            "plan": {k: {"layout": p["layout"], "routes": {str(b): r for b, r in p["routes"].items()}}
+                     for k, p in plan.items()},
             "extra_bytes": extra}
 
 
