@@ -167,8 +167,8 @@ def test_machine_load_and_busy_rule(monkeypatch):
     assert load >= 0.0 and cores >= 1
     monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 1.0, 1.0))
     assert tc.machine_load()[0] == 7.0
-    assert tc.is_busy(2.6, 2) and not tc.is_busy(2.4, 2)            # half a core of slack
-    assert tc.is_busy(0.6, 2, own_threads=2) and not tc.is_busy(0.4, 2, own_threads=2)
+    assert tc.is_busy(3.1, 2) and not tc.is_busy(2.9, 2)            # a core's worth of slack
+    assert tc.is_busy(1.1, 2, own_threads=2) and not tc.is_busy(0.9, 2, own_threads=2)
 
 
 def test_the_front_door_accelerates_and_the_loader_does_not(tmp_path, monkeypatch):

@@ -183,8 +183,8 @@ def quick_plan(model: nn.Module, rounds: int = 3, budget_s: float = QUICK_BUDGET
     load, cores = machine_load()
     if is_busy(load, cores, torch.get_num_threads()):
         return ({g: _pinned("F.linear") for g in groups},
-                f"the machine is busy (load {load:.1f} on {cores} cores, {torch.get_num_threads()} "
-                f"threads to time with), so nothing was timed: F.linear")
+                f"other work keeps the cores busy (load {load:.1f} on {cores} cores, "
+                f"{torch.get_num_threads()} threads to time with), so nothing was timed: F.linear")
     memo = (json.dumps(cache_key(), sort_keys=True), tuple(groups))
     if memo not in _QUICK:
         t0, plan, late = time.perf_counter(), {}, 0

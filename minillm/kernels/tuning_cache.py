@@ -96,7 +96,8 @@ def machine_load() -> tuple[float, int]:
     return load, cores
 
 
-BUSY_SLACK = 0.5      # cores' worth of the OS's own background work that does not count as busy
+BUSY_SLACK = 1.0      # a core's worth of other work (the OS, an editor, this process's own
+                      # loading a moment ago, still in the 1-minute average) is not busy
 
 
 def is_busy(load: float, cores: int, own_threads: int = 0) -> bool:
