@@ -22,7 +22,8 @@ from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.model.generate import generate, generate_batch, generate_naive
 from minillm.model.kv_cache import KVCache
 from .llm import LLM
-from minillm.model.loading import default_device, load_model, tiny_model
+from minillm.llm import load_model   # the front door: the reference model, then `accelerate`
+from minillm.model.loading import default_device, tiny_model
 from minillm.model.llama import Transformer
 from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample

@@ -16,6 +16,13 @@ is built; gptq / awq need a calibration set: quantize the model first and pass i
 Prompts may be strings, token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts. A model without a
 tokenizer (`tiny_model()`) takes token ids only.
 
+`load_model(name, kernels="auto")` is where speed is switched on, in one visible step: the
+reference model from `minillm.model.loading`, then, on a CPU in fp32, `accelerate(model)`
+(`minillm.kernels.cpu_tuning`): the matmul routes of this machine's tuned table, or of a
+quick probe while it has none (one line says so; `python -m minillm.kernels` tunes), and the
+flat forward loop. `LLM(name)` loads through it, so it is fast by default; `LLM(model)` runs
+a model you pass as it is.
+
 Left out on purpose: vLLM's other entry points (`encode`, `embed`, `beam_search`, LoRA requests,
 multi-modal data), hub downloads, tensor parallelism, and `dtype="auto"` guessing beyond fp32.
 Unlike vLLM, `SamplingParams()` is greedy by default (temperature 0).
@@ -25,19 +32,45 @@ import os
 
 import torch
 
-from minillm.model.chat import encode_chat
-from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.analysis.roofline import torch_dtype
-from minillm.model.loading import DEFAULT_MODEL, load_model
-from minillm.model.llama import Transformer
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import RequestOutput, SamplingParams
+from minillm.kernels.cpu_kernels import ROUTES
+from minillm.kernels.cpu_tuning import accelerate
+from minillm.model import loading
+from minillm.model.chat import encode_chat
+from minillm.model.llama import Transformer
+from minillm.model.loading import DEFAULT_MODEL
 
 QUANTIZATIONS = (None, "int8", "int4", "gguf")
 
 
-def _dtype(dtype) -> torch.dtype | None:
-    """vLLM's dtype argument: "auto" (float32 here: every chapter's reference), a name
-    ("bfloat16", "float16", "bf16", ...) or a torch dtype."""
+def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtype = torch.float32,
+               kernels: str = "auto"):
+    """Return `(model, tokenizer)` for a preset name, a local HF folder or a .gguf file, ready
+    to run fast: `minillm.model.loading.load_model` (the reference `Transformer`), then
+    `accelerate(model, route=kernels)` (a no-op on GPUs and for dtypes other than fp32).
+
+    kernels="auto": this machine's tuned matmul routes (`python -m minillm.kernels` tunes them;
+    until then a quick probe of a few seconds, said in one line); "plain": the reference model
+    as loaded, plain nn.Linear and llama.py's forward; a route name ("F.linear", "x@W", ...)
+    pins that route.
+
+    >>> model, tok = load_model()                     # SmolLM2-135M-Instruct, cuda if present
+    >>> model, tok = load_model("path/to/llama_folder", device="cpu", dtype=torch.bfloat16)
+    """
+    if kernels not in ("plain", *ROUTES):
+        raise ValueError(f"kernels must be 'plain' or one of {ROUTES}, got {kernels!r}")
+    model, tok = loading.load_model(name_or_path, device=device, dtype=dtype)
+    if kernels != "plain":
+        accelerate(model, route=kernels)
+    return model, tok
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    """vLLM's dtype argument as a torch dtype: None stays None (the loader's default), "auto"
+    is float32 here (every chapter's reference), a name ("bfloat16", "float16", "bf16", ...) or
+    a torch dtype. Anything else raises ValueError naming the choices."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -67,7 +100,7 @@ class LLM:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r} "
                              f"(gptq / awq: minillm.quantize(model, ..., calibration=...) first)")
-        dtype = _dtype(dtype)
+        dtype = resolve_dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
         # the name a server announces (vLLM: the --model string); a Transformer: its config's name
         self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else \

@@ -4,7 +4,8 @@ The reference is `llama.py`'s module-by-module forward on the same weights. The 
 the same ops on the same values, so the two must agree bit for bit, in float64 and in float32
 under every matmul route, for every cache the model talks to (none, contiguous, paged, ragged
 batches with prefill chunks and decodes mixed); and the flat loop must step aside whenever it
-would not compute the same function (hooks, autograd, a replaced layer, 16-bit weights).
+would not compute the same function (autograd, a replaced layer, a bias, 16-bit weights). A hook
+on a submodule is the documented exception: `plain(model)` gives the forward that runs it.
 """
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn as nn
 
 import minillm
 from minillm.kernels import cpu_kernels as ck
+from minillm.kernels import cpu_tuning
 from minillm.kernels.flat_forward import FlatTransformer, flatten, unflatten
 from minillm.model.kv_cache import KVCache
 from minillm.paging.paged_cache import PagedKVCache
@@ -116,14 +118,14 @@ def test_a_replaced_weight_is_read_on_the_next_call():
 def test_float32_routes_agree_bit_for_bit_with_the_reference():
     ref, flat = _pair(torch.float32)
     for m in (ref, flat):
-        minillm.cpu_tuning.accelerate(m, route="ksplit")
+        cpu_tuning.accelerate(m, route="ksplit")
     unflatten(ref)                                        # RoutedLinear layers, reference forward
     assert type(flat) is FlatTransformer and type(ref) is minillm.Transformer
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(4))
     for route in [r for r in ck.ROUTES if r != "auto"]:
         with ck.linear_route(route):
             _close(flat(ids), ref(ids))
-    minillm.cpu_tuning.plain(flat)
+    cpu_tuning.plain(flat)
     assert type(flat) is minillm.Transformer
 
 
@@ -133,13 +135,20 @@ def test_steps_aside_where_it_would_differ():
     with torch.inference_mode():
         assert flat.flat_ok(ids)
     assert not flat.flat_ok(ids)                                          # autograd on
-    seen = []
-    handle = flat.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     with torch.inference_mode():
-        assert not flat.flat_ok(ids)
+        seen = []
+        top = flat.register_forward_hook(lambda m, i, o: seen.append(o.shape))
         _close(flat(ids), ref(ids))
-    assert seen == [(1, 6, 64)]                                           # the hook ran
-    handle.remove()
+        assert seen == [(1, 6, 256)]                                      # a hook on the model runs
+        top.remove()
+        handle = flat.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        flat(ids)                                   # the contract: the flat loop calls no submodule
+        assert seen == [(1, 6, 256)]
+        cpu_tuning.plain(flat)                      # ... so hooks on layers run after plain()
+        _close(flat(ids), ref(ids))
+        assert seen == [(1, 6, 256), (1, 6, 64)]
+        handle.remove()
+        flatten(flat)
 
     class Scaled(nn.Linear):                                              # a replaced projection
         def forward(self, x):
@@ -198,7 +207,7 @@ def test_flatten_is_reversible_and_keeps_the_state_dict():
 @pytest.mark.slow
 def test_real_model_greedy_tokens_match_the_reference():
     model, tok = minillm.load_model(device="cpu")
-    assert type(model) is FlatTransformer                                 # load_model's default
+    assert type(model) is FlatTransformer                     # the front door's load_model default
     prompt = minillm.encode_chat(tok, "Name three colours.")
     flat_tokens = minillm.generate(model, prompt, 12)
     unflatten(model)

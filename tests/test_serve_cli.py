@@ -1,5 +1,7 @@
 """`python -m minillm serve` as a reader starts it: it answers the openai client, binds loopback by
-default, and SIGINT / SIGTERM stop it cleanly (exit 0, the port free again) even mid-stream."""
+default, and SIGINT / SIGTERM stop it cleanly (exit 0, the port free again) even mid-stream. It
+binds before it loads anything, so a port in use is one line and a non-zero exit, no traceback
+and no model load."""
 import os
 import signal
 import socket
@@ -11,7 +13,32 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow
+import minillm
+
+
+def test_a_port_in_use_is_one_line_and_no_model_load(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**os.environ, "MINILLM_CACHE": str(tmp_path)}       # a load would have to convert
+        out = subprocess.run([sys.executable, "-m", "minillm", "serve", "--port", str(port)],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [f"minillm serve: cannot listen on 127.0.0.1:{port}: "
+                                               f"Address already in use"], out.stderr
+    assert out.stdout == "" and not any(tmp_path.iterdir())    # nothing loaded, nothing cached
+
+
+@pytest.mark.slow
+def test_dummy_weights_serve_the_smollm2_shape():
+    from minillm.serve.cli import build_llm, parser
+    llm = build_llm(parser().parse_args(["--load-format", "dummy", "--device", "cpu",
+                                         "--max-num-seqs", "2"]))
+    assert llm.model.config == minillm.get_config("smollm2-135m")
+    assert llm.model_name == "smollm2-135m"
+    out = llm.generate([[1, 2, 3]], minillm.SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
 
 
 def _start(*flags):
@@ -37,6 +64,7 @@ def _start(*flags):
     raise AssertionError("no /health")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_cli_serves_the_openai_client_and_stops_cleanly_on_a_signal(sig):
     proc, url = _start("--api-key", "k")

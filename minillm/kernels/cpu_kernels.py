@@ -2,16 +2,17 @@
 
 Letters: R rows (tokens) in one call, I in_features, O out_features, s splits (= threads).
 
-`model.py` builds every projection from plain `nn.Linear`: `F.linear` on a weight stored
+`model/llama.py` builds every projection from plain `nn.Linear`: `F.linear` on a weight stored
 (O, I), the reference. A decode step, a verify step or a small batch multiplies a few rows by
 each weight, and how close that gets to one read of the weight from memory depends on the CPU,
 its BLAS build and the weight's layout, in ways no constant captures: issue 13 shows two CPUs
-that rank the same routes in opposite orders. So `accelerate(model)` times a few candidate
-routes for each weight shape and row bucket on this machine, keeps the fastest, caches the table
-on disk (keyed by CPU model, instruction set, torch version and thread count) and turns every `nn.Linear` into a
-`RoutedLinear` that follows it. The table is decided once and reused: a run never switches routes
-because of a timing taken during it. Pin one route with `accelerate(model, route=...)` or, for a
-block of code, `with linear_route(...)`.
+that rank the same routes in opposite orders. So `cpu_tuning` times a few candidate routes for
+each weight shape and row bucket on this machine (when asked: `python -m minillm.kernels`),
+keeps the fastest, caches the table on disk (keyed by CPU model, instruction set, torch version
+and thread count), and `accelerate(model)` turns every `nn.Linear` into a `RoutedLinear` that
+follows it. The table is decided once and reused: a run never switches routes because of a
+timing taken during it. Pin one route with `accelerate(model, route=...)` or, for a block of
+code, `with linear_route(...)`.
 
 Routes (all compute x @ W^T; they differ in the last bits):
   F.linear   PyTorch's own, on the weight as stored
@@ -49,7 +50,7 @@ BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 256)   # a call with R rows uses the first
 LAYOUT_OF = {"F.linear": "out_in", "nsplit": "out_in", "skinny": "out_in", "x@W": "in_out",
              "ksplit": "in_out", "prepacked": "packed", "onednn": "out_in", "onednn_io": "in_out"}
 PACK_HINT = 64                            # the row count oneDNN lays its packed weight out for
-TABLE_VERSION = 2
+TABLE_VERSION = 3                         # 3: tables record the load they were timed under
 _PINNED = contextvars.ContextVar("minillm_linear_route", default="auto")
 PREPACK_OK = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

