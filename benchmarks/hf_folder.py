@@ -26,7 +26,7 @@ def save_hf_folder(path, name: str = "smollm2-135m", model=None, tokenizer=None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if model is None:
-        model, tokenizer = load_model(name, device="cpu", dtype=torch.float32, kernels="plain")
+        model, tokenizer = load_model(name, device="cpu", dtype=torch.float32)
     hf = to_hf_model(model)
     if tokenizer is not None:
         eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)

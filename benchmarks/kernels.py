@@ -13,7 +13,7 @@ from minillm.kernels.cpu_kernels import ROUTES, linear_route
 from minillm.kernels.cpu_tuning import CANDIDATES, accelerate, kernel_report
 from minillm.model.generate import generate
 from minillm.model.hf_convert import to_hf_model
-from minillm.model.loading import load_model
+from minillm.llm import load_model            # the front door: CPU routes switched on
 from minillm.analysis.roofline import Hardware
 from minillm.lab.measure import measure_bandwidth, skinny_matmul_times
 

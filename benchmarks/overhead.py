@@ -185,7 +185,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
     finally:
         torch.set_num_threads(saved)
     if model is None and not quick:
-        from minillm.model.loading import load_model
+        from minillm.llm import load_model
         model, _ = load_model(device=device)
     real = None
     if model is not None:

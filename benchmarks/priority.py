@@ -26,7 +26,7 @@ UNITS = {"solo_step_s / targets_s / seconds": "seconds", "ttft_* / tpot_*": "sec
 def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
     """Both parts; writes priority_<device>.json and a figure beside it; returns the record."""
     if model is None:
-        from minillm.model.loading import load_model
+        from minillm.llm import load_model
         model, _ = load_model(device=device)
     s = SETTINGS[bool(quick)]
     t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from minillm.lab.common import sync
 from minillm.lab.measure import measure_bandwidth
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
-from minillm.model.loading import load_model
+from minillm.llm import load_model            # the front door: CPU routes switched on
 from minillm.quant.api import quantize, quantized_bytes, set_path
 
 PROMPT = "Explain how a CPU cache works."

@@ -157,7 +157,7 @@ def stall(model, s: dict, chunks=None, seed: int = 0) -> tuple[dict, dict]:
 def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
     """Both benchmarks; writes serving_<device>.json and two figures beside it; returns the record."""
     if model is None:
-        from minillm.model.loading import load_model
+        from minillm.llm import load_model
         model, _ = load_model(device=device)
     s = SETTINGS[bool(quick)]
     res = {"settings": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},

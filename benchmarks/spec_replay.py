@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     if a.command == "record":
-        from minillm.model.loading import load_model
+        from minillm.llm import load_model
         model, tok = load_model(device="cpu")
         record(model, tok, SPEC_PROMPTS)
         print(f"wrote {schedule_file()}")

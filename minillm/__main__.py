@@ -48,7 +48,7 @@ def _figure(rows):
 
 
 def demo(max_new_tokens: int = 48) -> None:
-    from minillm.model.loading import load_model
+    from minillm.llm import load_model
     from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     t0 = time.perf_counter()

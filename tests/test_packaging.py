@@ -107,7 +107,7 @@ def installed(built, tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_installed_wheel_runs_the_engine_without_the_checkout(installed, tmp_path):
-    got = _run_installed(installed, "", "minillm.engine,minillm.serve", tmp_path)
+    got = _run_installed(installed, "", "minillm.engine,minillm.serve,minillm.lab.spec_replay", tmp_path)
     assert Path(got["file"]).is_relative_to(installed), got["file"]
     assert len(got["tokens"]) == 4 and got["errors"] == {}
 

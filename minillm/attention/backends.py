@@ -40,7 +40,8 @@ from minillm.attention.flash_decoding import CHUNK, DecodePlan, flash_decode
 from minillm.attention.metadata import PagedAttentionMetadata
 from minillm.attention.paged import attend_slot_rows
 from minillm.kernels.cpu_kernels import cpu_name, kernel_isa
-from minillm.kernels.cpu_tuning import read_tuned, settled, tuning_file, write_tuned
+from minillm.kernels.route_timing import settled
+from minillm.kernels.tuning_cache import read_tuned, tuning_file, write_tuned
 
 ATTENTION_BACKENDS = ("paged", "flash_decoding", "auto")
 

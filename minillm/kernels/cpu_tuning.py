@@ -36,10 +36,10 @@ from tqdm.auto import tqdm
 from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, TABLE_VERSION, RoutedLinear, check_route,
                                          cpu_name, kernel_isa, relayout)
 from minillm.kernels.flat_forward import flatten, unflatten
-# settled, time_rows: bench and attention/backend_tuning.py import them from here
+# settled, time_rows, CANDIDATES: also importable from here
 from minillm.kernels.route_timing import (CANDIDATES, _time_shape, race, settled, time_rows,  # noqa: F401
                                           time_shape)
-# _MEMORY, read_tuned, tuning_file, write_tuned: attention/backend_tuning.py imports them from here
+# the cache helpers: also importable from here
 from minillm.kernels.tuning_cache import (_MEMORY, is_busy, machine_load, notice, read_tuned,  # noqa: F401
                                           read_tuned_why, tuning_file, write_tuned)
 

@@ -1,6 +1,6 @@
 """Where a tuner keeps what it measured, how busy the machine was, and how it tells the user.
 
-Every tuner (the CPU matmul routes here, the decode attention in `attention/backend_tuning.py`)
+Every tuner (the CPU matmul routes here, the decode attention in `attention/backends.py`)
 saves one JSON file per key under `$MINILLM_CACHE/kernels/` (~/.cache/minillm/kernels/), the key
 being what the timing depends on (CPU model, instruction set, torch version, thread count, ...).
 `read_tuned` gives a file back only if it was written under the same key; a missing, corrupt or
