@@ -1,4 +1,4 @@
-"""Speculative decoding inside the engine: propose drafts before scheduling; count them after.
+"""Speculative decoding inside the engine: the drafts, proposed before the scheduler runs.
 
 Letters: K draft tokens of one sequence (K <= num_speculative_tokens), V vocab.
 
@@ -14,7 +14,7 @@ One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=
    rejected drafts' slots back (`num_computed_tokens -= rejected`, `BlockManager.truncate`) and
    adds the counts to the request's metrics and to `SpecDecodingStats`.
 A sequence whose drafts do not fit the step's token budget simply decodes one token. This module
-proposes and holds the counts' record; it changes no sequence, block or metric itself.
+proposes, and defines the record of the run's counts; it changes no sequence, block or metric.
 
 Left out on purpose: a batched/paged draft-model cache (the draft model runs batch 1, one
 sequence after another, each with its own contiguous cache keyed by seq_id), tree drafts,
@@ -55,10 +55,11 @@ class SpecDecoder:
         self.proposer = (NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1]) if method == "ngram"
                          else DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs))
 
-    def propose(self, seqs: list[Sequence], generator_for) -> list[tuple[list[int], torch.Tensor | None]]:
+    def propose(self, seqs: list[Sequence],
+                draft_generator) -> list[tuple[list[int], torch.Tensor | None]]:
         """Drafts for decoding sequences: one (draft token ids, q) per sequence, q (1, K, V) for a
-        sampling draft model, else None; ([], None) where no draft fits. `generator_for(seq)`
-        gives the generator to draft with (the sampler's `draft_generator`)."""
+        sampling draft model, else None; ([], None) where no draft fits. `draft_generator(seq)`
+        gives the generator to draft with (the seed rule's, `Sampler.draft_generator`)."""
         drafts = []
         for seq in seqs:
             p = seq.params
@@ -71,7 +72,7 @@ class SpecDecoder:
                 continue
             key = {"key": seq.seq_id} if self.method == "draft" else {}   # its own draft cache
             prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
-                                         generator=generator_for(seq), **key)
+                                         generator=draft_generator(seq), **key)
             n = k if prop.num_proposed is None else int(prop.num_proposed[0])
             probs = prop.probs[:, :n] if prop.probs is not None else None             # (1, K, V)
             drafts.append((prop.token_ids[0, :n].tolist(), probs))
