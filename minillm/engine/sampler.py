@@ -66,7 +66,7 @@ class Sampled:
     @property
     def num_accepted(self) -> int:
         """Drafts kept: every token but the last, which the target drew itself."""
-        return len(self.token_ids) - 1 if self.num_drafts else 0
+        return len(self.token_ids) - 1 if self.num_drafts and self.token_ids else 0
 
     @property
     def num_rejected(self) -> int:
