@@ -279,6 +279,21 @@ def test_prefix_hits_are_what_the_shared_prompt_predicts(P, system_len):
     assert bm.stats["hit_blocks"] == system_len // P
 
 
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_the_cached_tokens_probe_is_what_allocate_finds(P):
+    """`num_cached_tokens` predicts `allocate`'s hit count and changes nothing (not even the LRU)."""
+    bm = BlockManager(num_blocks=32, block_size=P, enable_prefix_caching=True)
+    bm.allocate("a", list(range(13)))
+    bm.mark_computed("a", 13)
+    bm.free("a")                                   # cached, evictable
+    for i, prompt in enumerate([list(range(13)), list(range(6)) + [99], [5, 6, 7], list(range(20))]):
+        before = full_state(bm)
+        probe = bm.num_cached_tokens(prompt)
+        assert full_state(bm) == before
+        assert bm.allocate(f"b{i}", prompt) == probe
+    assert "a" not in bm and "b0" in bm            # membership: a dict lookup
+
+
 @pytest.mark.parametrize("n", [7, 8, 9])
 def test_whole_prompt_hit_still_leaves_a_query(n):
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)

@@ -202,9 +202,11 @@ def test_speculative_greedy_equals_generate(model, cfg):
     engine = LLMEngine(model, EngineConfig(**cfg, num_speculative_tokens=3))
     outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
     assert [o.token_ids for o in outs] == [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
-    assert engine.spec.num_accepted > 0
-    assert sum(o.metrics.num_accepted_tokens for o in outs) == engine.spec.num_accepted
-    assert sum(o.metrics.num_draft_tokens for o in outs) == engine.spec.num_proposed
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.num_accepted_tokens
+    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.num_draft_tokens
+    assert sum(o.metrics.num_spec_steps for o in outs) == stats.num_spec_steps
     assert engine.num_free_blocks == engine.num_blocks
 
 
@@ -215,7 +217,7 @@ def test_speculative_draft_model_is_target(model, workload):
                                            speculative_method="draft"), draft_model=model)
     outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=k) for k in max_tokens[:4]])
     assert [o.token_ids for o in outs] == refs[:4]
-    assert engine.spec.acceptance_rate == 1.0
+    assert engine.spec_stats.accepted_fraction == 1.0
     for o, k in zip(outs, max_tokens[:4]):      # prefill gives 1 token, each verify step k + 1
         done, steps, drafts = 1, 0, 0
         while done < k:

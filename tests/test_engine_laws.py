@@ -20,8 +20,7 @@ import math
 import pytest
 import torch
 
-import minillm.engine.spec_decoder as engine_spec
-import minillm.engine.model_runner as model_runner
+import minillm.engine.sampler as engine_sampler
 import minillm.spec.rejection as speculative
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
@@ -139,23 +138,23 @@ def test_engine_speculative_sampling_law(target, draft, monkeypatch, method, par
         qs.append(draft_probs)
         return speculative.rejection_sample(target_probs, draft_probs, draft_token_ids, generator)
 
-    monkeypatch.setattr(engine_spec, "rejection_sample", spy)
+    monkeypatch.setattr(engine_sampler, "rejection_sample", spy)
     samples, engine = engine_samples(target, params, n, seed=20 + seeded, seeded=seeded,
                                      method=method, draft=draft if method == "draft" else None)
-    s = engine.spec
+    s = engine.spec_stats
     # the rejection-sampling branch ran: drafts accepted and rejected, and K = 2 rounds occurred
-    assert 0 < s.num_accepted < s.num_proposed and s.num_proposed > s.num_verify_steps
-    assert len(qs) == s.num_verify_steps
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens and s.num_draft_tokens > s.num_spec_steps
+    assert len(qs) == s.num_spec_steps
     # a dropped q would still pass the law (see the controls below): check it reaches the verifier
     assert all((q is None) == (method == "ngram") for q in qs)
     p = pvalue(target, samples, params)
-    print(f"{method} {params} seeded={seeded}: p = {p:.4f}, acceptance {s.acceptance_rate:.2f}")
+    print(f"{method} {params} seeded={seeded}: p = {p:.4f}, accepted fraction {s.accepted_fraction:.2f}")
     assert p > ALPHA
 
 
 # ---- negative controls: the same tests reject broken samplers inside the engine ------------------
 def _plain_bug(bug):
-    real = model_runner.logits_to_probs
+    real = engine_sampler.logits_to_probs
     if bug == "ignores_top_p":
         return lambda logits, temperature, top_k, top_p: real(logits, temperature, top_k, None)
     assert bug == "temperature_twice"
@@ -166,7 +165,7 @@ def _plain_bug(bug):
 @pytest.mark.parametrize("bug,params", [("ignores_top_p", PLAIN[2]),
                                         ("temperature_twice", PLAIN[1])])
 def test_engine_sampling_law_rejects_broken_runner(target, monkeypatch, bug, params):
-    monkeypatch.setattr(model_runner, "logits_to_probs", _plain_bug(bug))
+    monkeypatch.setattr(engine_sampler, "logits_to_probs", _plain_bug(bug))
     samples, _ = engine_samples(target, params, 3000, seed=30)
     p = pvalue(target, samples, params)
     print(f"{bug}: p = {p:.3g}")
@@ -188,7 +187,7 @@ def test_engine_speculative_law_rejects_broken_verify(target, draft, monkeypatch
     if bug == "residual_is_target":   # on rejection, draw from p instead of norm(max(p - q, 0))
         monkeypatch.setattr(speculative, "residual_probs", lambda p, q, ids: p)
     else:
-        monkeypatch.setattr(engine_spec, "rejection_sample", _uniform_draft_probs)
+        monkeypatch.setattr(engine_sampler, "rejection_sample", _uniform_draft_probs)
     params = SPEC[0]
     samples, _ = engine_samples(target, params, n, seed=40, method=method,
                                 draft=draft if method == "draft" else None)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from minillm import generate, generate_naive, tiny_model
-from minillm import spec_theory as th
+from minillm.analysis import spec_theory as th
+from minillm.spec import exact_law
+from minillm.spec.exact_law import exact_step_law
 from minillm.spec.proposers import (DraftModelProposer, NgramProposer, early_exit_model,
                                layer_skip_model)
 from minillm.spec.loop import SpecStats, replay_greedy, speculative_generate
@@ -44,7 +46,7 @@ def target_law(p, length, V):
 @pytest.mark.parametrize("zero_frac", [0.0, 0.4])
 def test_enumeration_one_step_equals_target_law(V, K, zero_frac):
     p, q = random_table(V, 10 * V + K, zero_frac), random_table(V, 99 + K, zero_frac)
-    law = th.exact_step_law(p, q, K, V)
+    law = exact_step_law(p, q, K, V)
     assert (law - target_law(p, K + 1, V)).abs().max() < 1e-12
 
 
@@ -53,15 +55,15 @@ def test_enumeration_deterministic_drafter():
     p = random_table(V, 3, 0.3)
     guess = random_table(V, 4, 0.0)
     one_hot = lambda prefix: torch.nn.functional.one_hot(guess(prefix).argmax(), V).to(F64)
-    assert (th.exact_step_law(p, one_hot, K, V) - target_law(p, K + 1, V)).abs().max() < 1e-12
+    assert (exact_step_law(p, one_hot, K, V) - target_law(p, K + 1, V)).abs().max() < 1e-12
 
 
 def test_enumeration_has_power(monkeypatch):
     """The same enumeration sees a broken residual (resample from p): the check can fail."""
     V, K = 4, 2
     p, q = random_table(V, 1, 0.3), random_table(V, 2, 0.3)
-    monkeypatch.setattr(th, "residual_probs", lambda tp, dp, ids: tp)
-    assert (th.exact_step_law(p, q, K, V) - target_law(p, K + 1, V)).abs().max() > 1e-3
+    monkeypatch.setattr(exact_law, "residual_probs", lambda tp, dp, ids: tp)
+    assert (exact_step_law(p, q, K, V) - target_law(p, K + 1, V)).abs().max() > 1e-3
 
 
 def _random_case(B, K, V, seed, dtype=F64):

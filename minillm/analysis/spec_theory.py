@@ -1,5 +1,4 @@
-"""When does speculation pay? Expected tokens per verify step, speedup, best K, adaptive K, and
-the exact law of one draft-then-verify step by enumeration.
+"""When does speculation pay? Expected tokens per verify step, speedup, best K, adaptive K.
 
 Letters: K draft tokens per step, V vocab. The model: each draft token is accepted independently
 with probability a (the acceptance rate), so a step yields n + 1 tokens where n, the number of
@@ -18,14 +17,14 @@ E[tokens] * s / (s + K). Seed article 000 prints s / (1 + s K) instead; seed art
 T_L (a K + 1) with K T_S + T_L's accepted part only. `article_*` below keep those two claims as
 printed so the chapter can test them against a simulation.
 
+Pure formulas: this module imports no other part of minillm, and `minillm.spec` builds on it
+(`SpecStats.alpha_estimate` is `estimate_acceptance`). The exact law of one draft-then-verify
+step, which runs the package's own rejection rule, is `minillm.spec.exact_law`.
+
 Left out on purpose: acceptance that depends on the position in the draft, tree drafts, batch
 effects on cost (at large batch the target is no longer memory bound and c, verify_cost change).
 """
-from itertools import product
-
 import torch
-
-from minillm.spec.rejection import acceptance_probs, residual_probs
 
 
 def _check_a_k_c(a: float, k: int, c: float = 0.0) -> None:
@@ -186,46 +185,3 @@ def simulate_policy(policy, acceptance: list[float], c: float,
         tokens, cost = tokens + n + 1, cost + k * c + verify_cost
         policy.update(n, k)
     return tokens / cost
-
-
-# ---- exactness by enumeration ----------------------------------------------------------------
-
-def exact_step_law(target_fn, draft_fn, k: int, vocab_size: int) -> torch.Tensor:
-    """Exact law of the first K + 1 tokens after one draft-then-verify step, completed by sampling
-    the target for the positions the step did not fill. Shape (V,) * (K+1), float64.
-
-    target_fn(prefix) and draft_fn(prefix) map a tuple of token ids to a (V,) probability vector
-    (already processed); a deterministic drafter is a draft_fn that returns one-hot rows. The
-    result equals the target law exactly when the rejection rule is right.
-    """
-    V = vocab_size
-    drafts = list(product(range(V), repeat=k))                                   # V^K drafts
-    P = torch.stack([torch.stack([target_fn(x[:i]) for i in range(k + 1)]) for x in drafts])
-    Q = torch.stack([torch.stack([draft_fn(x[:i]) for i in range(k)]) for x in drafts])
-    X = torch.tensor(drafts, dtype=torch.long)                                   # (N, K)
-    w = Q.gather(-1, X[..., None]).squeeze(-1).prod(dim=1)                       # (N,) P(draft)
-    acc = acceptance_probs(P, Q, X)                                              # (N, K)
-    R = residual_probs(P, Q, X)                                                  # (N, K+1, V)
-    reach = torch.cat([torch.ones(len(drafts), 1, dtype=acc.dtype), acc.cumprod(1)], 1)
-    stop = reach * torch.cat([1 - acc, torch.ones(len(drafts), 1, dtype=acc.dtype)], 1)  # P(n)
-
-    cont: dict[tuple, torch.Tensor] = {}
-
-    def future(prefix: tuple) -> torch.Tensor:       # target law of the tokens after `prefix`
-        if len(prefix) == k + 1:
-            return torch.ones((), dtype=torch.float64)
-        if prefix not in cont:
-            cont[prefix] = torch.stack([future(prefix + (y,)) for y in range(V)])
-        p = target_fn(prefix).to(torch.float64)
-        return p.view(-1, *[1] * (k - len(prefix))) * cont[prefix]
-
-    law = torch.zeros((V,) * (k + 1), dtype=torch.float64)
-    for d, x in enumerate(drafts):
-        for n in range(k + 1):
-            weight = float(w[d] * stop[d, n])
-            if weight == 0:
-                continue
-            future(x[:n])                                                        # fills cont
-            r = R[d, n].to(torch.float64).view(-1, *[1] * (k - n))
-            law[x[:n]] += weight * r * cont[x[:n]]
-    return law

@@ -5,14 +5,16 @@
     rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort_request(rid)
 
 Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no tensors),
-`Scheduler` (decides), `ModelRunner` (runs tensors). The engine owns them, validates requests
-(bad input never reaches the scheduler), applies sampled tokens, stops finished sequences at once
-(their blocks go back to the pool), forks n > 1 completions after the prompt's prefill, and keeps
-per-request metrics (TTFT, TPOT, end-to-end) and a per-step trace (`trace`, `export_trace`).
+`Scheduler` (decides), `ModelRunner` (runs tensors), `Sampler` (logits -> tokens, sampler.py).
+The engine owns them and validates requests (bad input never reaches the scheduler). One method,
+`update_from_output` (vLLM's name), applies a step's results: it moves computed counts, forks
+n > 1 completions after the prompt's prefill, rolls rejected drafts back, appends tokens, stops
+finished sequences at once (their blocks go back to the pool), and writes per-request metrics
+(TTFT, TPOT, end-to-end) and the per-step trace (`trace`, `export_trace`).
 
 With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
-`draft_model`) that one forward pass verifies (spec_decoder.py); vLLM's `speculative_config` dict
-and `gpu_memory_utilization` map onto these fields in args.py. With a tokenizer, each
+`draft_model`, spec_decoder.py) that one forward pass scores and the sampler verifies; vLLM's
+`speculative_config` dict and `gpu_memory_utilization` map onto these fields in args.py. With a tokenizer, each
 sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
 `llm.py` wraps the engine in vLLM's offline front door, `LLM`.
 
@@ -32,8 +34,9 @@ from minillm.paging.block_manager import BlockManager
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.args import apply_speculative_config, check_prompt, pool_num_blocks
 from minillm.engine.config import EngineConfig
-from minillm.engine.spec_decoder import SpecDecoder
+from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import ModelRunner
+from minillm.engine.sampler import Sampled, SampleRow, Sampler
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
 from minillm.paging.paged_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
@@ -69,7 +72,9 @@ class LLMEngine:
         self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.preemption_mode,
                                    prefill_first=cfg.prefill_first)
-        self.runner = ModelRunner(model, self.cache, self.block_manager, cfg.seed)
+        self.runner = ModelRunner(model, self.cache, self.block_manager)
+        self.sampler = Sampler(param.device, cfg.seed)
+        self.spec_stats = SpecDecodingStats()      # all zero without speculative decoding
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self.trace: list[dict] = []
@@ -100,7 +105,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.__post_init__()                 # again: a frozen dataclass can still be altered
+        params.validate()                      # again: a frozen dataclass can still be altered
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} completions can never run together with "
                              f"max_num_seqs={self.config.max_num_seqs}; use n <= max_num_seqs")
@@ -136,7 +141,7 @@ class LLMEngine:
         req.metrics.finish_time, req.metrics.finish_step = self.clock(), self.step_count
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run -> update. Returns the requests it advanced."""
+        """One iteration: schedule -> run -> sample -> update. Returns the requests it advanced."""
         t0 = self.clock()
         timed_out = (apply_queue_timeouts(self.scheduler, self.requests, self.config.priority_classes,
                                           t0, self.step_count) if self.config.priority_classes else [])
@@ -144,10 +149,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         try:
             seqs, logits = self.runner.execute(out)
+            rows = self._sample_rows(seqs)
+            sampled = self.sampler.sample(rows, logits)     # tokens; drafts verified
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
-        return [self._output(r) for r in timed_out] + self._update(out, seqs, logits, t0)
+        return [self._output(r) for r in timed_out] + self.update_from_output(out, rows, sampled, t0)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
                  sampling_params=None, priority=None) -> list[RequestOutput]:
@@ -198,9 +205,11 @@ class LLMEngine:
     # ---- internals --------------------------------------------------------------------------
     def _draft(self) -> None:
         """Propose drafts for decoding sequences before the scheduler books their blocks."""
-        if self.spec is not None:
-            self.spec.propose([s for s in self.scheduler.running if s.num_uncomputed == 1
-                               and s.output_token_ids], self.cache.k.device, self.runner.generator)
+        if self.spec is None:
+            return
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.output_token_ids]
+        for seq, (ids, probs) in zip(seqs, self.spec.propose(seqs, self.sampler.draft_generator)):
+            seq.draft_token_ids, seq.draft_probs = ids, probs
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -210,25 +219,23 @@ class LLMEngine:
         return check_prompt(prompt, params, self.tokenizer, self.model.config,
                             self.num_blocks, self.config.block_size)
 
-    def _update(self, out, seqs, logits, t0) -> list[RequestOutput]:
-        """Apply one forward pass's results, in named phases. Sampling is per sequence: a row
-        that fails to sample (say, NaN logits) aborts its own request and nobody else's."""
-        num_decode, prefill_ids = self._commit_computed(out, t0)
-        rows = self._rows(seqs)                      # before verification clears the drafts
-        drafting = [(s, r) for s, r in zip(seqs, rows) if s.draft_token_ids]
-        plain = [(s, r) for s, r in zip(seqs, rows) if not s.draft_token_ids]
-        new_tokens, failed = (self.spec.verify_all(drafting, logits, self.runner.generator,
-                                                   self.block_manager, self.requests)
-                              if drafting else ([], []))
-        more, failed_plain = self._fork_and_sample(plain, logits)
-        new_tokens += more
+    def update_from_output(self, out, rows: list[SampleRow], sampled: list[Sampled],
+                           t0: float) -> list[RequestOutput]:
+        """The one place a step's results land (vLLM's `Scheduler.update_from_output`): computed
+        counts move, n > 1 requests fork, rejected drafts roll back, tokens are appended,
+        finished sequences stop, and metrics and the trace are written. A row that could not be
+        sampled (say, NaN logits) aborts its own request and nobody else's."""
+        num_decode, prefill_ids = self._advance(out, t0)
         now = self.clock()
         advanced = {}
-        for seq, toks in new_tokens:
-            self._append(seq, toks, now)
-            advanced[seq.request_id] = self.requests[seq.request_id]
-        for seq in failed + failed_plain:
-            self._fail(seq, now)
+        for seq, s in zip(self._fork_rows(rows), sampled):
+            if s.error is not None:
+                seq.error = s.error
+                self._fail(seq, now)
+            else:
+                if s.num_drafts:
+                    self._settle_drafts(seq, s)
+                self._append(seq, s.token_ids, now)
             advanced[seq.request_id] = self.requests[seq.request_id]
         for seq in out.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
@@ -236,16 +243,14 @@ class LLMEngine:
                                     self.scheduler, self.block_manager))
         self.step_count += 1
         outputs = [self._output(r) for r in advanced.values()]
-        self._prune()
+        prune(self.trace, self.requests, self._forgotten, self._pinned, self.config,
+              self.scheduler.num_unfinished)            # bounded memory (trace.py)
         return outputs
 
-    def _prune(self) -> None:
-        prune(self.trace, self.requests, self._forgotten, self._pinned, self.config,
-              self.scheduler.num_unfinished)
-
-    def _commit_computed(self, out, t0: float) -> tuple[int, list[str]]:
+    def _advance(self, out, t0: float) -> tuple[int, list[str]]:
         """The scheduled tokens' KV is written: advance each sequence and register full blocks
-        in the prefix cache (not while drafts are pending: their KV may be rolled back)."""
+        in the prefix cache (a sequence with drafts waits for `_settle_drafts`: some of that KV
+        is void). Returns the step's decode token count and prefilling request ids."""
         num_decode, prefill_ids = 0, []
         for seq, n in out.scheduled:
             if seq.num_computed_tokens >= len(seq.prompt_token_ids) and (n == 1 or seq.draft_token_ids):
@@ -262,31 +267,42 @@ class LLMEngine:
                 self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
         return num_decode, prefill_ids
 
-    @staticmethod
-    def _rows(seqs) -> list[int]:
-        """First logits row of each sampling sequence (a sequence with K drafts has K + 1)."""
-        rows, r = [], 0
-        for seq in seqs:
-            rows.append(r)
-            r += 1 + len(seq.draft_token_ids)
-        return rows
+    def _settle_drafts(self, seq: Sequence, s: Sampled) -> None:
+        """K drafts were verified: the rejected ones' KV is void (num_computed_tokens -= rejected,
+        their slots go back), the rest is registered, and the counts go to the request's metrics
+        and the engine's."""
+        seq.num_computed_tokens -= s.num_rejected
+        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        seq.draft_token_ids, seq.draft_probs = [], None
+        for counts in (self.requests[seq.request_id].metrics, self.spec_stats):
+            counts.num_spec_steps += 1
+            counts.num_draft_tokens += s.num_drafts
+            counts.num_accepted_tokens += s.num_accepted
 
-    def _fork_and_sample(self, plain, logits):
-        """One token for every (sequence, row) without drafts. A request with n > 1 forks after
-        its prompt; the children sample from their parent's logits row."""
-        order, rows = [], []
-        for seq, r in plain:
-            req = self.requests[seq.request_id]
-            group = [seq] + (self._fork(req, seq) if req.params.n > 1 and not req.forked else [])
-            order += group
-            rows += [r] * len(group)
-        if not order:
-            return [], []
-        if rows != list(range(len(logits))):           # forks share a row; drafts' rows went
-            logits = logits[rows]
-        toks = self.runner.sample(order, logits)       # None where a row could not be drawn
-        ok = [(s, [t]) for s, t in zip(order, toks) if t is not None]
-        return ok, [s for s, t in zip(order, toks) if t is None]
+    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
+        """What the sampler draws, in the order it draws: sequences with K drafts first (K + 1
+        logits rows each), then one row per other sequence. A request with n > 1 whose prompt
+        just finished draws all n first tokens from that row (indices 0..n-1)."""
+        drafting, plain, r = [], [], 0
+        for seq in seqs:
+            if seq.draft_token_ids:
+                drafting.append(SampleRow(seq, seq.index, r))
+            else:
+                req = self.requests[seq.request_id]
+                n = req.params.n if not req.forked else 1
+                plain += [SampleRow(seq, i, r) for i in range(seq.index, seq.index + n)]
+            r += 1 + len(seq.draft_token_ids)
+        return drafting + plain
+
+    def _fork_rows(self, rows: list[SampleRow]) -> list[Sequence]:
+        """The sequence each row's tokens go to. A request's n completions fork on its prompt's
+        last row, before any token lands (the children share the prompt's blocks)."""
+        for row in rows:
+            req = self.requests[row.seq.request_id]
+            if row.index != row.seq.index and not req.forked:
+                self._fork(req, row.seq)
+        return [self.requests[row.seq.request_id].seqs[row.index] for row in rows]
 
     def _fail(self, seq: Sequence, now: float) -> None:
         """A sequence whose token could not be drawn ends with finish_reason "abort"; its blocks

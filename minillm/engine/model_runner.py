@@ -1,4 +1,4 @@
-"""The model runner: turns one scheduler decision into tensors, runs the model, samples.
+"""The model runner: turns one scheduler decision into tensors and runs the model.
 
 It only runs. Given a `SchedulerOutput` it
 1. moves blocks first: swap-outs to CPU, copy-on-write copies, swap-ins back (in that order,
@@ -7,35 +7,27 @@ It only runs. Given a `SchedulerOutput` it
    input_ids (1, M), positions (M,) and attention metadata (slot mapping, block tables, lengths),
    built once per step and shared by all layers;
 3. runs `model(input_ids, positions, cache, logits_index)` with `logits_index` at the last token
-   of each sequence whose chunk reaches its end (only those sample a new token);
-4. samples each row with its request's parameters. A request with a `seed` draws its k-th token
-   from a generator seeded with hash((seed, completion index, k)), so its output does not depend
-   on the batch, on chunking or on preemption (a resumed sequence draws token k afresh).
+   of each sequence whose chunk reaches its end (only those sample a new token), and at each
+   speculative draft's position;
+and returns those sequences with their logits. Turning logits into tokens is the sampler's job
+(sampler.py); applying them is the engine's.
 
-Letters: M tokens in the flattened batch, K sequences that sample this step, V vocab.
-Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work, logprobs.
+Letters: M tokens in the flattened batch, K logits rows this step, V vocab.
+Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work.
 """
 import torch
 
 from minillm.paging.block_manager import BlockManager
 from minillm.attention.metadata import long_tensor
 from minillm.paging.paged_cache import PagedKVCache
-from minillm.model.sampling import logits_to_probs, sample
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sequence import Sequence
 
 
-def request_generator_seed(seed: int, index: int, k: int) -> int:
-    """Seed of the generator that draws token k of completion `index` of a seeded request."""
-    return hash((seed, index, k)) & (2**63 - 1)
-
-
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager, seed: int = 0):
+    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager):
         self.model, self.cache, self.bm = model, cache, block_manager
         self.device = cache.k.device
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests
-        self._seeded = torch.Generator(device=self.device)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         for seq, blocks in out.swap_out:
@@ -85,26 +77,3 @@ class ModelRunner:
         logits = self.model(input_ids, positions=positions, cache=self.cache,
                             logits_index=logits_index)                      # (1, K, V)
         return sampling, (logits[0] if sampling else None)
-
-    @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
-        """One new token per sequence from its logits row (K, V); greedy rows in one argmax.
-        A row that cannot be drawn (non-finite logits, say) gives None and sets `seq.error`,
-        so one broken request never stops the others."""
-        tokens = logits.argmax(dim=-1).tolist()                              # (K,)
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.temperature == 0:
-                continue
-            if p.seed is not None:
-                gen = self._seeded.manual_seed(
-                    request_generator_seed(p.seed, seq.index, len(seq.output_token_ids)))
-            else:
-                gen = self.generator
-            try:
-                probs = logits_to_probs(logits[i:i + 1].float(), temperature=p.temperature,
-                                        top_k=p.top_k, top_p=p.top_p)           # (1, V)
-                tokens[i] = int(sample(probs, generator=gen)[0])
-            except (ValueError, RuntimeError) as e:
-                tokens[i], seq.error = None, f"{type(e).__name__}: {e}"
-        return tokens

@@ -90,7 +90,7 @@ class Scheduler:
         for q in (self.waiting, self.running, self.swapped):
             if seq in q:
                 q.remove(seq)
-        if seq.seq_id in self.bm.seq_ids():
+        if seq.seq_id in self.bm:
             self.bm.free(seq.seq_id)
         seq.swapped_kv = None
 
@@ -103,7 +103,7 @@ class Scheduler:
             for q in (self.running, self.swapped):
                 if seq in q:
                     q.remove(seq)
-            if seq.seq_id in self.bm.seq_ids():
+            if seq.seq_id in self.bm:
                 self.bm.free(seq.seq_id)
             seq.draft_token_ids, seq.draft_probs, seq.swapped_kv = [], None, None
             seq.num_computed_tokens = 0

@@ -40,6 +40,12 @@ class SamplingParams:
     stop: list[str] | None = None
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (TypeError / ValueError naming it) and bring `stop` to one form.
+        Runs at construction; the engine runs it again on each request, since a frozen
+        dataclass can still be altered through `object.__setattr__`."""
         if self.top_k is None or self.top_p is None:
             raise TypeError("top_k and top_p must be numbers here (top_k -1 and top_p 1.0 are off), got None")
         check_sampling_args(self.temperature, self.top_k, self.top_p)   # NaN, inf, types too
@@ -177,7 +183,8 @@ class RequestMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Alias of `accepted_fraction` (the name of earlier versions)."""
+        """Alias of `accepted_fraction`, kept for code that reads the earlier name. In minillm
+        `acceptance_rate` means accepted / drafted and nothing else."""
         return self.accepted_fraction
 
     def as_dict(self) -> dict:

@@ -14,6 +14,7 @@ import torch
 
 from minillm.analysis import spec_theory as th
 from minillm.exercises import call_reader as _call, code, numeric
+from minillm.spec import exact_law
 
 F64 = torch.float64
 # exercise 06.2: two tiny float64 models and a fixed token sequence
@@ -42,14 +43,14 @@ def _test_residual(fn) -> None:
     V, K = 4, 3
     for seeds in ((1, 2), (3, 4), (5, 6)):
         p_fn, q_fn = _table(V, seeds[0]), _table(V, seeds[1])
-        want = th.exact_step_law(p_fn, q_fn, K, V)                       # the package's residual
+        want = exact_law.exact_step_law(p_fn, q_fn, K, V)             # the package's residual
 
         def residual(tp, dp, ids):                                       # the reader's, per row
             rows = [torch.stack([torch.as_tensor(_call(fn, tp[b, i].clone(), dp[b, i].clone()), dtype=F64)
                                  for i in range(ids.shape[1])]) for b in range(tp.shape[0])]
             return torch.cat([torch.stack(rows), tp[:, ids.shape[1]:]], dim=1)
-        with mock.patch.object(th, "residual_probs", residual):
-            got = th.exact_step_law(p_fn, q_fn, K, V)
+        with mock.patch.object(exact_law, "residual_probs", residual):
+            got = exact_law.exact_step_law(p_fn, q_fn, K, V)
         dev = float((got - want).abs().max())
         assert dev < 1e-9, (f"with your residual the emitted tokens' law differs from the target's "
                             f"by up to {dev:.4f} (tables seeded {seeds})")

@@ -113,6 +113,10 @@ class BlockManager(PrefixCache):
     def seq_ids(self) -> list:
         return list(self._seqs)
 
+    def __contains__(self, seq_id) -> bool:
+        """`seq_id in bm`: whether the sequence holds blocks now (a dict lookup, not a list scan)."""
+        return seq_id in self._seqs
+
     def block_table(self, seq_id) -> list[int]:
         return list(self._get(seq_id).table)
 

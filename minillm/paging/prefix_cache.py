@@ -127,8 +127,3 @@ class PrefixCache:
             hits.append((b, h))
             parent_hash, parent_id = h, (b, self._gen[b])
         return hits
-
-    def num_cached_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
-        it changes no block, no LRU order and no statistic."""
-        return len(self._lookup(_check_tokens(token_ids))) * self.block_size

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm.analysis.spec_theory import estimate_acceptance
 from minillm.model.generate import _check
 from minillm.model.kv_cache import KVCache
 from minillm.model.sampling import logits_to_probs, next_token
@@ -38,7 +39,8 @@ class SpecStats:
       (`spec_theory.estimate_acceptance`): a draft after the first rejection was never tested,
       so it counts only tested drafts and is always >= accepted_fraction.
 
-    `acceptance_rate` is the old name of `alpha_estimate`, kept as an alias.
+    There is no `acceptance_rate` here: in minillm that name means accepted / drafted only (the
+    engine's request metrics keep it as an alias of `accepted_fraction`).
     """
     num_proposed: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
@@ -58,13 +60,7 @@ class SpecStats:
     @property
     def alpha_estimate(self) -> float:
         """Per-token acceptance probability alpha, maximum likelihood under the i.i.d. model."""
-        from minillm.analysis.spec_theory import estimate_acceptance
         return estimate_acceptance(self.num_accepted, self.num_proposed)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Alias of `alpha_estimate` (the name of earlier versions)."""
-        return self.alpha_estimate
 
     @property
     def tokens_per_step(self) -> float:

@@ -13,7 +13,7 @@ is p_i with x_i removed. Greedy decoding (p one-hot at the argmax) is the specia
 `greedy_verify`: accept while the target's argmax agrees.
 
 `acceptance_probs` and `residual_probs` are the two deterministic halves of the rule; the exact
-enumeration in `spec_theory.exact_step_law` and the tests build on them, and `rejection_sample`
+enumeration in `exact_law.exact_step_law` and the tests build on them, and `rejection_sample`
 adds the coin flips. Randomness comes from one `torch.Generator` for the whole batch or a list
 of B generators (one per request, as with per-request seeds); with a list, row b of a batch
 gives the same result as row b alone.
