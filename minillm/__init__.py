@@ -1,16 +1,17 @@
 """minillm: how LLMs are served fast, in pure PyTorch, one chapter at a time.
 
-The folders are the architecture (core first; the core never imports `viz` or `bench`):
+The folders are the architecture (each folder imports only lower floors; docs/layout.md):
 - `model/`     chapter 0: config, the Llama layers, loading, the contiguous cache, sampling, generate
-- `paging/`    chapter 3: block manager (no tensors) and paged attention
-- `engine/`    chapters 4-5: sequence, scheduler, model runner, LLMEngine, speculative hook
-- `attention/` chapter 9: the materialized reference, FlashAttention's tiled forward, IO model, peak memory
+- `paging/`    chapter 3: block manager (no tensors), the paged KV cache and its int8 / fp8 storage
+- `engine/`    chapters 4-5: sequence, scheduler, model runner, sampler, LLMEngine, draft proposals
+- `attention/` chapters 3, 9: dense reference, FlashAttention tiles, paged attention math, flash-decoding
 - `spec/`      chapter 6: rejection sampling, proposers, the batch-1 speculative loop
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
 - `analysis/`  chapters 1, 2, 6, 7: roofline, KV-cache math, speculation theory, weight bytes (pure functions)
-- `kernels/`   CPU matmul routes tuned on this machine (chapter 1)
-- `viz/`       figures and widgets; `bench/` benchmarks, the GPU script, the results ledger, the demo
+- `kernels/`   CPU matmul routes tuned on this machine, the flat forward (chapter 1)
+- `viz/`       figures and widgets (extra `viz`); `serve/` the HTTP server (extra `serve`)
+- `lab/`       the instruments the chapters measure with (timing, workloads, load generator, demo)
 - `exercises/` every chapter's checks: `exercises.check("07.1", answer)`
 
 """
