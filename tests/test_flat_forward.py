@@ -4,8 +4,8 @@ The reference is `llama.py`'s module-by-module forward on the same weights. The 
 the same ops on the same values, so the two must agree bit for bit, in float64 and in float32
 under every matmul route, for every cache the model talks to (none, contiguous, paged, ragged
 batches with prefill chunks and decodes mixed); and the flat loop must step aside whenever it
-would not compute the same function (autograd, a replaced layer, a bias, 16-bit weights). A hook
-on a submodule is the documented exception: `plain(model)` gives the forward that runs it.
+would not compute the same function (autograd, a replaced layer, a bias, 16-bit weights, a hook
+on a layer it would not call).
 """
 import pytest
 import torch
@@ -142,12 +142,18 @@ def test_steps_aside_where_it_would_differ():
         assert seen == [(1, 6, 256)]                                      # a hook on the model runs
         top.remove()
         handle = flat.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
-        flat(ids)                                   # the contract: the flat loop calls no submodule
-        assert seen == [(1, 6, 256)]
-        cpu_tuning.plain(flat)                      # ... so hooks on layers run after plain()
+        assert not flat.flat_ok(ids)                # a hooked layer: the reference forward runs it
         _close(flat(ids), ref(ids))
         assert seen == [(1, 6, 256), (1, 6, 64)]
         handle.remove()
+        pre = flat.layers[0].input_norm.register_forward_pre_hook(lambda m, i: seen.append("pre"))
+        assert not flat.flat_ok(ids)
+        flat(ids)
+        assert seen[-1] == "pre"
+        pre.remove()
+        assert flat.flat_ok(ids)                    # no hook left: the flat loop again
+        cpu_tuning.plain(flat)                      # and plain() gives llama.py's forward back
+        _close(flat(ids), ref(ids))
         flatten(flat)
 
     class Scaled(nn.Linear):                                              # a replaced projection

@@ -22,12 +22,13 @@ The switch is in plain sight: `accelerate(model)` (cpu_tuning.py, which the fron
 The contract. The flat loop runs when the call is one the reference would answer the same way
 and the model is exactly the reference's structure: a CPU, float32 or float64, no autograd, and
 every module it reads of the reference's own classes (projections `nn.Linear` or `RoutedLinear`
-without bias), checked on every call. Anything else (a gradient,
-bfloat16, a GPU, a quantized or replaced layer, a bias) takes the reference forward. What it
-cannot see is a hook on a submodule: the flat loop calls no submodule, so forward hooks
-registered on a layer, a norm or a projection do not run. To watch or change what a layer
-computes, call `plain(model)` (or `unflatten`) first: the reference forward runs every module and
-its hooks; a hook on the model itself runs either way. `tests/test_flat_forward.py` checks logits
+without bias) with no forward hook of its own, checked on every call. Anything else (a gradient,
+bfloat16, a GPU, a quantized or replaced layer, a bias, a hook on a layer, a norm or a projection)
+takes the reference forward, which runs every module and its hooks; a hook on the model itself
+runs either way. The hooks are seen in each module's own registry (`_forward_hooks`,
+`_forward_pre_hooks`, what `nn.Module.__call__` reads); hooks registered for every module at once
+(`torch.nn.modules.module.register_module_forward_hook`) are not: call `plain(model)` first.
+`tests/test_flat_forward.py` checks logits
 and caches bit for bit against the reference and greedy tokens of the real model.
 """
 import torch
@@ -66,11 +67,18 @@ class FlatTransformer(Transformer):
                 or type(self.embed) is not nn.Embedding or type(self.norm) is not RMSNorm
                 or not _is_projection(self.lm_head) or type(self.layers) is not nn.ModuleList):
             return None
+        if _hooked(self.embed) or _hooked(self.norm) or _hooked(self.lm_head) or _hooked(self.layers):
+            return None
         return _layer_weights(self)
 
 
 def _is_projection(m) -> bool:
     return type(m) in _LINEARS and m.bias is None
+
+
+def _hooked(m) -> bool:
+    """A forward (pre-)hook on this module: the flat loop would not call it."""
+    return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 def _router(rows: int, dtype):
@@ -108,6 +116,8 @@ def _layer_weights(model) -> list | None:
         for p in projs:
             if type(p) not in _LINEARS or p._parameters.get("bias") is not None:
                 return None
+        if any(map(_hooked, (blk, n1, n2, attn, mlp, *projs))):
+            return None
         out.append((n1._parameters["weight"], n1.eps, projs[0], projs[1],
                     n2._parameters["weight"], n2.eps, projs[2], projs[3]))
     return out
