@@ -91,3 +91,11 @@ def test_load_tokenizer_reads_a_local_folder_or_says_none(tmp_path, monkeypatch)
     assert loading.load_tokenizer(tmp_path) is None
     monkeypatch.setenv("MINILLM_TOKENIZER", str(tmp_path / "nowhere"))
     assert loading.load_tokenizer() is None
+
+
+def test_an_empty_cache_variable_means_the_default_folder(monkeypatch):
+    """MINILLM_CACHE="" must not put the converted weights in the current directory."""
+    monkeypatch.setenv("MINILLM_CACHE", "")
+    assert loading.cache_dir() == Path.home() / ".cache" / "minillm"
+    monkeypatch.setenv("MINILLM_CACHE", "/somewhere")
+    assert loading.cache_dir() == Path("/somewhere")

@@ -37,9 +37,9 @@ def default_device() -> torch.device:
 
 
 def cache_dir() -> Path:
-    """minillm's cache folder: $MINILLM_CACHE, else ~/.cache/minillm (converted weights, and the
-    kernel tuning tables under kernels/)."""
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+    """minillm's cache folder: $MINILLM_CACHE, else (unset or empty) ~/.cache/minillm (converted
+    weights, and the kernel tuning tables under kernels/)."""
+    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def smollm2_gguf_path() -> Path:
