@@ -1,6 +1,6 @@
-"""What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), vLLM-style
-`speculative_config` dicts, and sizing the block pool from `gpu_memory_utilization` (chapter 2's
-planner, with measured numbers).
+"""What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), a batch of
+requests (`batch_requests`), vLLM-style `speculative_config` dicts, and sizing the block pool from
+`gpu_memory_utilization` (chapter 2's planner, with measured numbers).
 
 Pool size, in order: `num_blocks` if given (vLLM's num_gpu_blocks_override); on a CUDA device with
 `gpu_memory_utilization` set, N = floor((u * total - weights - activations) / bytes per block),
@@ -151,3 +151,24 @@ def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block
                          f"{need} KV slots, but the whole pool holds num_blocks={num_blocks}"
                          f" x block_size={block_size} = {pool}")
     return list(prompt)
+
+
+def batch_requests(prompts, params=None, sampling_params=None, priority=None) -> list[tuple]:
+    """`LLMEngine.generate`'s arguments as one (prompt, params, priority) per request: one
+    prompt (token ids) or a list; `params` or vLLM's `sampling_params`, one for all or one per
+    prompt; `priority` None (0), an int, or one per prompt. Lengths that disagree raise."""
+    if params is not None and sampling_params is not None:
+        raise TypeError("pass params or sampling_params, not both")
+    params = sampling_params if params is None else params
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of str or of token-id lists")
+    if isinstance(prompts[0], int):
+        prompts = [prompts]
+    plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+    prios = priority if isinstance(priority, (list, tuple)) else \
+        [0 if priority is None else priority] * len(prompts)
+    if len(prios) != len(prompts):
+        raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
+    return list(zip(prompts, plist, prios))

@@ -32,7 +32,8 @@ import torch
 
 from minillm.paging.block_manager import BlockManager
 from minillm.engine.detokenizer import Detokenizer
-from minillm.engine.args import apply_speculative_config, check_prompt, pool_num_blocks
+from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,
+                                 pool_num_blocks)
 from minillm.engine.config import EngineConfig
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import ModelRunner
@@ -161,22 +162,9 @@ class LLMEngine:
         """Serve a list of prompts to completion; one RequestOutput per prompt, in input order.
         `params` or (vLLM's name) `sampling_params`: one SamplingParams or one per prompt;
         `priority`: None (0), an int, or a list with one int per prompt."""
-        if params is not None and sampling_params is not None:
-            raise TypeError("pass params or sampling_params, not both")
-        params = sampling_params if params is None else params
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of str or of token-id lists")
-        if isinstance(prompts[0], int):
-            prompts = [prompts]
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        prios = priority if isinstance(priority, (list, tuple)) else [0 if priority is None else priority] * len(prompts)
-        if len(prios) != len(prompts):
-            raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         rids = []
         try:
-            for p, sp, pr in zip(prompts, plist, prios):
+            for p, sp, pr in batch_requests(prompts, params, sampling_params, priority):
                 rids.append(self.add_request(p, sp, priority=pr))
         except (TypeError, ValueError):
             for r in rids:                       # all or nothing: no half-queued batch
