@@ -28,8 +28,6 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict
 
-import torch
-
 from minillm.paging.block_manager import BlockManager
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,

@@ -33,7 +33,6 @@ Left out on purpose: GPUs (cuda keeps F.linear; chapter 1 times it), dtypes othe
 biases, autograd (a call that needs a gradient takes F.linear).
 """
 import contextvars
-import json
 import os
 import platform
 import time
