@@ -28,7 +28,8 @@ from minillm.model.loading import default_device, tiny_model
 from minillm.model.llama import Transformer
 from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample
-from minillm.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from minillm.engine.sequence import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from minillm.engine.structured import StructuredOutputsParams
 from minillm.spec.loop import speculative_generate
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.rejection import greedy_verify, rejection_sample
@@ -46,5 +47,5 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "get_config", "EngineConfig", "LLMEngine", "generate", "generate_batch",
            "generate_naive", "KVCache", "default_device", "load_model", "tiny_model",
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
-           "SamplingParams", "rejection_sample", "greedy_verify", "speculative_generate",
+           "SamplingParams", "Logprob", "StructuredOutputsParams", "rejection_sample", "greedy_verify", "speculative_generate",
            "DraftModelProposer", "NgramProposer", "quantize", "flash_attention"]

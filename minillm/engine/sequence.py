@@ -19,7 +19,11 @@ Left out on purpose: beam search, logprobs, LoRA.
 import enum
 from dataclasses import dataclass, field
 
+from minillm._validate import check_int, check_real
+from minillm.engine.structured import StructuredOutputsParams
 from minillm.model.sampling import check_sampling_args
+
+MAX_LOGPROBS = 20                   # most top logprobs a request may ask for (vLLM's max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,19 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     stop: list[str] | None = None
+    # logits processors (vLLM's names; 0 / 1.0 / None are off)
+    presence_penalty: float = 0.0              # [-2, 2], minus once per token already output
+    frequency_penalty: float = 0.0             # [-2, 2], minus per occurrence in the output
+    repetition_penalty: float = 1.0            # > 0, over prompt + output (transformers' rule)
+    min_p: float = 0.0                         # [0, 1], drop tokens below min_p * the top prob
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    min_tokens: int = 0                        # no EOS / stop token before this many tokens
+    bad_words: list[str] | None = None         # words (token sequences) never completed
+    # what comes back
+    logprobs: int | None = None                # top-k logprobs per output token (0: the token's)
+    prompt_logprobs: int | None = None         # the same for each prompt token
+    best_of: int | None = None                 # sample best_of, return the n best (cum. logprob)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self.validate()
@@ -62,6 +79,32 @@ class SamplingParams:
             if "" in stop:
                 raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
             object.__setattr__(self, "stop", list(stop) or None)     # one form: list[str] | None
+        check_real("presence_penalty", self.presence_penalty, -2, 2)
+        check_real("frequency_penalty", self.frequency_penalty, -2, 2)
+        check_real("repetition_penalty", self.repetition_penalty, 0, None, low_open=True)
+        check_real("min_p", self.min_p, 0, 1)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
+                                f"{type(self.logit_bias).__name__}")
+            for tok, bias in self.logit_bias.items():
+                check_int("logit_bias token id", tok, 0)
+                check_real(f"logit_bias[{tok}]", bias, -100, 100)
+        if self.bad_words is not None:
+            if (not isinstance(self.bad_words, (list, tuple))
+                    or not all(isinstance(w, str) and w for w in self.bad_words)):
+                raise TypeError(f"bad_words must be a list of non-empty str, got {self.bad_words!r}")
+            object.__setattr__(self, "bad_words", list(self.bad_words) or None)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.best_of is not None:
+            check_int("best_of", self.best_of, self.n)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or None, got "
+                            f"{type(self.structured_outputs).__name__}")
 
 
 class SequenceStatus(enum.Enum):
@@ -195,13 +238,27 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log probability (vLLM's shape): its rank in the distribution it was sampled
+    from (1 = the most likely) and its text when the engine has a tokenizer."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
-    """One completion. `text` is None without a tokenizer; a stop string cuts it (not the ids)."""
+    """One completion. `text` is None without a tokenizer; a stop string cuts it (not the ids).
+    With `SamplingParams(logprobs=k)`, `logprobs[i]` maps the sampled token i and the k most
+    likely ids to their `Logprob`; `cumulative_logprob` sums the sampled tokens' logprobs."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None
     text: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -220,6 +277,7 @@ class RequestOutput:
     text: str | None = None
     prompt: str | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [0] is None, as in vLLM
 
     @property
     def token_ids(self) -> list[int]:
