@@ -1,9 +1,12 @@
 """Chapter 8: serving over HTTP. An OpenAI-compatible server over the engine, in four parts:
 
-- `protocol.py`      request bodies checked and mapped to SamplingParams; OpenAI's response shapes
+- `protocol.py`      request bodies checked and mapped to SamplingParams
+- `fields.py`        every OpenAI / vLLM field past the basics: honoured or refused with a 400
+- `responses.py`     OpenAI's response and chunk shapes, logprobs included
+- `streaming.py`     a streamed answer as server-sent events, text and logprobs held back together
 - `async_engine.py`  one engine loop per server: commands in, per-request output queues out
 - `app.py`           the Starlette routes, streaming as server-sent events, OpenAI error objects
-- `metrics.py`       `GET /metrics` in Prometheus' text format
+- `metrics.py`       `GET /metrics` by prometheus_client, vLLM's metric names
 - `server.py`, `cli.py`  uvicorn in the foreground (`python -m minillm serve`) or in a thread
 
     from minillm import LLM
@@ -12,10 +15,12 @@
         openai.OpenAI(base_url=srv.base_url, api_key="none").chat.completions.create(...)
     srv = start(llm); ...; srv.stop()                  # the same, across notebook cells
 
-`import minillm` does not import this package (Starlette and uvicorn load only when you serve).
+`import minillm` does not import this package (Starlette, uvicorn and prometheus_client load only
+when you serve).
 They come with the `serve` extra (`pip install "minillm[serve]"`); without it this import says so.
 """
 try:
+    import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
     import uvicorn  # noqa: F401
 except ModuleNotFoundError as e:
@@ -26,10 +31,10 @@ from minillm.serve.server import RunningServer, running, serve, start
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, max_pending: int = 256,
-              max_body_bytes: int = 4 * 2**20):
+              max_body_bytes: int = 4 * 2**20, allowed_origins=None):
     """The Starlette app over an LLMEngine with a tokenizer (see app.py)."""
     from minillm.serve.app import build_app as _build
-    return _build(engine, model_name, api_key, max_pending, max_body_bytes)
+    return _build(engine, model_name, api_key, max_pending, max_body_bytes, allowed_origins)
 
 
 __all__ = ["build_app", "running", "serve", "start", "RunningServer"]

@@ -6,43 +6,89 @@
     POST /v1/chat/completions    messages -> the chat template -> the assistant's turn
     GET  /metrics                Prometheus text (metrics.py)
 
-A streamed answer is server-sent events: one `data: {json}` line per chunk of new text, a last
-chunk per completion with its `finish_reason`, the `usage` chunk when `stream_options.
-include_usage` is set, then `data: [DONE]`. The text of a stream is exactly the non-streamed
-text: the detokenizer already holds back an incomplete UTF-8 character, and with stop strings the
-stream also holds back the last len(stop) - 1 characters until the request ends, since those may
-turn out to be the start of a stop string that is cut.
+A streamed answer is server-sent events (streaming.py); its text is exactly the non-streamed
+text. Nothing slow runs on the event loop: the body's JSON, the chat template and tokenizing
+run in one worker thread (`Server.parser`, so requests keep their order), the engine step in
+another (async_engine.py), and a big answer is serialized in a thread too.
 
-Refusals are OpenAI error objects, never a 500: 400 bad field (protocol.py), 401 wrong or missing
-key (compared in constant time), 404 unknown model or route, 405 wrong method, 413 body too
-large, 503 when `max_pending` requests are already pending (with Retry-After), or when a
-request's priority class refuses it after its queue-wait bound.
+Refusals are OpenAI error objects, never a bare 500, and their JSON is ASCII-only (a lone
+surrogate echoed from a body cannot break them): 400 bad field or unparsable body (deep nesting
+too), 401 wrong or missing key (compared in constant time), 404 unknown model or route, 405
+wrong method (with `Allow`), 413 body too large, 415 a body that is not JSON (a browser may
+send text/plain or a form cross-site without asking: so any page could spend a key-less
+server's compute), 503 when `max_pending` requests are already pending (with Retry-After), when
+a request's priority class refuses it after its queue-wait bound (code "queue_timeout"), or at
+shutdown. A token that cannot be drawn (a sampling failure) is a 500 with code
+"sampling_error": not a 503, which clients would retry. Anything else that escapes a handler
+is logged once and answered by `CatchAll` as an OpenAI 500 with `Connection: close`, so the
+client's next request opens a fresh connection. A client that leaves mid-body is not an error.
 
-Left out on purpose: TLS (put a proxy in front), CORS, per-user rate limits, the /tokenize,
+CORS is off unless `allowed_origins` lists the origins a browser may call from.
+
+Left out on purpose: TLS (put a proxy in front), per-user rate limits, the /tokenize,
 /embeddings and responses APIs.
 """
 import asyncio
 import contextlib
 import hmac
 import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from minillm.serve import protocol
-from minillm.serve.async_engine import AsyncEngine, QueueFull
+from minillm.serve import protocol, responses
+from minillm.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from minillm.serve.metrics import ServerMetrics
 from minillm.serve.protocol import APIError
+from minillm.serve.streaming import DONE, StreamWriter, sse
+
+log = logging.getLogger("minillm.serve")
+BIG_ANSWER_TOKENS = 2048            # answers past this many tokens are serialized off the loop
 
 
-def _error(err: APIError, headers=None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+def _json(data, status: int = 200, headers=None) -> Response:
+    return Response(json.dumps(data, ensure_ascii=True, separators=(",", ":")), status,
+                    headers, media_type="application/json")
 
 
-def _sse(data) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def _error(err: APIError, headers=None) -> Response:
+    return _json(err.body(), err.status, headers)
+
+
+def engine_error(message: str) -> APIError:
+    """The error a request the engine ended carries: a queue timeout (its priority class gave
+    up on it) or a token that could not be drawn."""
+    if message.startswith("queue timeout"):
+        return APIError(503, message, type="server_error", code="queue_timeout")
+    return APIError(500, f"sampling failed: {message}", type="server_error", code="sampling_error")
+
+
+def _failure(err: BaseException) -> APIError:
+    if isinstance(err, ShuttingDown):
+        return APIError(503, str(err), type="server_error", code="server_shutting_down")
+    return APIError(500, f"the engine failed: {type(err).__name__}: {err}", type="server_error",
+                    code="engine_error")
+
+
+def _is_json(content_type: str) -> bool:
+    """application/json or application/*+json, parameters allowed (FastAPI's rule)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = media.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for: its vocabulary string's length (byte-level
+    BPE writes each byte as one character, and a character takes at least one byte)."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    return max(map(len, vocab()), default=0) or None if vocab else None
 
 
 class Server:
@@ -52,12 +98,16 @@ class Server:
                  max_body_bytes: int = 4 * 2**20):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes = max_body_bytes
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, engine)
         self.loop = AsyncEngine(engine, self.metrics, max_pending)
+        self.metrics.loop = self.loop
+        self.tokens = responses.TokenText(engine.tokenizer)
+        self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-parse")
         cfg = engine.model.config
         self.limits = dict(context=cfg.max_seq_len, vocab_size=cfg.vocab_size,
                            pool_tokens=engine.num_blocks * engine.config.block_size,
-                           max_n=engine.config.max_num_seqs)
+                           max_n=engine.config.max_num_seqs,
+                           max_token_chars=max_token_chars(engine.tokenizer))
 
     def check_key(self, request) -> None:
         if self.api_key is None:
@@ -67,7 +117,11 @@ class Server:
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            type="authentication_error", code="invalid_api_key")
 
-    async def read_json(self, request):
+    async def read_body(self, request) -> bytes:
+        ctype = request.headers.get("content-type")
+        if ctype is not None and not _is_json(ctype):
+            raise APIError(415, f"the body must be JSON (Content-Type: application/json), got "
+                                f"Content-Type {ascii(ctype)}", code="unsupported_media_type")
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
             raise APIError(413, f"the body is {size} bytes; at most {self.max_body_bytes} are accepted")
@@ -77,10 +131,23 @@ class Server:
             if total > self.max_body_bytes:
                 raise APIError(413, f"the body exceeds {self.max_body_bytes} bytes")
             chunks.append(part)
+        return b"".join(chunks)
+
+    def parse(self, raw: bytes, kind: str) -> protocol.GenRequest:
+        """The body's JSON -> GenRequest (runs in the parser thread)."""
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(raw)
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as err:
             raise APIError(400, f"the body is not valid JSON: {err}") from None
+        try:
+            return protocol.parse_request(body, kind, self.model_name, self.engine.tokenizer,
+                                          **self.limits)
+        except RecursionError:
+            raise APIError(400, "the request is nested too deeply") from None
+        except (TypeError, ValueError) as err:                 # the tokenizer's own checks
+            raise APIError(400, str(err)) from None
 
 
 def _server(request) -> Server:
@@ -99,42 +166,46 @@ async def models(request):
         s.check_key(request)
     except APIError as err:
         return _error(err)
-    return JSONResponse({"object": "list", "data": [
+    return _json({"object": "list", "data": [
         {"id": s.model_name, "object": "model", "created": 0, "owned_by": "minillm",
          "max_model_len": s.limits["context"]}]})
 
 
 async def metrics(request):
     s = _server(request)
-    return PlainTextResponse(s.metrics.render(s.engine, s.loop.num_pending),
-                             media_type="text/plain; version=0.0.4")
+    body, media_type = s.metrics.render()
+    return Response(body, media_type=media_type)
 
 
 def _endpoint(kind: str):
     async def handler(request):
-        s = _server(request)
+        s, req = _server(request), None
         try:
             s.check_key(request)
-            body = await s.read_json(request)
-            req = protocol.parse_request(body, kind, s.model_name, s.engine.tokenizer, **s.limits)
+            raw = await s.read_body(request)
+            req = await asyncio.get_running_loop().run_in_executor(s.parser, s.parse, raw, kind)
             stream = await s.loop.submit(req.prompt_token_ids, req.params, req.priority)
         except APIError as err:
             return _error(err)
+        except ClientDisconnect:
+            return Response(status_code=499)          # gone mid-body: nobody to answer
         except QueueFull as err:
-            s.metrics.add("request_rejected_total")
+            s.metrics.rejected()
             return _error(APIError(503, f"the server is overloaded: {err}; retry later",
                                    type="server_error", code="overloaded"), {"Retry-After": "1"})
+        except ShuttingDown as err:
+            return _error(_failure(err))
         except (TypeError, ValueError) as err:              # the engine's own checks
-            return _error(APIError(400, str(err)))
-        rid = protocol.new_id(kind)
+            return _error(APIError(400, str(err), req.structured_param if req else None))
+        rid = responses.new_id(kind)
         if req.stream:
-            return StreamingResponse(_events(req, rid, stream), media_type="text/event-stream",
+            return StreamingResponse(_events(s, req, rid, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _whole(request, req, rid, stream)
+        return await _whole(request, s, req, rid, stream)
     return handler
 
 
-async def _whole(request, req, rid, stream):
+async def _whole(request, s, req, rid, stream):
     """Wait for the whole answer, aborting the request if the client leaves first."""
     async def last():
         out = None
@@ -151,17 +222,18 @@ async def _whole(request, req, rid, stream):
             answer.cancel()
             stream.abort()
     if not answer.done() or answer.cancelled():
-        return PlainTextResponse("", status_code=499)         # nobody is listening
-    try:
-        out = answer.result()
-    except Exception as err:
-        return _error(APIError(500, f"the engine failed: {err}", type="server_error"))
+        return Response(status_code=499)                    # nobody is listening
+    if answer.exception() is not None:
+        return _error(_failure(answer.exception()))
+    out = answer.result()
     if getattr(out, "error", None):
-        return _error(APIError(503, out.error, type="server_error", code="queue_timeout"))
-    texts = [c.text or "" for c in out.outputs]
-    reasons = [c.finish_reason for c in out.outputs]
-    return JSONResponse(protocol.response(req, rid, texts, reasons,
-                                          sum(len(c.token_ids) for c in out.outputs)))
+        return _error(engine_error(out.error))
+    size = sum(len(c.token_ids) for c in out.outputs) + (len(out.prompt_token_ids) if req.echo else 0)
+    if size <= BIG_ANSWER_TOKENS:
+        return _json(responses.response(req, rid, out, s.tokens))
+    data = await asyncio.to_thread(lambda: json.dumps(responses.response(req, rid, out, s.tokens),
+                                                      ensure_ascii=True, separators=(",", ":")))
+    return Response(data, media_type="application/json")
 
 
 async def _disconnected(request) -> None:
@@ -171,61 +243,72 @@ async def _disconnected(request) -> None:
             return
 
 
-def holdback(stop) -> int:
-    """Characters a stream keeps back while a stop string might still be forming."""
-    return max(map(len, stop)) - 1 if stop else 0
-
-
-def _choice_events(req, rid, c, sent: dict, ended: set, keep: int) -> list[str]:
-    """Events for one completion's new state: the role (chat, once), new text, the finish."""
-    if c.index in ended:
-        return []
-    events, done, text = [], c.finish_reason is not None, c.text or ""
-    if c.index not in sent:
-        sent[c.index] = 0
-        if req.kind == "chat":
-            events.append(_sse(protocol.chunk(req, rid, c.index, None, first=True)))
-    upto = len(text) if done else max(sent[c.index], len(text) - keep)
-    if upto > sent[c.index]:
-        events.append(_sse(protocol.chunk(req, rid, c.index, text[sent[c.index]:upto])))
-        sent[c.index] = upto
-    if done:
-        events.append(_sse(protocol.chunk(req, rid, c.index, None, c.finish_reason)))
-        ended.add(c.index)
-    return events
-
-
-async def _events(req, rid, stream):
-    """The SSE body of a streamed request; aborts the request if the client leaves."""
-    keep = holdback(req.params.stop)
-    sent, ended, out = {}, set(), None
+async def _events(s, req, rid, stream):
+    """The SSE body of a streamed request: chunks, then an error event or the usage chunk, then
+    [DONE] always (also when the engine fails or the server shuts down mid-stream); aborts the
+    request if the client leaves."""
+    writer, out = StreamWriter(req, rid, s.tokens), None
     try:
         try:
             async for out in stream:
                 if getattr(out, "error", None):
-                    break                        # refused (queue timeout): the error event follows
-                for c in out.outputs:
-                    for event in _choice_events(req, rid, c, sent, ended, keep):
-                        yield event
-        except Exception as err:
-            yield _sse(APIError(500, f"the engine failed: {err}", type="server_error").body())
+                    break                        # refused or failed: the error event follows
+                for event in writer.events(out):
+                    yield event
+        except Exception as err:                 # ShuttingDown, or the engine loop failed
+            yield sse(_failure(err).body())
         else:
             if getattr(out, "error", None):
-                yield _sse(APIError(503, out.error, type="server_error", code="queue_timeout").body())
+                yield sse(engine_error(out.error).body())
             elif req.include_usage and out is not None:
-                yield _sse(protocol.usage_chunk(req, rid, sum(len(c.token_ids) for c in out.outputs)))
-        yield "data: [DONE]\n\n"
+                yield sse(responses.usage_chunk(req, rid, sum(len(c.token_ids) for c in out.outputs)))
+        yield DONE
     finally:
         stream.abort()                         # a no-op once finished; frees blocks if not
 
 
 async def _http_error(request, exc: HTTPException):
-    return _error(APIError(exc.status_code, exc.detail or "error", type="invalid_request_error"))
+    return _error(APIError(exc.status_code, exc.detail or "error", type="invalid_request_error"),
+                  getattr(exc, "headers", None))
+
+
+class CatchAll:
+    """Outermost ASGI middleware: a server bug becomes an OpenAI 500 with `Connection: close`
+    (logged once), and a client that left mid-body is no error at all."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            return
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise                               # too late for a status: uvicorn closes
+            body = json.dumps(APIError(500, "internal server error", type="server_error",
+                                       code="internal_error").body()).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, max_pending: int = 256,
-              max_body_bytes: int = 4 * 2**20) -> Starlette:
-    """The ASGI app over an LLMEngine that has a tokenizer (`LLM(...).llm_engine`)."""
+              max_body_bytes: int = 4 * 2**20, allowed_origins=None) -> Starlette:
+    """The ASGI app over an LLMEngine that has a tokenizer (`LLM(...).llm_engine`).
+    `allowed_origins`: origins a browser may call from (CORS); None or [] keeps CORS off."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer (chat templates, text)")
     server = Server(engine, model_name, api_key, max_pending, max_body_bytes)
@@ -235,11 +318,16 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_pending: 
         await server.loop.start()
         yield
         await server.loop.stop()
+        server.parser.shutdown(wait=False, cancel_futures=True)
 
+    middleware = [Middleware(CatchAll)]
+    if allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                                     allow_methods=["*"], allow_headers=["*"]))
     app = Starlette(routes=[
         Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
         Route("/v1/completions", _endpoint("completion"), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint("chat"), methods=["POST"])],
-        exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+        exception_handlers={HTTPException: _http_error}, middleware=middleware, lifespan=lifespan)
     app.state.server = server
     return app

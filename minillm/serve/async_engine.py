@@ -12,7 +12,10 @@ step's chunks (`_drain`) before it starts the next step, so their Python code do
 with the step's for the interpreter (on a 2-core CPU that saved a few ms per step).
 
 A request counts as pending from `submit` until it finishes; at `max_pending` pending requests a
-new one gets `QueueFull` (the app answers 503) instead of waiting without bound. A handler whose
+new one gets `QueueFull` (the app answers 503) instead of waiting without bound. `num_queued`
+counts those submitted but not yet handed to the engine (the waiting gauge adds them to the
+scheduler's waiting queue). At shutdown, `end_streams` ends every request still in flight with
+`ShuttingDown`, so each stream can close with an error event and [DONE] instead of being cut. A handler whose
 client went away calls `abort`, and the loop frees the request's blocks before its next step.
 If a step raises (it should not: requests are checked on the way in), every request in flight
 ends with that error and the loop goes on serving new ones.
@@ -31,6 +34,10 @@ log = logging.getLogger("minillm.serve")
 
 class QueueFull(Exception):
     """Too many requests pending: the server is overloaded."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: requests still in flight end with this."""
 
 
 class RequestStream:
@@ -70,6 +77,8 @@ class AsyncEngine:
         self._commands: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
         self._tokens: dict[str, int] = {}          # tokens counted so far, per request
+        self.num_queued = 0                        # submitted, not yet added to the engine
+        self.closing = False
 
     @property
     def num_pending(self) -> int:
@@ -88,11 +97,26 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         for rid in list(self._streams):
-            self._finish_with(rid, RuntimeError("the server is shutting down"))
+            self._finish_with(rid, ShuttingDown("the server is shutting down"))
             self._abort_in_engine(rid)
+
+    def end_streams(self, message: str = "the server is shutting down") -> int:
+        """End every request in flight with ShuttingDown (their handlers answer or close their
+        streams with it) and refuse new ones; the loop aborts them in the engine between steps.
+        Returns how many it ended."""
+        self.closing = True
+        rids = list(self._streams)
+        for rid in rids:
+            self._finish_with(rid, ShuttingDown(message))
+            self._commands.put_nowait(("abort", rid, None, None))
+            if self.metrics is not None:
+                self.metrics.aborted()
+        return len(rids)
 
     async def submit(self, prompt_token_ids, params, priority: int = 0, arrival_time=None) -> RequestStream:
         """Queue a request; raises QueueFull, or the engine's ValueError/TypeError for bad input."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
         if self.num_pending >= self.max_pending:
             raise QueueFull(f"{self.num_pending} requests are pending (max {self.max_pending})")
         rid = f"{self._prefix}-{next(self._ids)}"
@@ -100,6 +124,7 @@ class AsyncEngine:
         self._streams[rid] = stream
         added = asyncio.get_running_loop().create_future()
         arrival = time.perf_counter() if arrival_time is None else arrival_time
+        self.num_queued += 1
         await self._commands.put(("add", rid, (prompt_token_ids, params, priority, arrival), added))
         try:
             await added
@@ -146,10 +171,11 @@ class AsyncEngine:
         kind, rid, args, fut = command
         if kind == "abort":
             if self._streams.pop(rid, None) is not None and self.metrics is not None:
-                self.metrics.add("request_aborted_total")
+                self.metrics.aborted()
             self._tokens.pop(rid, None)
             self._abort_in_engine(rid)
             return
+        self.num_queued -= 1
         if fut.cancelled():                       # the handler went away before its turn
             self._streams.pop(rid, None)
             return
@@ -160,7 +186,7 @@ class AsyncEngine:
             fut.set_exception(err)
             return
         if self.metrics is not None:
-            self.metrics.add("prompt_tokens_total", len(ids))
+            self.metrics.prompt_tokens(len(ids))
         self._tokens[rid] = 0
         fut.set_result(rid)
 
@@ -174,7 +200,7 @@ class AsyncEngine:
         rid = out.request_id
         if self.metrics is not None and rid in self._tokens:
             total = sum(len(c.token_ids) for c in out.outputs)
-            self.metrics.add("generation_tokens_total", total - self._tokens[rid])
+            self.metrics.generation_tokens(total - self._tokens[rid])
             self._tokens[rid] = total
         stream = self._streams.get(rid)
         if out.finished:

@@ -8,13 +8,16 @@ Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, .
 `--num-gpu-blocks-override` is num_blocks; `--load-format dummy` serves SmolLM2-135M's shape with
 random weights (a GPU run without the model file; say so in any number it produces). The server
 binds 127.0.0.1 unless `--host` says otherwise, and it binds its port before it loads anything:
-a port in use is one line on stderr and exit status 1, at once. Loading goes through the front
+a port in use is one line on stderr and exit status 1, at once. CORS is off unless
+`--allowed-origins` lists the origins a browser page may call the server from (vLLM's flag: a
+JSON list, or here also comma-separated). Loading goes through the front
 door (`LLM`), so the CPU matmul routes are this machine's tuned table, or a quick probe while it
 has none (its one line appears here; `python -m minillm.kernels` tunes).
 
 Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
 """
 import argparse
+import json
 import logging
 import os
 import socket
@@ -32,6 +35,19 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--num-speculative-tokens": ("num_speculative_tokens", int),
     "--attention-backend": ("attention_backend", str),     # "auto", "paged" or "flash_decoding"
 }
+
+
+def origins(value: str) -> list[str]:
+    """--allowed-origins: '["http://a", "http://b"]' (vLLM's JSON) or 'http://a,http://b'."""
+    if value.lstrip().startswith("["):
+        try:
+            out = json.loads(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {err}") from None
+        if not isinstance(out, list) or not all(isinstance(o, str) and o for o in out):
+            raise argparse.ArgumentTypeError("a JSON list of origin strings")
+        return out
+    return [o.strip() for o in value.split(",") if o.strip()]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="requests waiting or running before new ones get 503")
+    p.add_argument("--allowed-origins", type=origins, default=None,
+                   help="origins allowed by CORS, e.g. '[\"http://localhost:3000\"]' (default: CORS off)")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     p.add_argument("--log-level", default="info")
     for flag, (_, typ) in ENGINE_FLAGS.items():
@@ -124,7 +142,8 @@ def main(argv=None) -> None:
         sock.close()
         parser().error(str(err))
     name = args.served_model_name or args.model
-    app = build_app(llm.llm_engine, name, args.api_key, args.max_pending_requests)
+    app = build_app(llm.llm_engine, name, args.api_key, args.max_pending_requests,
+                    allowed_origins=args.allowed_origins)
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
     serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)

@@ -1,92 +1,140 @@
-"""`GET /metrics`: the server's state and latencies in Prometheus' text format, written by hand.
+"""`GET /metrics`: the server's state and latencies in Prometheus' text format, by
+`prometheus_client` (what vLLM uses), in a registry of this server's own (several servers may
+run in one process, in a notebook or a test, and must not count into each other).
 
-The names follow vLLM's (`vllm:num_requests_running` is `minillm:num_requests_running` here), so
-a dashboard built for one reads the other. Gauges are read from the engine when scraped; counters
-and histograms are updated by the engine loop as requests advance and finish.
+The names are vLLM's with `minillm:` for `vllm:`, so a dashboard built for one reads the other:
 
-A histogram is cumulative buckets `le="..."` (requests at or under each bound), `+Inf`, `_sum`
-and `_count`: Prometheus computes percentiles from these (`histogram_quantile`), which is why the
-bounds matter: a p99 can only be resolved to the bucket it falls in.
+    gauges      num_requests_running, num_requests_waiting (queued, not yet running: vLLM's
+                meaning), num_requests_swapped, kv_cache_usage_perc, and minillm's
+                kv_cache_blocks_in_use / kv_cache_blocks_total
+    counters    prompt_tokens_total, generation_tokens_total, request_success_total
+                {finished_reason}, num_preemptions_total, prefix_cache_queries_total,
+                prefix_cache_hits_total, and minillm's request_aborted_total (client gone,
+                error, queue timeout) and request_rejected_total (503 at a full queue)
+    histograms  time_to_first_token_seconds, inter_token_latency_seconds (every gap between
+                two tokens), time_per_output_token_seconds and
+                request_time_per_output_token_seconds (per request), e2e_request_latency_seconds,
+                request_queue_time_seconds, request_inference_time_seconds,
+                request_prefill_time_seconds, request_decode_time_seconds,
+                request_prompt_tokens, request_generation_tokens
 
-Left out on purpose: labels beyond the model name, summaries, the client library's registry
-(one process may run several servers, in a notebook for example).
+Gauges are read from the engine when scraped; counters and histograms are written by the
+engine loop as requests advance and finish. A histogram is cumulative buckets `le="..."`, `_sum`
+and `_count`, from which Prometheus computes percentiles (`histogram_quantile`): a p99 resolves
+only to its bucket, so the bounds run from a millisecond (one decode step of a small model on a
+GPU) to ten minutes (a long prompt behind a queue on a 2-core CPU).
+
+Left out on purpose: labels beyond the model name and finish reason, speculative-decoding and
+LoRA metrics, multiprocess mode.
 """
-import bisect
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
-class Histogram:
-    def __init__(self, name: str, help: str, buckets=LATENCY_BUCKETS):
-        self.name, self.help, self.buckets = name, help, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)        # the last one is +Inf
-        self.sum, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, labels: str) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, c in zip(self.buckets + (float("inf"),), self.counts):
-            running += c
-            le = "+Inf" if bound == float("inf") else repr(float(bound))
-            lines.append(f'{self.name}_bucket{{{labels},le="{le}"}} {running}')
-        lines += [f"{self.name}_sum{{{labels}}} {self.sum!r}", f"{self.name}_count{{{labels}}} {self.count}"]
-        return lines
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                   0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+                   640.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class ServerMetrics:
-    """Counters and histograms of one server; `render(engine)` adds the gauges read now."""
+    """One server's metrics; the engine loop calls the update methods, `/metrics` calls render."""
 
-    COUNTERS = {"prompt_tokens_total": "Prompt tokens of finished and running requests.",
-                "generation_tokens_total": "Tokens generated.",
-                "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
-                "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
-                "request_success_total": "Requests finished (stop or length).",
-                "request_aborted_total": "Requests aborted (client gone, error or queue timeout).",
-                "request_rejected_total": "Requests refused because the waiting queue was full."}
+    def __init__(self, model_name: str, engine, loop=None):
+        self.engine, self.loop, self.model_name = engine, loop, model_name
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        m = ["model_name"]
 
-    def __init__(self, model_name: str):
-        self.labels = f'model_name="{model_name}"'
-        self.counters = dict.fromkeys(self.COUNTERS, 0)
-        self.ttft = Histogram("minillm:time_to_first_token_seconds", "Time to first token.")
-        self.tpot = Histogram("minillm:time_per_output_token_seconds", "Time per output token after the first.")
-        self.e2e = Histogram("minillm:e2e_request_latency_seconds", "Arrival to last token.")
+        def gauge(name, help):
+            return Gauge(f"minillm:{name}", help, m, registry=reg).labels(model_name)
 
-    def add(self, name: str, value: int = 1) -> None:
-        self.counters[name] += value
+        def counter(name, help, labels=()):
+            c = Counter(f"minillm:{name}", help, m + list(labels), registry=reg)
+            return c if labels else c.labels(model_name)
+
+        def hist(name, help, buckets=LATENCY_BUCKETS):
+            return Histogram(f"minillm:{name}", help, m, buckets=buckets, registry=reg).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be admitted (not running).")
+        self.swapped = gauge("num_requests_swapped", "Sequences swapped out to CPU memory.")
+        self.usage = gauge("kv_cache_usage_perc", "Fraction of the KV-cache blocks in use (0 to 1).")
+        self.blocks_used = gauge("kv_cache_blocks_in_use", "KV-cache blocks held by sequences.")
+        self.blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.")
+        self.prompt = counter("prompt_tokens", "Prompt tokens of requests admitted.")
+        self.generation = counter("generation_tokens", "Tokens generated.")
+        self.success = counter("request_success", "Requests finished, by finish reason.",
+                               ["finished_reason"])
+        self.preemptions = counter("num_preemptions", "Preemptions of finished requests.")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.aborted_ = counter("request_aborted", "Requests aborted (client gone, error or queue timeout).")
+        self.rejected_ = counter("request_rejected", "Requests refused because the queue was full.")
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between two consecutive tokens.")
+        self.tpot = hist("time_per_output_token_seconds", "Per request: time per output token after the first.")
+        self.req_tpot = hist("request_time_per_output_token_seconds", "Per request: time per output token after the first.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue = hist("request_queue_time_seconds", "Arrival to the first step that ran it.")
+        self.inference = hist("request_inference_time_seconds", "First step that ran it to last token.")
+        self.prefill = hist("request_prefill_time_seconds", "First step that ran it to first token.")
+        self.decode = hist("request_decode_time_seconds", "First token to last token.")
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.output_len = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+
+    # ---- written by the engine loop -----------------------------------------------------------
+    def prompt_tokens(self, n: int) -> None:
+        self.prompt.inc(n)
+
+    def generation_tokens(self, n: int) -> None:
+        if n > 0:
+            self.generation.inc(n)
+
+    def aborted(self) -> None:
+        self.aborted_.inc()
+
+    def rejected(self) -> None:
+        self.rejected_.inc()
 
     def finished(self, out) -> None:
-        """A request is done: its latencies and the prefix-cache counts of its prompt."""
+        """A request is done: its latencies, outcome and prefix-cache counts."""
         m = out.metrics
-        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
+        reasons = [c.finish_reason for c in out.outputs]
+        if all(r in ("stop", "length") for r in reasons):
+            self.success.labels(self.model_name, reasons[0]).inc()
+        else:
+            self.aborted_.inc()
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.req_tpot, m.tpot),
+                            (self.e2e, m.e2e), (self.queue, m.queue_time)):
             if value is not None:
                 hist.observe(value)
-        self.add("prefix_cache_queries_total", len(out.prompt_token_ids))
-        self.add("prefix_cache_hits_total", m.num_cached_tokens)
-        ok = all(c.finish_reason in ("stop", "length") for c in out.outputs)
-        self.add("request_success_total" if ok else "request_aborted_total")
+        first, start, end = m.first_token_time, m.first_scheduled_time, m.finish_time
+        for hist, a, b in ((self.inference, start, end), (self.prefill, start, first),
+                           (self.decode, first, end)):
+            if a is not None and b is not None:
+                hist.observe(max(0.0, b - a))
+        for a, b in zip(m.token_times, m.token_times[1:]):
+            self.itl.observe(max(0.0, b - a))
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.output_len.observe(sum(len(c.token_ids) for c in out.outputs))
+        self.cache_queries.inc(len(out.prompt_token_ids))
+        self.cache_hits.inc(m.num_cached_tokens)
+        self.preemptions.inc(m.num_preemptions)
 
-    def render(self, engine, num_pending: int = 0) -> str:
-        s, bm = engine.scheduler, engine.block_manager
+    # ---- read -----------------------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """(the text, its content type), the gauges read from the engine now."""
+        s, bm = self.engine.scheduler, self.engine.block_manager
         used = bm.num_blocks - bm.num_free_blocks
-        gauges = {"num_requests_running": (len(s.running), "Sequences in the running batch."),
-                  "num_requests_waiting": (len(s.waiting) + num_pending, "Requests waiting to be admitted."),
-                  "num_requests_swapped": (len(s.swapped), "Sequences swapped out to CPU memory."),
-                  "kv_cache_blocks_in_use": (used, "KV-cache blocks held by sequences."),
-                  "kv_cache_blocks_total": (bm.num_blocks, "KV-cache blocks in the pool."),
-                  "kv_cache_usage_perc": (used / bm.num_blocks, "Fraction of the KV-cache blocks in use.")}
-        lines = []
-        for name, (value, help) in gauges.items():
-            lines += [f"# HELP minillm:{name} {help}", f"# TYPE minillm:{name} gauge",
-                      f"minillm:{name}{{{self.labels}}} {value}"]
-        for name, help in self.COUNTERS.items():
-            lines += [f"# HELP minillm:{name} {help}", f"# TYPE minillm:{name} counter",
-                      f"minillm:{name}{{{self.labels}}} {self.counters[name]}"]
-        for hist in (self.ttft, self.tpot, self.e2e):
-            lines += hist.render(self.labels)
-        return "\n".join(lines) + "\n"
+        queued = self.loop.num_queued if self.loop is not None else 0
+        self.running.set(len(s.running))
+        self.waiting.set(len(s.waiting) + queued)
+        self.swapped.set(len(s.swapped))
+        self.blocks_used.set(used)
+        self.blocks_total.set(bm.num_blocks)
+        self.usage.set(used / bm.num_blocks)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str, **labels) -> float:
+        """One sample's value, e.g. value("request_aborted_total") (0.0 when never written)."""
+        v = self.registry.get_sample_value(f"minillm:{name}", {"model_name": self.model_name, **labels})
+        return 0.0 if v is None else v

@@ -1,25 +1,31 @@
-"""The OpenAI protocol, both ways: a request body checked and turned into engine inputs, and the
-engine's outputs turned into OpenAI's response and stream-chunk shapes.
+"""The OpenAI protocol, requests side: a body checked and turned into engine inputs. The
+response and stream-chunk shapes are in responses.py; the fields past the basics in fields.py.
 
 A body becomes a `GenRequest` (prompt token ids, one `SamplingParams`, stream flags, priority)
 or an `APIError`, which the app answers as a 4xx with OpenAI's error object
 {"error": {"message", "type", "param", "code"}}. Everything is checked here, before the engine
-sees it, so a bad request costs its sender a 400 and nobody else anything.
+sees it, so a bad request costs its sender a 400 and nobody else anything. The app runs
+`parse_request` in one worker thread (tokenizing a 4 MiB prompt takes seconds), and a prompt
+whose characters could not fit the context even at the tokenizer's longest token
+(`max_token_chars` characters a token) is refused before it is tokenized at all.
 
-Fields read: `model`, `messages` (chat) or `prompt` (completions: a str, or one list of token
-ids), `max_tokens` (or `max_completion_tokens`), `temperature` (OpenAI's default 1.0), `top_p`,
-`seed`, `n`, `stop`, `stream`, `stream_options.include_usage`, and vLLM's extras `top_k`,
-`ignore_eos` and `priority`. Other fields (user, penalties at 0, ...) are ignored, as vLLM does.
+Fields read: `model`, `messages` (chat; at most `context` of them, each costs a token) or
+`prompt` (completions: a str, or one list of token ids), `max_tokens` (or
+`max_completion_tokens`), `temperature` (OpenAI's default 1.0; (0, 0.01) is clamped to 0.01 as
+vLLM does), `top_p`, `seed`, `n`, `stop`, `stream`, `stream_options.include_usage`, vLLM's
+extras `top_k`, `ignore_eos` and `priority`, and every field fields.py maps (logprobs, echo,
+penalties, logit_bias, best_of, structured output) or refuses (suffix, tools, ...).
 
-Left out on purpose: logprobs, tools and function calls, `echo`, `best_of`, batches of prompts in
-one completions request, images.
+Left out on purpose: tool calls (this model's chat template has none), batches of prompts in one
+completions request, images and audio, the developer and tool roles.
 """
 import math
-import secrets
-import time
 from dataclasses import dataclass
 
 from minillm.engine.sequence import SamplingParams
+from minillm.model.chat import encode_chat
+from minillm.serve import fields
+from minillm.serve.fields import FieldError
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4                        # OpenAI allows up to 4 stop sequences
@@ -47,6 +53,9 @@ class GenRequest:
     stream: bool
     include_usage: bool
     priority: int
+    echo: str | None = None         # completions' echo: the prompt's text, put before each answer
+    show_prompt_logprobs: bool = False   # vLLM's `prompt_logprobs` field: a top-level list
+    structured_param: str | None = None  # the field that asked for structured output
 
 
 def _get(body: dict, name: str, types, default=None, allow_none: bool = True):
@@ -67,11 +76,33 @@ def _names(types) -> str:
                         list: "array", dict: "object"}[t] for t in types)
 
 
-def _messages(body: dict) -> list[dict]:
+def _text(s: str, param: str) -> str:
+    """`s` if it is valid Unicode text (JSON may carry a lone surrogate, which UTF-8 cannot)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{param}' holds a lone UTF-16 surrogate, which is not text",
+                       param) from None
+    return s
+
+
+def _too_long(chars: int, context: int, max_token_chars: int | None, param: str) -> None:
+    """Refuse, before tokenizing, a text that could not fit even if every token were as long as
+    the tokenizer's longest one."""
+    if max_token_chars and chars > context * max_token_chars:
+        raise APIError(400, f"the prompt has {chars} characters; this model's context is {context} "
+                            f"tokens of at most {max_token_chars} characters each",
+                       param, code="context_length_exceeded")
+
+
+def _messages(body: dict, context: int, max_token_chars: int | None) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "'messages' must be a non-empty array of {role, content} objects", "messages")
-    out = []
+    if len(msgs) > context:                      # each message costs at least one token
+        raise APIError(400, f"{len(msgs)} messages cannot fit this model's context of {context} "
+                            f"tokens", "messages", code="context_length_exceeded")
+    out, chars = [], 0
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {list(ROLES)}", f"messages[{i}].role")
@@ -84,25 +115,29 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        chars += len(content)
+        out.append({"role": m["role"], "content": _text(content, f"messages[{i}].content")})
+    _too_long(chars, context, max_token_chars, "messages")
     return out
 
 
-def _prompt_ids(body: dict, kind: str, tokenizer, vocab_size: int) -> list[int]:
-    from minillm.model.chat import encode_chat
+def _prompt(body: dict, kind: str, tokenizer, vocab_size: int, context: int,
+            max_token_chars: int | None) -> tuple[list[int], str | None]:
+    """(prompt token ids, the prompt string when one was given)."""
     if kind == "chat":
-        return encode_chat(tokenizer, _messages(body))
+        return encode_chat(tokenizer, _messages(body, context, max_token_chars)), None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                       # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "'prompt' must not be empty", "prompt")
-        return tokenizer.encode(prompt)
+        _too_long(len(prompt), context, max_token_chars, "prompt")
+        return tokenizer.encode(_text(prompt, "prompt")), prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         if not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
-        return list(prompt)
+        return list(prompt), None
     raise APIError(400, "'prompt' must be a non-empty string or one array of token ids "
                         "(one prompt per request here)", "prompt")
 
@@ -143,7 +178,7 @@ def _max_tokens(body: dict, prompt_len: int, context: int, pool_tokens: int) -> 
 
 
 def parse_request(body, kind: str, served_model: str, tokenizer, context: int, vocab_size: int,
-                  pool_tokens: int, max_n: int) -> GenRequest:
+                  pool_tokens: int, max_n: int, max_token_chars: int | None = None) -> GenRequest:
     """A JSON body (already decoded) -> GenRequest, or APIError naming the bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -151,9 +186,17 @@ def parse_request(body, kind: str, served_model: str, tokenizer, context: int, v
     if model is None:
         raise APIError(400, "'model' is required", "model")
     if model != served_model:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+        raise APIError(404, f"the model {ascii(model)} does not exist; this server serves "
                             f"'{served_model}'", "model", code="model_not_found")
-    ids = _prompt_ids(body, kind, tokenizer, vocab_size)
+    try:
+        return _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n,
+                      max_token_chars)
+    except FieldError as err:
+        raise APIError(400, err.message, err.param) from None
+
+
+def _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n, max_token_chars):
+    fields.refuse_unimplemented(body, kind)
     n = _get(body, "n", (int,), 1)
     if not 1 <= n <= max_n:
         raise APIError(400, f"'n' must be in [1, {max_n}] (max_num_seqs), got {n}", "n")
@@ -161,62 +204,27 @@ def parse_request(body, kind: str, served_model: str, tokenizer, context: int, v
     top_k = _get(body, "top_k", (int,), -1)
     if top_k == 0 or top_k < -1:
         raise APIError(400, f"'top_k' must be -1 (off) or >= 1, got {top_k}", "top_k")
+    stream = _get(body, "stream", (bool,), False)
     opts = _get(body, "stream_options", (dict,), {}) or {}
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    stop, ignore_eos = _stop(body), _get(body, "ignore_eos", (bool,), False)
+    priority = _get(body, "priority", (int,), 0)
+    extras = {**fields.penalties(body, vocab_size), **fields.logprobs(body, kind),
+              "best_of": fields.best_of(body, n, max_n, stream)}
+    structured, structured_param = fields.structured_outputs(body)
+    min_tokens = fields.min_tokens(body)
+    ids, text = _prompt(body, kind, tokenizer, vocab_size, context, max_token_chars)
+    max_tokens = _max_tokens(body, len(ids), context, pool_tokens)
+    if min_tokens > max_tokens:
+        raise APIError(400, f"'min_tokens' must be <= max_tokens ({max_tokens}), got {min_tokens}",
+                       "min_tokens")
     params = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k,
-        max_tokens=_max_tokens(body, len(ids), context, pool_tokens), seed=seed, n=n,
-        stop=_stop(body), ignore_eos=_get(body, "ignore_eos", (bool,), False))
-    return GenRequest(kind, model, ids, params, _get(body, "stream", (bool,), False),
-                      bool(opts.get("include_usage", False)), _get(body, "priority", (int,), 0))
-
-
-# ---- responses ---------------------------------------------------------------------------------
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _object(kind: str, chunk: bool) -> str:
-    if kind == "chat":
-        return "chat.completion.chunk" if chunk else "chat.completion"
-    return "text_completion"
-
-
-def response(req: GenRequest, rid: str, texts: list[str], reasons: list[str | None],
-             num_tokens: int) -> dict:
-    """The whole (non-streamed) answer."""
-    if req.kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
-    else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-    return {"id": rid, "object": _object(req.kind, False), "created": int(time.time()),
-            "model": req.model, "choices": choices,
-            "usage": usage(len(req.prompt_token_ids), num_tokens)}
-
-
-def chunk(req: GenRequest, rid: str, index: int, text: str | None, finish_reason=None,
-          first: bool = False) -> dict:
-    """One streamed event for completion `index`: new text and/or its finish reason."""
-    if req.kind == "chat":
-        delta = {"role": "assistant", "content": text or ""} if first else (
-            {"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    out = {"id": rid, "object": _object(req.kind, True), "created": int(time.time()),
-           "model": req.model, "choices": [choice]}
-    if req.include_usage:
-        out["usage"] = None                       # OpenAI: null on every chunk but the last
-    return out
-
-
-def usage_chunk(req: GenRequest, rid: str, num_tokens: int) -> dict:
-    return {"id": rid, "object": _object(req.kind, True), "created": int(time.time()),
-            "model": req.model, "choices": [], "usage": usage(len(req.prompt_token_ids), num_tokens)}
+        temperature=fields.temperature(temperature), top_p=top_p, top_k=top_k,
+        max_tokens=max_tokens, seed=seed, n=n, stop=stop, ignore_eos=ignore_eos,
+        min_tokens=min_tokens, structured_outputs=structured, **extras)
+    echo = None
+    if kind == "completion" and body.get("echo"):
+        echo = text if text is not None else tokenizer.decode(ids)
+    return GenRequest(kind, model, ids, params, stream, bool(opts.get("include_usage", False)),
+                      priority, echo, body.get("prompt_logprobs") is not None, structured_param)

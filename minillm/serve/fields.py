@@ -1,0 +1,235 @@
+"""Every OpenAI and vLLM request field past the basics: honoured (mapped to `SamplingParams` by
+vLLM's names) or refused with a 400 that names it. A field is never silently ignored when its
+value would change the answer; a value that changes nothing (a penalty of 0, `logprobs: false`,
+`logit_bias: {}`) passes.
+
+    logprobs + top_logprobs (chat), logprobs=k (completions)   -> logprobs=k
+    echo (completions; with logprobs, the prompt's too)        -> prompt_logprobs=k
+    presence_penalty, frequency_penalty, logit_bias, and vLLM's repetition_penalty, min_p,
+    min_tokens, bad_words, stop_token_ids, prompt_logprobs     -> the same names
+    n with best_of (best_of >= n; not streamed when best_of > n, as vLLM)
+    response_format text | json_object | json_schema, vLLM's guided_json / guided_regex /
+    guided_choice / guided_grammar and structured_outputs      -> StructuredOutputsParams
+    temperature in (0, 0.01)                                   -> 0.01 (vLLM's clamp)
+
+Refused: `suffix` (as vLLM), `tools` / `functions` unless tool_choice is "none" (SmolLM2's
+chat template renders no tools, so no tool call could be parsed out of its answer), and the
+fields in `NO_OP` whenever their value is not the one that changes nothing. Metadata that never
+changes an answer (`IGNORED`: user, metadata, store, service_tier, ...) passes, and so does any
+field neither OpenAI nor vLLM defines (vLLM ignores those too).
+
+Left out on purpose: tool calling (no parser for a model without tool support), audio and
+images, beam search, `include_stop_str_in_output`, `allowed_token_ids`, prompt truncation.
+"""
+import json
+
+from minillm.engine.sequence import MAX_LOGPROBS
+from minillm.engine.structured import StructuredOutputsParams
+
+MIN_TEMPERATURE = 0.01     # vLLM's clamp: 0 < temperature < 0.01 overflows logits / T in fp32
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                     "safety_identifier", "request_id", "guided_decoding_backend",
+                     "parallel_tool_calls"})
+
+_NONE = (None,)
+NO_OP = {  # field -> the values that change nothing; any other value is refused
+    "audio": _NONE, "prediction": _NONE, "web_search_options": _NONE, "reasoning_effort": _NONE,
+    "verbosity": _NONE, "truncate_prompt_tokens": _NONE, "chat_template": _NONE,
+    "documents": _NONE, "mm_processor_kwargs": _NONE, "guided_whitespace_pattern": _NONE,
+    "allowed_token_ids": _NONE, "cache_salt": _NONE, "kv_transfer_params": _NONE,
+    "vllm_xargs": _NONE, "modalities": (None, ["text"]),
+    "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False), "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+}
+NO_OP_BY_KIND = {"chat": {"echo": (None, False), "add_special_tokens": (None, False)},
+                 "completion": {"add_special_tokens": (None, True)}}
+STRUCTURED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+              "guided_grammar": "grammar"}
+
+
+class FieldError(Exception):
+    """A field refused: (message, param); protocol.py turns it into a 400."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _same(a, b) -> bool:
+    return a == b and type(a) is type(b) or (a is None and b is None) or (
+        type(a) in (int, float) and type(b) in (int, float) and a == b)
+
+
+def refuse_unimplemented(body: dict, kind: str) -> None:
+    """FieldError for the first field whose value would have an effect this server lacks."""
+    if body.get("suffix") is not None:
+        raise FieldError("'suffix' is not supported (as in vLLM): this model has no "
+                         "fill-in-the-middle mode", "suffix")
+    for name, fine in {**NO_OP, **NO_OP_BY_KIND[kind]}.items():
+        if name in body and not any(_same(body[name], v) for v in fine):
+            raise FieldError(f"'{name}'={body[name]!r} is not supported by this server (it "
+                             f"accepts only {' or '.join(map(repr, fine))})", name)
+    _tools(body)
+
+
+def _tools(body: dict) -> None:
+    """tools / functions pass only when nothing would call them."""
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        given, how = body.get(tools), body.get(choice)
+        if given is not None and not isinstance(given, list):
+            raise FieldError(f"'{tools}' must be an array", tools)
+        if how in (None, "none", "auto") and not given:
+            continue                              # nothing to call
+        if how == "none":
+            continue                              # tools listed, never called: a plain answer
+        how = "absent" if how is None else f"={how!r}" if isinstance(how, str) else "=" + json.dumps(how)
+        raise FieldError(f"'{tools}' with {choice} {how}: this model's chat template has no "
+                         f"tool support, so the server cannot call tools (only {choice}='none' "
+                         f"is accepted)", tools if given else choice)
+
+
+def _int(body: dict, name: str, low: int, high: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is not int or v < low or (high is not None and v > high):
+        want = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise FieldError(f"'{name}' must be an integer {want}, got {v!r}", name)
+    return v
+
+
+def _real(body: dict, name: str, default: float, low: float, high: float, low_open=False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if type(v) not in (int, float) or v != v or v > high or v < low or (low_open and v == low):
+        raise FieldError(f"'{name}' must be a number in {'(' if low_open else '['}{low}, {high}], "
+                         f"got {v!r}", name)
+    return float(v)
+
+
+def logprobs(body: dict, kind: str) -> dict:
+    """{logprobs, prompt_logprobs} for SamplingParams (None = off)."""
+    if kind == "chat":
+        on, top = body.get("logprobs"), _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if on not in (None, True, False):
+            raise FieldError(f"'logprobs' must be a boolean in chat completions, got {on!r}", "logprobs")
+        if not on and top:
+            raise FieldError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        k = (top or 0) if on else None
+        echo_k = None
+    else:
+        k = _int(body, "logprobs", 0, MAX_LOGPROBS)
+        echo = body.get("echo")
+        if echo not in (None, True, False):
+            raise FieldError(f"'echo' must be a boolean, got {echo!r}", "echo")
+        echo_k = k if echo else None
+    asked = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)                  # vLLM's extra
+    prompt_k = max((x for x in (asked, echo_k) if x is not None), default=None)
+    return {"logprobs": k, "prompt_logprobs": prompt_k}
+
+
+def logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """{"123": 5} -> {123: 5.0}; JSON keys are strings of token ids."""
+    raw = body.get("logit_bias")
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, dict):
+        raise FieldError("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    out = {}
+    for key, bias in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise FieldError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got "
+                             f"{ascii(key)}", "logit_bias")
+        if type(bias) not in (int, float) or not -100 <= bias <= 100:
+            raise FieldError(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} "
+                             f"for token {key}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def penalties(body: dict, vocab_size: int) -> dict:
+    """The logits processors' fields, checked (vLLM's ranges)."""
+    out = {"presence_penalty": _real(body, "presence_penalty", 0.0, -2.0, 2.0),
+           "frequency_penalty": _real(body, "frequency_penalty", 0.0, -2.0, 2.0),
+           "repetition_penalty": _real(body, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
+           "min_p": _real(body, "min_p", 0.0, 0.0, 1.0),
+           "logit_bias": logit_bias(body, vocab_size)}
+    words = body.get("bad_words")
+    if words is not None and (not isinstance(words, list)
+                              or not all(isinstance(w, str) and w for w in words)):
+        raise FieldError("'bad_words' must be an array of non-empty strings", "bad_words")
+    out["bad_words"] = words or None
+    ids = body.get("stop_token_ids")
+    if ids is not None and (not isinstance(ids, list)
+                            or not all(type(t) is int and 0 <= t < vocab_size for t in ids)):
+        raise FieldError(f"'stop_token_ids' must be an array of token ids in [0, {vocab_size})",
+                         "stop_token_ids")
+    out["stop_token_ids"] = ids or None
+    return out
+
+
+def best_of(body: dict, n: int, max_n: int, stream: bool) -> int | None:
+    """vLLM's best_of: sample best_of, return the n of highest cumulative logprob."""
+    b = _int(body, "best_of", 1, None)
+    if b is None or b == n:
+        return None                                     # the same as n alone
+    if b < n:
+        raise FieldError(f"'best_of' must be >= n ({n}), got {b}", "best_of")
+    if b > max_n:
+        raise FieldError(f"'best_of' must be <= {max_n} (max_num_seqs), got {b}", "best_of")
+    if stream:
+        raise FieldError("'best_of' > n cannot be streamed: the best completions are known only "
+                         "at the end", "best_of")
+    return b
+
+
+def min_tokens(body: dict) -> int:
+    """vLLM's min_tokens (EOS and stop tokens masked until then); <= max_tokens is checked later."""
+    return _int(body, "min_tokens", 0) or 0
+
+
+def temperature(value: float) -> float:
+    """vLLM clamps 0 < T < 0.01 up to 0.01: logits / 1e-40 is inf in fp32, then NaN."""
+    return MIN_TEMPERATURE if 0.0 < value < MIN_TEMPERATURE else value
+
+
+def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(StructuredOutputsParams or None, the field that asked for it)."""
+    found = []                                          # (param, kwargs)
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise FieldError("'response_format' must be {'type': 'text' | 'json_object' | "
+                             "'json_schema'}", "response_format")
+        if rf["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise FieldError("'response_format.json_schema' must be {'name', 'schema': {...}, "
+                                 "'strict'}", "response_format")
+            found.append(("response_format", {"json": js["schema"]}))
+    for name, key in STRUCTURED.items():
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    so = body.get("structured_outputs")
+    if so is not None:
+        keys = ("json", "regex", "choice", "grammar", "json_object")
+        if not isinstance(so, dict) or not set(so) <= set(keys):
+            raise FieldError(f"'structured_outputs' must be an object with one of {list(keys)}",
+                             "structured_outputs")
+        found.append(("structured_outputs", {k: v for k, v in so.items() if v is not None}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise FieldError(f"only one kind of structured output per request; got "
+                         f"{[p for p, _ in found]}", found[1][0])
+    param, kwargs = found[0]
+    try:
+        return StructuredOutputsParams(**kwargs), param
+    except (TypeError, ValueError) as err:
+        raise FieldError(f"'{param}': {err}", param) from None
