@@ -11,6 +11,7 @@ import pytest
 from minillm import LLM, SamplingParams
 from minillm.model.chat import encode_chat
 from minillm.serve import running
+from serve_tiny import scrape
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -121,7 +122,7 @@ def test_stop_strings_and_n_stream_as_the_whole_answer(srv):
 
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(srv):
     assert _wait_idle(srv)
-    aborted = srv.server.metrics.counters["request_aborted_total"]
+    aborted = srv.server.metrics.value("request_aborted_total")
     body = {"model": MODEL, "messages": _msgs(QUESTIONS[5]), "max_tokens": 400, "stream": True,
             "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
@@ -131,13 +132,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(srv):
                 if i >= 6:
                     break                        # hang up with ~390 tokens still to go
     assert _wait_idle(srv)
-    assert srv.server.metrics.counters["request_aborted_total"] == aborted + 1
+    assert srv.server.metrics.value("request_aborted_total") == aborted + 1
     # and a non-streamed request whose client times out
     with httpx.Client(timeout=0.5) as http:
         with pytest.raises(httpx.TimeoutException):
             http.post(srv.base_url + "/chat/completions", json={**body, "stream": False})
     assert _wait_idle(srv)
-    assert srv.server.metrics.counters["request_aborted_total"] == aborted + 2
+    assert srv.server.metrics.value("request_aborted_total") == aborted + 2
 
 
 BAD = [  # (body or raw bytes, expected status, param or None)
@@ -195,16 +196,17 @@ def test_metrics_count_what_was_served(llm):
         client = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0)
         usages = [client.chat.completions.create(model="m", messages=_msgs(q), max_tokens=5,
                                                  temperature=0).usage for q in QUESTIONS[:3]]
-        text = httpx.get(s.url + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
-    lab = '{model_name="m"}'
-    assert values["minillm:generation_tokens_total" + lab] == sum(u.completion_tokens for u in usages)
-    assert values["minillm:prompt_tokens_total" + lab] == sum(u.prompt_tokens for u in usages)
-    assert values["minillm:request_success_total" + lab] == 3
-    assert values["minillm:time_to_first_token_seconds_count" + lab] == 3
-    assert values['minillm:e2e_request_latency_seconds_bucket{model_name="m",le="+Inf"}'] == 3
-    assert values["minillm:kv_cache_blocks_in_use" + lab] == 0
+        values = scrape(s.url)
+
+    def one(name, **labels):
+        return values[(f"minillm:{name}", frozenset(labels.items()))]
+    assert one("generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert one("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert sum(v for (name, _), v in values.items() if name == "minillm:request_success_total") == 3
+    assert one("time_to_first_token_seconds_count") == 3
+    assert one("e2e_request_latency_seconds_bucket", le="+Inf") == 3
+    assert one("request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert one("kv_cache_blocks_in_use") == 0 and one("num_requests_waiting") == 0
 
 
 def test_api_key_and_a_full_queue(llm):

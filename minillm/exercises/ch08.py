@@ -3,9 +3,9 @@
 08.1 and 08.4 are judged against the formulas on the numbers in their questions (Little's law, a
 gamma distribution's spread), 08.6 against the engine on a tiny model with a simulated clock. The
 code exercises run the reader's function on inputs made when they check: Prometheus' histogram
-quantile (08.2, against a plain implementation here, on histograms filled by
-`serve.metrics.Histogram`), the text of a streamed chat answer (08.3, on event streams written by
-`serve.protocol` with interleaved completions, multi-byte characters and a usage chunk), the load
+quantile (08.2, against a plain implementation here, on histograms filled by prometheus_client
+with the server's buckets), the text of a streamed chat answer (08.3, on event streams written by
+`serve.responses` with interleaved completions, multi-byte characters and a usage chunk), the load
 generator's TPOT (08.5, against `lab.serve_metrics.RequestResult`) and the priority scheduler's
 memory-pressure victim (08.7, against `PriorityScheduler`).
 """
@@ -32,17 +32,20 @@ def bucket_quantile(bounds, cumulative, q: float) -> float:
 
 
 def _histograms(seed: int = 3):
-    from minillm.serve.metrics import Histogram
+    """(bounds, cumulative counts) of histograms filled as the server fills its own: by
+    prometheus_client, with the server's latency buckets."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from minillm.serve.metrics import LATENCY_BUCKETS
     rng = random.Random(seed)
     for n, scale in ((50, 0.1), (400, 1.5), (7, 30.0), (1000, 0.02)):
-        h = Histogram("x", "x")
+        registry = CollectorRegistry()
+        h = Histogram("x", "x", buckets=LATENCY_BUCKETS, registry=registry)
         for _ in range(n):
             h.observe(rng.lognormvariate(0, 1) * scale)
-        cum, running = [], 0
-        for c in h.counts:
-            running += c
-            cum.append(running)
-        yield list(h.buckets) + [float("inf")], cum
+        buckets = [(float(s.labels["le"]), s.value) for s in next(iter(registry.collect())).samples
+                   if s.name == "x_bucket"]
+        yield [b for b, _ in buckets], [int(c) for _, c in buckets]
 
 
 def _test_quantile(candidate) -> None:
@@ -60,7 +63,8 @@ def _test_quantile(candidate) -> None:
 def _stream(texts: list[str], seed: int) -> list[str]:
     """SSE lines of a chat stream of len(texts) completions, pieces interleaved, usage at the end."""
     from minillm.engine.sequence import SamplingParams
-    from minillm.serve.protocol import GenRequest, chunk, usage_chunk
+    from minillm.serve.protocol import GenRequest
+    from minillm.serve.responses import chunk, usage_chunk
     rng = random.Random(seed)
     req = GenRequest("chat", "m", [1, 2, 3], SamplingParams(n=len(texts)), True, True, 0)
     pieces = {}

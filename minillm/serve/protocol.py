@@ -161,18 +161,22 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
 
 
 def _max_tokens(body: dict, prompt_len: int, context: int, pool_tokens: int) -> int:
+    """max_tokens checked against the room the context leaves, and the KV pool: a sequence
+    longer than the whole pool could never finish (it would be preempted forever)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    room = context - prompt_len
+    limit = min(context, pool_tokens)
+    what = f"context {context}" if limit == context else f"KV cache {pool_tokens} tokens"
+    room = limit - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context} "
-                            f"tokens, which leaves no room for a completion", "messages"
-                       if "messages" in body else "prompt", code="context_length_exceeded")
+                            f"tokens (KV cache {pool_tokens}), which leaves no room for a completion",
+                       "messages" if "messages" in body else "prompt", code="context_length_exceeded")
     value = _get(body, name, (int,), None)
     if value is None:                              # vLLM's default: whatever the context leaves
-        return max(1, min(room, pool_tokens - prompt_len))
+        return room
     if value < 1 or value > room:
-        raise APIError(400, f"'{name}' must be in [1, {room}] (context {context} - prompt "
-                            f"{prompt_len} tokens), got {value}", name, code="context_length_exceeded"
+        raise APIError(400, f"'{name}' must be in [1, {room}] ({what} - prompt {prompt_len} "
+                            f"tokens), got {value}", name, code="context_length_exceeded"
                        if value > room else None)
     return value
 
