@@ -258,3 +258,24 @@ def test_without_the_mask_the_answer_is_not_json(real):
     out = generate(model, encode_chat(tok, prompt), 60, stop_token_ids=[tok.eos_token_id])
     with pytest.raises(ValueError):
         json.loads(tok.decode(out, skip_special_tokens=True))
+
+
+def test_token_mask_figure_colors_each_candidate_by_the_mask():
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from minillm.viz import token_mask
+
+    class Chars:                                     # a tokenizer whose id i is chr(97 + i)
+        def decode(self, ids):
+            return "".join(chr(97 + i) for i in ids)
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])     # (T, V)
+    allowed = torch.tensor([[False, True, True, False], [True, False, False, True]])
+    fig = token_mask.plot_token_mask(list(zip(logits, allowed)), [1, 3], Chars(), top_k=3)
+    colors = [to_hex(p.get_facecolor()) for p in fig.axes[0].patches]
+    # row 0: top-3 a (masked), b, c, then the taken b; row 1: d, c (masked), b (masked), taken d
+    expect = [0, 1, 1, 1, 1, 0, 0, 1]
+    assert colors == [token_mask.ALLOWED if e else token_mask.MASKED for e in expect]
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "b\nrank 2" in texts and "2 allowed" in texts
