@@ -18,20 +18,22 @@ take a shape the grammar accepts.
 - `fork()` copies the state for the n completions of one prompt;
 - `done`: the grammar is complete and allows nothing more but the end of the sequence.
 
-Letters: V the model's vocabulary (logits width), Vt the tokenizer's (ids >= Vt are never
-allowed; a model whose V is below Vt simply never sees the ids it cannot produce), K drafts.
+Letters: V the model's vocabulary (logits width), Vt the tokenizer's, K drafts. Ids >= Vt are
+never allowed; a model whose V is below Vt never sees ids it cannot produce (a tiny test model
+may then meet a row with nothing allowed: the grammar wanted a token the model does not have).
 
 Two caches, because both cost time: the tokenizer translated for llguidance (a token trie, about
 half a second for SmolLM2) is kept per tokenizer object, and each compiled grammar is kept as a
 fresh matcher that `start` copies (an LRU of `GRAMMAR_CACHE_SIZE` entries), so a server that
-answers the same schema twice compiles it once.
+answers the same schema twice compiles it once. Compiling runs in the caller's thread (a few ms
+for a small schema, longer for a large one, bounded by llguidance's default parser limits).
 
 `generate_structured` is the reference loop: one sequence, a KV cache, the mask applied to the
 logits before the same `next_token` the plain generator uses. The engine's batched path is
 tested against what a grammar allows, and this loop is what a notebook reads first.
 
 Left out on purpose: llguidance's own batched mask kernel and thread pool (one sequence's mask
-takes about a millisecond here, small beside a CPU forward pass), fast-forward tokens (tokens the
+takes about 0.3 ms here, small beside a CPU forward pass), fast-forward tokens (tokens the
 grammar forces, which could skip forward passes), JSON whitespace options (llguidance's defaults,
 or a schema's own "x-guidance" key), and tool-call grammars.
 """
@@ -85,7 +87,7 @@ class StructuredOutputsParams:
                 raise TypeError(f"choice must be a non-empty list of non-empty str, got {self.choice!r}")
             object.__setattr__(self, "choice", list(self.choice))
 
-    def field(self) -> tuple[str, str]:
+    def kind_and_text(self) -> tuple[str, str]:
         """(the field that is set, its text for llguidance): the cache key of the grammar."""
         if self.json_object:
             return "json_object", '{"type": "object"}'
@@ -118,8 +120,10 @@ def _lltokenizer(tokenizer) -> llguidance.LLTokenizer:
     if not hasattr(tokenizer, "backend_tokenizer"):
         raise TypeError(f"structured output needs a fast Hugging Face tokenizer, got "
                         f"{type(tokenizer).__name__}")
-    import llguidance.hf    # imports transformers, which a caller holding its tokenizer has loaded
-    lltok = llguidance.hf.from_tokenizer(tokenizer)
+    # here, not at the top: it imports transformers (0.7 s), which `import minillm` does not need
+    # and which a caller holding a Hugging Face tokenizer has loaded already
+    from llguidance.hf import from_tokenizer
+    lltok = from_tokenizer(tokenizer)
     with _lock:
         _tokenizers[key] = (tokenizer, lltok)
         while len(_tokenizers) > TOKENIZER_CACHE_SIZE:
@@ -139,7 +143,7 @@ def _grammar_text(name: str, text: str) -> str:
 
 def _compile(params: StructuredOutputsParams, lltok) -> llguidance.LLMatcher:
     """A fresh matcher for these params: copied from the cache, else compiled and cached."""
-    name, text = params.field()
+    name, text = params.kind_and_text()
     key = (id(lltok), name, text)
     with _lock:
         if key in _grammars:
