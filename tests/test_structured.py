@@ -194,9 +194,16 @@ def test_a_schema_compiles_once(tok, monkeypatch):
         grammar_from_json_schema = staticmethod(original.grammar_from_json_schema)
 
     monkeypatch.setattr(structured.llguidance, "LLMatcher", Counting)
-    for given in (schema, json.dumps(schema), schema):   # dict or str: the same grammar
-        GrammarState.start(StructuredOutputsParams(json=given), tok, V).accept(ids(tok, '{"'))
+    states = [GrammarState.start(StructuredOutputsParams(json=given), tok, V)
+              for given in (schema, json.dumps(schema), schema)]   # dict or str: one grammar
     assert len(built) == 1
+    states[1].accept(ids(tok, '{"only_here": 1}'))    # each start is its own copy of the cache's
+    assert states[1].done and not states[0].done and not states[2].done
+    assert torch.equal(states[0].allowed(), states[2].allowed())
+    first = states[2].allowed()
+    states[0].accept(ids(tok, '{"'))                 # the state compiled first, too
+    fresh = GrammarState.start(StructuredOutputsParams(json=schema), tok, V)
+    assert torch.equal(fresh.allowed(), first)
 
 
 # --- the schema suite: the real model decodes under the mask -----------------------------------
