@@ -51,10 +51,15 @@ def ours(real, params, output=None, eos=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("penalty", [1.3, 0.7])
 def test_repetition_penalty_matches_transformers(real, penalty):
-    _, _, prompt, output, logits = real
-    ref = hf.RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]),
-                                                       logits[None].clone())[0]
-    got = ours(real, SamplingParams(repetition_penalty=penalty))
+    """Over prompt + output; the logits shifted so that seen tokens have both signs."""
+    model, tok, prompt, output, logits = real
+    logits = logits - logits[prompt + output].median()
+    seen = torch.tensor(prompt + output)
+    assert (logits[seen] > 0).any() and (logits[seen] < 0).any()
+    ref = hf.RepetitionPenaltyLogitsProcessor(penalty)(seen[None], logits[None].clone())[0]
+    params = SamplingParams(repetition_penalty=penalty)
+    seq = make_seq(params, prompt, output, tok, model.config.vocab_size)
+    got = process_logits(logits[None], seq)[0]
     assert torch.allclose(got, ref, atol=1e-6)
     assert not torch.equal(got, logits)                 # it did something
 
