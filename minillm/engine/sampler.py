@@ -174,17 +174,20 @@ class Sampler:
                     torch.log_softmax(logits[i:i + 1].float(), -1), tokens[i:i + 1], k)
                 out.append(Sampled([tokens[i]], logprobs=lps))
             else:
-                out.append(self._draw_one(r, logits[i:i + 1].float(), k))
+                out.append(self._draw_one(r, logits[i:i + 1], k))
         return out
 
     def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None) -> Sampled:
-        """One draw from a (1, V) row at temperature > 0."""
+        """One token from one processed (1, V) row: the argmax at temperature 0, else a draw."""
         p = r.seq.params
-        gen = self.generator_for(p, r.index, len(r.seq.output_token_ids))
         try:
-            probs = probs_for(logits, p)                                          # (1, V)
-            toks = [int(sample(probs, generator=gen)[0])]
-            return Sampled(toks, logprobs=None if k is None else token_logprobs(probs.log(), toks, k))
+            if p.temperature == 0:
+                toks, logp = [int(logits[0].argmax())], torch.log_softmax(logits.float(), -1)
+            else:
+                gen = self.generator_for(p, r.index, len(r.seq.output_token_ids))
+                probs = probs_for(logits.float(), p)                              # (1, V)
+                toks, logp = [int(sample(probs, generator=gen)[0])], probs.log()
+            return Sampled(toks, logprobs=None if k is None else token_logprobs(logp, toks, k))
         except (ValueError, RuntimeError) as e:
             return Sampled([], error=f"{type(e).__name__}: {e}")
 
@@ -201,13 +204,8 @@ class Sampler:
                 if not all(ok):       # verify only the drafts before a row that allows nothing
                     ids = ids[:ok.index(False) - 1]
                     logits = logits[:len(ids) + 1]
-                if not ids:           # not even the first draft: one draw from row 0
-                    if p.temperature == 0:
-                        tok = [int(logits[0].argmax())]
-                        s = Sampled(tok, logprobs=None if lk is None else token_logprobs(
-                            torch.log_softmax(logits[:1].float(), -1), tok, lk))
-                    else:
-                        s = self._draw_one(r, logits[:1].float(), lk)
+                if not ids:           # not even the first draft: one token from row 0
+                    s = self._draw_one(r, logits[:1], lk)
                     s.num_drafts = k
                     return s
             drafts = torch.tensor([ids], device=logits.device)                       # (1, K)
