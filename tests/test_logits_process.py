@@ -255,3 +255,18 @@ def test_bad_input_names_the_field():
         engine.add_request([1, 2], SamplingParams(n=2, best_of=40))
     assert not engine.requests and engine.num_free_blocks == engine.num_blocks
     engine.add_request([1, 2], SamplingParams(logit_bias={31: 1.0}, max_tokens=2))   # fine
+
+
+@pytest.mark.slow
+def test_min_tokens_holds_stop_strings_back(real):
+    """vLLM's rule: a stop string counts only in text that comes after the first min_tokens
+    tokens. "1, 2, 3, 4," goes on " 5, 6, 7, ...": stop="," ends it at once without min_tokens."""
+    model, tok, *_ = real
+    engine = LLMEngine(model, EngineConfig(num_blocks=64), tokenizer=tok)
+    free, first, held = engine.generate(["1, 2, 3, 4,"] * 3, [
+        SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, stop=[","]),
+        SamplingParams(max_tokens=12, stop=[","], min_tokens=4)])
+    assert free.text.startswith(" 5, 6, 7,")
+    assert first.text == " 5" and first.finish_reason == "stop"
+    # tokens " ", "5", ",", " " are the first 4: their comma stays; the next comma stops it
+    assert held.text == " 5, 6" and held.finish_reason == "stop" and len(held.token_ids) > 4

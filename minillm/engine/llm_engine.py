@@ -342,9 +342,12 @@ class LLMEngine:
             if seq.grammar is not None:
                 seq.grammar.accept([tok])
             if self.tokenizer is not None:          # the text, and whether it reached a stop string
-                if seq.detok is None:
-                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+                if seq.detok is None:               # stop strings wait for min_tokens (vLLM)
+                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids,
+                                            None if seq.params.min_tokens else seq.params.stop)
                 seq.detok.append(tok)
+                if len(seq.output_token_ids) == seq.params.min_tokens and seq.params.stop:
+                    seq.detok.stop = list(seq.params.stop)
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, self.step_count
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))

@@ -7,7 +7,8 @@ Letters: K draft tokens of one sequence, R = K + 1 logits rows, V vocab.
 1. the grammar mask (structured output, `seq.grammar`): tokens it refuses get -inf;
 2. `bad_words`: each word is tokenized with and without a leading space; its last token gets
    -inf when the output already ends with its other tokens (a one-token word: always);
-3. `min_tokens`: EOS and `stop_token_ids` get -inf while fewer than min_tokens tokens are out;
+3. `min_tokens`: EOS and `stop_token_ids` get -inf while fewer than min_tokens tokens are out
+   (and stop strings count only in the text after them: the engine's `_append`);
 4. `logit_bias`: added to the logits of its token ids;
 5. `repetition_penalty` (transformers' and vLLM's rule) over prompt + output: the logit of a token
    seen anywhere there is divided by the penalty when positive, multiplied when negative;
