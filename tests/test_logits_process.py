@@ -270,3 +270,53 @@ def test_min_tokens_holds_stop_strings_back(real):
     assert first.text == " 5" and first.finish_reason == "stop"
     # tokens " ", "5", ",", " " are the first 4: their comma stays; the next comma stops it
     assert held.text == " 5, 6" and held.finish_reason == "stop" and len(held.token_ids) > 4
+
+
+class ToyTextTokenizer:
+    """Enough of a tokenizer for the engine: one letter per token, EOS = 31."""
+
+    eos_token_id = 31
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 32 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_engine_grammar_hook(monkeypatch, spec):
+    """The engine starts a grammar per request, masks every row with it, advances it with the
+    tokens it appends (FakeGrammar.accept fails on a refused token), forks it for n > 1, and
+    stops a sequence when it is done; greedy output is the same with n-gram speculation."""
+    import minillm.engine.args as engine_args
+    V, started = 32, []
+
+    class StartingFake(FakeGrammar):
+        @classmethod
+        def start(cls, params, tokenizer, vocab_size):
+            started.append(params)
+            return cls(vocab_size, length=6)
+
+    monkeypatch.setattr(engine_args, "GrammarState", StartingFake)
+    model = tiny_model(vocab_size=V, seed=0, dtype=torch.float64)
+    cfg = dict(num_speculative_tokens=3, speculative_method="ngram") if spec else {}
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8,
+                                           **cfg), tokenizer=ToyTextTokenizer())
+    so = StructuredOutputsParams(regex="[a-c]+")
+    outs = engine.generate([[1, 2, 3, 1, 2, 3], [4, 5, 6]], [
+        SamplingParams(max_tokens=20, structured_outputs=so, n=2, temperature=1.0, seed=1),
+        SamplingParams(max_tokens=20, structured_outputs=so, frequency_penalty=-1.0)])
+    assert started == [so, so]
+    for out in outs:
+        for c in out.outputs:
+            g = FakeGrammar(V, length=6)
+            g.accept(c.token_ids)                    # every token was allowed after those before it
+            assert len(c.token_ids) == 6 and c.finish_reason == "stop"
+    if spec:
+        assert engine.spec_stats.num_accepted_tokens > 0
+        plain = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8),
+                          tokenizer=ToyTextTokenizer())
+        assert plain.generate([[4, 5, 6]], SamplingParams(
+            max_tokens=20, structured_outputs=so, frequency_penalty=-1.0))[0].token_ids == outs[1].token_ids
+    assert engine.num_free_blocks == engine.num_blocks
