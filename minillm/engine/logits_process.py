@@ -76,7 +76,7 @@ class LogitsProcessors:
                                         "words into token ids")
             words = bad_words_token_ids(params.bad_words, tokenizer, vocab_size)
         procs = cls(params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-                    bias, params.min_tokens, stop_ids, words)
+                    bias, params.min_tokens if stop_ids else 0, stop_ids, words)
         return None if procs == cls() else procs
 
     @property
