@@ -79,3 +79,25 @@ def test_08_7_victim():
     assert exercises.check("08.7", victim)
     assert not exercises.check("08.7", lambda running: max(range(len(running)),
                                                            key=lambda i: running[i]["arrival"]))
+
+
+def test_08_8_perplexity():
+    def perplexity(content):
+        return math.exp(-sum(t["logprob"] for t in content) / len(content))
+    assert exercises.check("08.8", perplexity)
+
+    def with_alternatives(content):                     # averages over the top_logprobs too
+        lps = [a["logprob"] for t in content for a in t["top_logprobs"]]
+        return math.exp(-sum(lps) / len(lps))
+    assert not exercises.check("08.8", with_alternatives)
+    assert not exercises.check("08.8", lambda content: math.exp(-sum(t["logprob"] for t in content)))
+
+
+def test_08_9_logprob_gap_at_temperature():
+    assert exercises.check("08.9", 2.0)
+    assert not exercises.check("08.9", 1.0)             # the gap of the raw logits
+
+
+def test_08_10_choice_renormalized():
+    assert exercises.check("08.10", 2 / 3)
+    assert not exercises.check("08.10", 0.2)            # the unmasked probability

@@ -1,5 +1,5 @@
-"""What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), a batch of
-requests (`batch_requests`), vLLM-style `speculative_config` dicts, and sizing the block pool from
+"""What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), its logits
+processors and grammar (`request_state`), a batch of requests (`batch_requests`), vLLM-style `speculative_config` dicts, and sizing the block pool from
 `gpu_memory_utilization` (chapter 2's planner, with measured numbers).
 
 Pool size, in order: `num_blocks` if given (vLLM's num_gpu_blocks_override); on a CUDA device with
@@ -19,8 +19,10 @@ import warnings
 
 import torch
 
+from minillm.engine.logits_process import LogitsProcessors
+from minillm.engine.structured import GrammarState
 from minillm.paging.paged_cache import PagedKVCache
-from minillm._validate import check_real
+from minillm._validate import ArgumentTypeError, check_real
 
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}   # vLLM's -> ours
@@ -151,6 +153,25 @@ def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block
                          f"{need} KV slots, but the whole pool holds num_blocks={num_blocks}"
                          f" x block_size={block_size} = {pool}")
     return list(prompt)
+
+
+def request_state(params, tokenizer, vocab_size: int, eos_token_id=None,
+                  prefix_caching: bool = False):
+    """A request's prepared logits processors (None if it asks for none) and its grammar state
+    (None without structured output), or ValueError/TypeError naming the field: a logit_bias id
+    outside the vocabulary, bad_words or structured_outputs without a tokenizer, a bad schema, or
+    prompt_logprobs with prefix caching (a cached prompt token is never computed: no logits)."""
+    if params.prompt_logprobs is not None and prefix_caching:
+        raise ValueError("prompt_logprobs needs enable_prefix_caching=False: prompt tokens found "
+                         "in the prefix cache are never computed, so they have no logits")
+    procs = LogitsProcessors.build(params, vocab_size, tokenizer, eos_token_id)
+    grammar = None
+    if params.structured_outputs is not None:
+        if tokenizer is None:
+            raise ArgumentTypeError("structured_outputs needs LLMEngine(..., tokenizer=...): the "
+                                    "grammar is compiled against the tokenizer")
+        grammar = GrammarState.start(params.structured_outputs, tokenizer, vocab_size)
+    return procs, grammar
 
 
 def batch_requests(prompts, params=None, sampling_params=None, priority=None) -> list[tuple]:

@@ -21,6 +21,14 @@ sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (d
 `scheduling_policy="priority"` orders requests by their `priority` and may bound their queue wait
 (priority.py); the bound is checked at the start of each step, on `self.clock`.
 
+Every field of `SamplingParams` is honoured: penalties, logit_bias, min_tokens, bad_words and
+min_p by the sampler (logits_process.py), structured output by a `GrammarState` per sequence
+(structured.py; started here, advanced in `_append`, forked with the completions), logprobs and
+cumulative logprobs per token, prompt logprobs from the runner's prompt rows, and `best_of`
+(best_of sequences sampled, the n best returned; sequence.py). `prompt_logprobs` is refused with
+`enable_prefix_caching=True`: a prompt token found in the cache is never computed, so it has
+no logits (vLLM skips the cache for such a request instead).
+
 Left out on purpose: async serving / streaming over HTTP, multiple devices.
 """
 import json
@@ -31,10 +39,10 @@ from dataclasses import asdict
 from minillm.paging.block_manager import BlockManager
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,
-                                 pool_num_blocks)
+                                 pool_num_blocks, request_state)
 from minillm.engine.config import EngineConfig
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
-from minillm.engine.model_runner import ModelRunner
+from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.sampler import Sampled, SampleRow, Sampler
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
 from minillm.paging.paged_cache import PagedKVCache
@@ -105,22 +113,29 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()                      # again: a frozen dataclass can still be altered
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} completions can never run together with "
-                             f"max_num_seqs={self.config.max_num_seqs}; use n <= max_num_seqs")
+        num_seqs = params.best_of or params.n
+        if num_seqs > self.config.max_num_seqs:
+            name = "best_of" if params.best_of else "n"
+            raise ValueError(f"{name}={num_seqs} completions can never run together with "
+                             f"max_num_seqs={self.config.max_num_seqs}; use {name} <= max_num_seqs")
         ids = self._check_prompt(prompt, params)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs LLMEngine(..., tokenizer=...) to see text; "
                              "use stop_token_ids with token ids")
+        procs, grammar = request_state(params, self.tokenizer, self.model.config.vocab_size,
+                                       self.eos_token_id, self.config.enable_prefix_caching)
         rid = str(self._next_request_id) if request_id is None else str(request_id)
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         self._next_request_id += 1
         now = self.clock() if arrival_time is None else arrival_time
-        seq = Sequence(self._new_seq_id(), rid, ids, params, now, priority=priority)
+        seq = Sequence(self._new_seq_id(), rid, ids, params, now, priority=priority,
+                       procs=procs, grammar=grammar)
         metrics = RequestMetrics(now, arrival_step=self.step_count, priority=priority)
         self.requests[rid] = Request(rid, ids, params, [seq], metrics,
-                                     prompt=prompt if isinstance(prompt, str) else None)
+                                     prompt=prompt if isinstance(prompt, str) else None,
+                                     prompt_logprobs=None if params.prompt_logprobs is None
+                                     else [None] * len(ids))
         self.scheduler.add(seq)
         return rid
 
@@ -150,10 +165,12 @@ class LLMEngine:
             seqs, logits = self.runner.execute(out)
             rows = self._sample_rows(seqs)
             sampled = self.sampler.sample(rows, logits)     # tokens; drafts verified
+            prompt_lps = self.sampler.prompt_logprobs(prompt_rows(out), logits)
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
-        return [self._output(r) for r in timed_out] + self.update_from_output(out, rows, sampled, t0)
+        return [self._output(r) for r in timed_out] + self.update_from_output(out, rows, sampled,
+                                                                              t0, prompt_lps)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
                  sampling_params=None, priority=None) -> list[RequestOutput]:
@@ -205,13 +222,25 @@ class LLMEngine:
         return check_prompt(prompt, params, self.tokenizer, self.model.config,
                             self.num_blocks, self.config.block_size)
 
+    def _decoded(self, entries: list[dict]) -> list[dict]:
+        """Fill each Logprob's decoded_token (with a tokenizer), in place; returns entries."""
+        if self.tokenizer is not None:
+            for entry in entries:
+                for tok, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([tok])
+        return entries
+
     def update_from_output(self, out, rows: list[SampleRow], sampled: list[Sampled],
-                           t0: float) -> list[RequestOutput]:
+                           t0: float, prompt_logprobs=()) -> list[RequestOutput]:
         """The one place a step's results land (vLLM's `Scheduler.update_from_output`): computed
-        counts move, n > 1 requests fork, rejected drafts roll back, tokens are appended,
-        finished sequences stop, and metrics and the trace are written. A row that could not be
-        sampled (say, NaN logits) aborts its own request and nobody else's."""
+        counts move, prompt logprobs are stored, n > 1 requests fork, rejected drafts roll back,
+        tokens (and their logprobs) are appended, finished sequences stop, and metrics and the
+        trace are written. A row that could not be sampled (say, NaN logits) aborts its own
+        request and nobody else's."""
         num_decode, prefill_ids = self._advance(out, t0)
+        for seq, first, entries in prompt_logprobs:     # a recomputed chunk writes the same again
+            self.requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = \
+                self._decoded(entries)
         now = self.clock()
         advanced = {}
         for seq, s in zip(self._fork_rows(rows), sampled):
@@ -221,7 +250,7 @@ class LLMEngine:
             else:
                 if s.num_drafts:
                     self._settle_drafts(seq, s)
-                self._append(seq, s.token_ids, now)
+                self._append(seq, s.token_ids, now, s.logprobs)
             advanced[seq.request_id] = self.requests[seq.request_id]
         for seq in out.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
@@ -268,15 +297,15 @@ class LLMEngine:
 
     def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
         """What the sampler draws, in the order it draws: sequences with K drafts first (K + 1
-        logits rows each), then one row per other sequence. A request with n > 1 whose prompt
-        just finished draws all n first tokens from that row (indices 0..n-1)."""
+        logits rows each), then one row per other sequence. A request with n > 1 (or best_of)
+        whose prompt just finished draws all its first tokens from that row (indices 0..n-1)."""
         drafting, plain, r = [], [], 0
         for seq in seqs:
             if seq.draft_token_ids:
                 drafting.append(SampleRow(seq, seq.index, r))
             else:
                 req = self.requests[seq.request_id]
-                n = req.params.n if not req.forked else 1
+                n = req.num_seqs if not req.forked else 1
                 plain += [SampleRow(seq, i, r) for i in range(seq.index, seq.index + n)]
             r += 1 + len(seq.draft_token_ids)
         return drafting + plain
@@ -299,16 +328,26 @@ class LLMEngine:
         if req.finished:
             req.metrics.finish_time, req.metrics.finish_step = now, self.step_count
 
-    def _append(self, seq: Sequence, toks: list[int], now: float) -> None:
-        """Append sampled tokens up to the first that finishes the sequence."""
+    def _append(self, seq: Sequence, toks: list[int], now: float, logprobs=None) -> None:
+        """Append sampled tokens (their logprobs, their grammar steps) up to the first that
+        finishes the sequence."""
         req = self.requests[seq.request_id]
         m = req.metrics
-        for tok in toks:
+        for i, tok in enumerate(toks):
             seq.output_token_ids.append(tok)
+            if logprobs is not None:
+                seq.cumulative_logprob += logprobs[i][tok].logprob
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(self._decoded([logprobs[i]])[0])
+            if seq.grammar is not None:
+                seq.grammar.accept([tok])
             if self.tokenizer is not None:          # the text, and whether it reached a stop string
-                if seq.detok is None:
-                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+                if seq.detok is None:               # stop strings wait for min_tokens (vLLM)
+                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids,
+                                            None if seq.params.min_tokens else seq.params.stop)
                 seq.detok.append(tok)
+                if len(seq.output_token_ids) == seq.params.min_tokens and seq.params.stop:
+                    seq.detok.stop = list(seq.params.stop)
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, self.step_count
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
@@ -327,10 +366,12 @@ class LLMEngine:
 
     def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
         children = []
-        for i in range(1, req.params.n):
+        for i in range(1, req.num_seqs):
             child = Sequence(self._new_seq_id(), req.request_id, parent.prompt_token_ids,
                              req.params, parent.arrival_time, index=i,
-                             num_computed_tokens=parent.num_computed_tokens, priority=parent.priority)
+                             num_computed_tokens=parent.num_computed_tokens, priority=parent.priority,
+                             procs=parent.procs,
+                             grammar=parent.grammar.fork() if parent.grammar is not None else None)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             children.append(child)

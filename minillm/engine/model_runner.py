@@ -12,9 +12,16 @@ It only runs. Given a `SchedulerOutput` it
 and returns those sequences with their logits. Turning logits into tokens is the sampler's job
 (sampler.py); applying them is the engine's.
 
+A request with `SamplingParams(prompt_logprobs=k)` also needs the logits at every prompt position
+of each of its chunks (position i predicts prompt token i + 1). `prompt_rows` says which; their
+rows come after the sampling rows, in the order of `prompt_rows`, and only such requests pay for
+them. A chunk at most `max_num_batched_tokens` long bounds that memory (rows x V floats).
+
 Letters: M tokens in the flattened batch, K logits rows this step, V vocab.
 Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work.
 """
+from dataclasses import dataclass
+
 import torch
 
 from minillm.paging.block_manager import BlockManager
@@ -22,6 +29,30 @@ from minillm.attention.metadata import long_tensor
 from minillm.paging.paged_cache import PagedKVCache
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sequence import Sequence
+
+
+@dataclass
+class PromptRows:
+    """`count` logits rows that score prompt tokens first..first + count - 1 of `seq`."""
+
+    seq: Sequence
+    first: int
+    count: int
+
+
+def prompt_rows(out: SchedulerOutput) -> list[PromptRows]:
+    """The prompt-logprob rows a step computes, in order: for each scheduled chunk of a request
+    that asks for prompt logprobs and has no output yet, its positions that predict a prompt
+    token (a resumed sequence has them already)."""
+    rows = []
+    for seq, n in out.scheduled:
+        if seq.params.prompt_logprobs is None or seq.output_token_ids:
+            continue
+        start, end = seq.num_computed_tokens, min(seq.num_computed_tokens + n,
+                                                  len(seq.prompt_token_ids) - 1)
+        if start < end:
+            rows.append(PromptRows(seq, start + 1, end - start))
+    return rows
 
 
 class ModelRunner:
@@ -39,10 +70,13 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput):
         """Flatten the batch -> (input_ids (1, M), positions (M,), logits_index (K,), sampling seqs);
-        logits_index is None when every token samples (a step of decodes only)."""
+        logits_index is None when every token samples (a step of decodes only). The sampling
+        rows come first, then the `prompt_rows(out)`."""
         ids, pos, qlens, ctxs, tables, last, sampling = [], [], [], [], [], [], []
+        flat = {}                                 # seq -> index of its chunk's first token in ids
         for seq, n in out.scheduled:
             start, k = seq.num_computed_tokens, len(seq.draft_token_ids)
+            flat[seq.seq_id] = len(ids)
             ids += seq.token_ids_from(start)[:n]
             pos += range(start, start + n)
             qlens.append(n)
@@ -60,7 +94,11 @@ class ModelRunner:
         self.cache.prepare(qlens, ctxs, tables)
         input_ids = long_tensor(ids, self.device)[None]                         # (1, M)
         positions = long_tensor(pos, self.device)                               # (M,)
-        if len(last) == len(ids):                 # every token samples (all decodes): no gather
+        prows = prompt_rows(out)
+        for r in prows:                           # position first - 1 + i predicts token first + i
+            at = flat[r.seq.seq_id] + r.first - 1 - r.seq.num_computed_tokens
+            last += range(at, at + r.count)
+        if not prows and len(last) == len(ids):   # every token samples (all decodes): no gather
             logits_index = None
         else:
             logits_index = long_tensor(last or [len(ids) - 1], self.device)    # (K,)
@@ -69,11 +107,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
         """Move blocks, run the forward pass; return the sequences that sample and their logits
-        (one row each, K + 1 rows for a sequence with K speculative drafts)."""
+        (one row each, K + 1 rows for a sequence with K speculative drafts; then any prompt rows)."""
         self.move_blocks(out)
         if out.is_empty:
             return [], None
         input_ids, positions, logits_index, sampling = self.prepare(out)
         logits = self.model(input_ids, positions=positions, cache=self.cache,
                             logits_index=logits_index)                      # (1, K, V)
-        return sampling, (logits[0] if sampling else None)
+        return sampling, (logits[0] if sampling or prompt_rows(out) else None)

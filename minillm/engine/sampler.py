@@ -4,10 +4,17 @@ Letters: R logits rows this step, K draft tokens of one sequence, V vocab.
 
 After the forward pass every sampling sequence owns one logits row, or K + 1 rows when it
 drafted K tokens (its last token and each draft). `Sampler.sample` reads them, row by row:
+- a request with logits processors or a grammar has its rows processed first
+  (`process_logits`, logits_process.py; row j of a verify as if drafts[:j] were appended);
 - a plain row: the argmax (temperature 0; all such rows in one call) or one draw from
-  `logits_to_probs` (temperature, top-k, top-p);
+  `logits_to_probs` (temperature, top-k, min-p, top-p);
 - K + 1 rows: `greedy_verify` (temperature 0) or `rejection_sample` (the exact rule) keep n
   drafts and one more token.
+A request that asks for logprobs (or uses best_of) gets each token's entry from the distribution
+it was drawn from: log `logits_to_probs` of its row, or for temperature 0 the log-softmax of the
+processed logits. Under speculative decoding that is the target row the token's law is (the
+rejection rule is exact). `prompt_logprobs` reads the runner's prompt rows: the log-softmax of
+the model's logits, unprocessed (as vLLM).
 It only computes: each row gives a `Sampled` record, and `LLMEngine.update_from_output` applies
 them (appends tokens, rolls rejected drafts back, writes metrics). Nothing here changes a
 sequence, a block or a metric.
@@ -19,18 +26,34 @@ verify step that produces token k uses that same generator; the drafter proposin
 uses the rule at k + DRAFT_OFFSET, a stream of its own. Unseeded requests share the engine's
 generator (`EngineConfig.seed`), never the global RNG.
 
-Left out on purpose: logprobs, penalties (repetition, presence, frequency), one batched top-k /
-top-p over rows with different parameters (rows with temperature > 0 are drawn one at a time).
+Left out on purpose: one batched top-k / top-p over rows with different parameters (rows with
+temperature > 0 are drawn one at a time), and batched logits processors (logits_process.py).
 """
 from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.sequence import SamplingParams, Sequence
+from minillm.engine.logits_process import needs_processing, process_logits, token_logprobs
+from minillm.engine.sequence import Logprob, SamplingParams, Sequence
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.spec.rejection import greedy_verify, rejection_sample
 
 DRAFT_OFFSET = 10**6     # the drafter of token k draws from the seed rule at k + DRAFT_OFFSET
+
+
+def logprobs_k(params: SamplingParams) -> int | None:
+    """How many top logprobs a request's tokens need: None (none computed), 0 (the token's own:
+    best_of ranks completions by it) or its `logprobs`."""
+    if params.logprobs is not None:
+        return params.logprobs
+    return 0 if (params.best_of or params.n) > params.n else None
+
+
+def probs_for(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """(..., V) processed logits -> the law a token is drawn from (`logits_to_probs`)."""
+    if p.min_p:
+        return logits_to_probs(logits, p.temperature, p.top_k, p.top_p, min_p=p.min_p)
+    return logits_to_probs(logits, p.temperature, p.top_k, p.top_p)
 
 
 def request_generator_seed(seed: int, index: int, k: int) -> int:
@@ -62,6 +85,7 @@ class Sampled:
     token_ids: list[int]           # 1 token, or 1..K+1 after verifying K drafts; [] on error
     num_drafts: int = 0            # K (0 for a plain row)
     error: str | None = None       # why no token could be drawn (say, non-finite logits)
+    logprobs: list[dict[int, Logprob]] | None = None   # one per token, when the request asks
 
     @property
     def num_accepted(self) -> int:
@@ -108,40 +132,95 @@ class Sampler:
                 out[i] = s
         return out
 
+    def prompt_logprobs(self, prompt_rows, logits: torch.Tensor | None) -> list[tuple]:
+        """The runner's prompt rows (the last rows of logits, `model_runner.prompt_rows`) ->
+        one (seq, first prompt token index, [{id: Logprob}] per token) per record."""
+        total = sum(r.count for r in prompt_rows)
+        if not total:
+            return []
+        logp = torch.log_softmax(logits[len(logits) - total:].float(), dim=-1)  # (sum count, V)
+        out, at = [], 0
+        for r in prompt_rows:
+            toks = r.seq.prompt_token_ids[r.first:r.first + r.count]
+            out.append((r.seq, r.first, token_logprobs(logp[at:at + r.count], toks,
+                                                       r.seq.params.prompt_logprobs)))
+            at += r.count
+        return out
+
     def _draw(self, rows: list[SampleRow], logits: torch.Tensor) -> list[Sampled]:
         """One token per plain row; greedy rows in one argmax."""
         idx = [r.row for r in rows]
         if idx != list(range(len(logits))):      # forks share a row; drafting rows are not ours
             logits = logits[idx]                                                  # (R', V)
+        errors = {}
+        processed = [i for i, r in enumerate(rows) if needs_processing(r.seq)]
+        if processed:
+            logits = logits.clone()              # the runner's logits stay as the model gave them
+            for i in processed:
+                try:
+                    logits[i] = process_logits(logits[i:i + 1], rows[i].seq)[0]
+                    if not torch.isfinite(logits[i]).any():
+                        raise ValueError("the logits processors and the grammar allow no token")
+                except (ValueError, RuntimeError) as e:
+                    errors[i] = f"{type(e).__name__}: {e}"
         tokens = logits.argmax(dim=-1).tolist()                                   # (R',)
         out = []
         for i, r in enumerate(rows):
-            p = r.seq.params
-            if p.temperature == 0:
-                out.append(Sampled([tokens[i]]))
-                continue
-            gen = self.generator_for(p, r.index, len(r.seq.output_token_ids))
-            try:
-                probs = logits_to_probs(logits[i:i + 1].float(), temperature=p.temperature,
-                                        top_k=p.top_k, top_p=p.top_p)            # (1, V)
-                out.append(Sampled([int(sample(probs, generator=gen)[0])]))
-            except (ValueError, RuntimeError) as e:
-                out.append(Sampled([], error=f"{type(e).__name__}: {e}"))
+            p, k = r.seq.params, logprobs_k(r.seq.params)
+            if i in errors:
+                out.append(Sampled([], error=errors[i]))
+            elif p.temperature == 0:
+                lps = None if k is None else token_logprobs(
+                    torch.log_softmax(logits[i:i + 1].float(), -1), tokens[i:i + 1], k)
+                out.append(Sampled([tokens[i]], logprobs=lps))
+            else:
+                out.append(self._draw_one(r, logits[i:i + 1], k))
         return out
+
+    def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None) -> Sampled:
+        """One token from one processed (1, V) row: the argmax at temperature 0, else a draw."""
+        p = r.seq.params
+        try:
+            if p.temperature == 0:
+                toks, logp = [int(logits[0].argmax())], torch.log_softmax(logits.float(), -1)
+            else:
+                gen = self.generator_for(p, r.index, len(r.seq.output_token_ids))
+                probs = probs_for(logits.float(), p)                              # (1, V)
+                toks, logp = [int(sample(probs, generator=gen)[0])], probs.log()
+            return Sampled(toks, logprobs=None if k is None else token_logprobs(logp, toks, k))
+        except (ValueError, RuntimeError) as e:
+            return Sampled([], error=f"{type(e).__name__}: {e}")
 
     def _verify(self, r: SampleRow, logits: torch.Tensor) -> Sampled:
         """logits (K+1, V) at the last token and the K drafts -> the tokens to append (1..K+1)."""
-        seq, k, p = r.seq, r.num_drafts, r.seq.params
+        seq, k, p, lk = r.seq, r.num_drafts, r.seq.params, logprobs_k(r.seq.params)
         try:
-            drafts = torch.tensor([seq.draft_token_ids], device=logits.device)      # (1, K)
+            ids = list(seq.draft_token_ids)
+            if needs_processing(seq):
+                logits = process_logits(logits, seq, ids)       # row j as after drafts[:j]
+                ok = torch.isfinite(logits).any(-1).tolist()    # (K+1,)
+                if not ok[0]:
+                    raise ValueError("the logits processors and the grammar allow no token")
+                if not all(ok):       # verify only the drafts before a row that allows nothing
+                    ids = ids[:ok.index(False) - 1]
+                    logits = logits[:len(ids) + 1]
+                if not ids:           # not even the first draft: one token from row 0
+                    s = self._draw_one(r, logits[:1], lk)
+                    s.num_drafts = k
+                    return s
+            drafts = torch.tensor([ids], device=logits.device)                       # (1, K)
             if p.temperature == 0:
                 toks, acc = greedy_verify(logits[None], drafts)
+                logp = torch.log_softmax(logits.float(), -1) if lk is not None else None
             else:
-                target = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)  # (1, K+1, V)
-                q = seq.draft_probs.to(target.dtype) if seq.draft_probs is not None else None
+                target = probs_for(logits[None], p)                                  # (1, K+1, V)
+                q = seq.draft_probs[:, :len(ids)].to(target.dtype) if seq.draft_probs is not None else None
                 gen = self.generator_for(p, r.index, len(seq.output_token_ids))
                 toks, acc = rejection_sample(target, q, drafts, generator=gen)
+                logp = target[0].log() if lk is not None else None
             n = int(acc[0])
-            return Sampled(toks[0, :n + 1].tolist(), k)
+            tokens = toks[0, :n + 1].tolist()
+            return Sampled(tokens, k, logprobs=None if lk is None else
+                           token_logprobs(logp[:n + 1], tokens, lk))
         except (ValueError, RuntimeError) as e:
             return Sampled([], k, error=f"{type(e).__name__}: {e}")

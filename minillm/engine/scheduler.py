@@ -236,7 +236,7 @@ class Scheduler:
     def _seats(seq: Sequence) -> int:
         """Running slots a sequence takes: a request with n > 1 forks into n sequences after
         its prompt, so until it has sampled its first token it books all n of them."""
-        return seq.params.n if seq.index == 0 and not seq.output_token_ids else 1
+        return (seq.params.best_of or seq.params.n) if seq.index == 0 and not seq.output_token_ids else 1
 
     def _may_admit(self, seq: Sequence) -> bool:
         """Continuous batching: anyone may join at any step (StaticScheduler says otherwise)."""

@@ -12,9 +12,16 @@ token is sampled. Preemption by recompute only resets `num_computed_tokens` to 0
 resumed sequence recomputes prompt + output and then continues where it stopped.
 
 A sequence of an engine with a tokenizer also carries a `Detokenizer` (detokenizer.py): its text,
-grown one token at a time, and the stop-string check.
+grown one token at a time, and the stop-string check. A request that asks for logits processors
+(penalties, logit_bias, min_tokens, bad_words) carries them prepared (`procs`,
+logits_process.py), one with structured output its place in its grammar (`grammar`,
+structured.py), and one that asks for logprobs their record (`logprobs`, `cumulative_logprob`).
 
-Left out on purpose: beam search, logprobs, LoRA.
+`best_of` > n samples best_of sequences and returns the n with the highest cumulative logprob,
+indexed 0..n-1 in that order (vLLM's semantics). Until the request finishes the n shown are the
+best so far, so a stream of such a request can change its mind: a server refuses to stream it.
+
+Left out on purpose: beam search, LoRA.
 """
 import enum
 from dataclasses import dataclass, field
@@ -135,6 +142,10 @@ class Sequence:
     detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
     priority: int = 0                    # lower = served first (scheduling_policy="priority")
     promoted: bool = False               # waited past its class's max_queue_wait (priority.py)
+    procs: object = None                 # LogitsProcessors (logits_process.py), None: none asked
+    grammar: object = None               # GrammarState (structured.py) for structured output
+    logprobs: list = field(default_factory=list)   # one {token id: Logprob} per output token
+    cumulative_logprob: float = 0.0      # sum of the output tokens' logprobs (when computed)
 
     @property
     def num_tokens(self) -> int:
@@ -166,10 +177,12 @@ class Sequence:
 
     def finish_reason_after(self, tok: int, eos_token_id, max_seq_len: int) -> str | None:
         """Why the sequence ends with `tok` just appended: "stop" (a stop string, a stop token,
-        or EOS unless ignored), "length" (max_tokens or the model's context), or None."""
+        EOS unless ignored, or a complete grammar), "length" (max_tokens or the model's
+        context), or None."""
         p = self.params
         if (self.detok is not None and self.detok.stopped) or tok in (p.stop_token_ids or ()) or (
-                not p.ignore_eos and tok == eos_token_id):
+                not p.ignore_eos and tok == eos_token_id) or (
+                self.grammar is not None and self.grammar.done):
             return "stop"
         if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_seq_len:
             return "length"
@@ -299,17 +312,34 @@ class Request:
     metrics: RequestMetrics
     forked: bool = False
     prompt: str | None = None            # the string the prompt ids came from, if any
+    prompt_logprobs: list | None = None  # SamplingParams(prompt_logprobs=k): [None, {id: Logprob}..]
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request samples: best_of when set, else n."""
+        return self.params.best_of or self.params.n
 
     @property
     def finished(self) -> bool:
         done = all(s.is_finished for s in self.seqs)
-        return done and (self.forked or self.params.n == 1 or self.seqs[0].finish_reason == "abort")
+        return done and (self.forked or self.num_seqs == 1 or self.seqs[0].finish_reason == "abort")
 
     def output(self, with_text: bool = False) -> RequestOutput:
-        """A snapshot. `with_text` (the engine has a tokenizer): text is "" before a first token."""
+        """A snapshot. `with_text` (the engine has a tokenizer): text is "" before a first token.
+        With best_of > n: the n best completions by cumulative logprob, best first."""
+        p = self.params
+        best_of = self.num_seqs > p.n
         outs = [CompletionOutput(s.index, list(s.output_token_ids), s.finish_reason,
-                                 s.detok.text if s.detok is not None else ("" if with_text else None))
+                                 s.detok.text if s.detok is not None else ("" if with_text else None),
+                                 list(s.logprobs) if p.logprobs is not None else None,
+                                 s.cumulative_logprob if p.logprobs is not None or best_of else None)
                 for s in sorted(self.seqs, key=lambda s: s.index)]
+        if best_of and self.forked:
+            outs = sorted(outs, key=lambda o: (-o.cumulative_logprob, o.index))[:p.n]
+            for i, o in enumerate(outs):
+                o.index = i
         error = next((s.error for s in self.seqs if s.error), None)
+        prompt_lps = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
-                             self.finished, self.metrics, outs[0].text, self.prompt, error)
+                             self.finished, self.metrics, outs[0].text, self.prompt, error,
+                             prompt_lps)

@@ -7,7 +7,9 @@ quantile (08.2, against a plain implementation here, on histograms filled by pro
 with the server's buckets), the text of a streamed chat answer (08.3, on event streams written by
 `serve.responses` with interleaved completions, multi-byte characters and a usage chunk), the load
 generator's TPOT (08.5, against `lab.serve_metrics.RequestResult`) and the priority scheduler's
-memory-pressure victim (08.7, against `PriorityScheduler`).
+memory-pressure victim (08.7, against `PriorityScheduler`) and an answer's perplexity from its
+logprobs (08.8, on random logprob lists). 08.9 (logprobs at a temperature) and 08.10 (a choice
+under a token mask) are judged against the formula on their numbers.
 """
 import json
 import math
@@ -194,3 +196,46 @@ code("08.7", "Write victim(running) -> the index of the request a priority sched
      "(seconds, all different) and 'promoted' (waited past its class's bound); checked against "
      "PriorityScheduler on random lists.", _test_victim,
      hint="a promoted request ranks above every class; among equals the latest arrival goes first")
+
+
+# ---- logprobs and constrained decoding -----------------------------------------------------------
+def _content(rng: random.Random, n: int) -> list[dict]:
+    """A chat answer's `logprobs.content`: n tokens, each with its logprob and 3 alternatives."""
+    out = []
+    for i in range(n):
+        lps = sorted((math.log(rng.uniform(1e-4, 1.0)) for _ in range(3)), reverse=True)
+        pick = rng.randrange(3)
+        tok = f"t{i}"
+        top = [{"token": tok if j == pick else f"a{i}_{j}", "logprob": lp, "bytes": None}
+               for j, lp in enumerate(lps)]
+        out.append({"token": tok, "logprob": lps[pick], "bytes": list(tok.encode()), "top_logprobs": top})
+    return out
+
+
+def _test_perplexity(candidate) -> None:
+    if not callable(candidate):
+        raise AssertionError("pass your function perplexity(content) -> float")
+    rng = random.Random(88)
+    for n in (1, 2, 7, 40):
+        content = _content(rng, n)
+        want = math.exp(-sum(t["logprob"] for t in content) / n)
+        got = call_reader(candidate, [dict(t) for t in content])
+        if not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-9):
+            raise AssertionError(f"an answer of {n} token(s): a different value")
+
+
+code("08.8", "Write perplexity(content) -> float: the perplexity of a chat answer from its "
+     "`choices[0].logprobs.content` list (one dict per token with 'token', 'logprob', 'bytes', "
+     "'top_logprobs').", _test_perplexity,
+     hint="the exponential of the mean surprise (minus the logprob) of the tokens the answer took; "
+          "the alternatives in top_logprobs do not count")
+numeric("08.9", "At temperature 0.5 the model's logits for two tokens differ by 1.0. By how much do "
+        "the logprobs the server reports for those two tokens differ (the log-probabilities of "
+        "the distribution the token is sampled from)?", lambda: 1.0 / 0.5, rtol=1e-6,
+        hint="temperature divides the logits before the softmax; a softmax keeps differences of "
+             "its inputs as differences of log-probabilities")
+numeric("08.10", "A request with guided_choice ['yes', 'no'], sampled at temperature 1. At the first "
+        "position the model gives the token 'yes' probability 0.2, the token 'no' 0.1, and 0.7 to "
+        "everything else (each answer is one token). What is the probability the answer is 'yes'?",
+        lambda: 0.2 / (0.2 + 0.1), rtol=1e-6,
+        hint="the mask sets every other token's logit to -inf; the softmax renormalizes what is left")

@@ -1,4 +1,4 @@
-"""Turning logits into a next token: temperature, top-k, top-p (nucleus), then a draw.
+"""Turning logits into a next token: temperature, top-k, min-p, top-p (nucleus), then a draw.
 
 Letters: B batch, V vocab. `logits_to_probs` is the single place where sampling parameters are
 applied, so plain decoding, the engine and speculative decoding (which must apply the same
@@ -26,11 +26,13 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None) -> torch.Tensor:
-    """(..., V) logits -> (..., V) probabilities after temperature, top-k, then top-p.
+                    top_p: float | None = None, min_p: float = 0.0) -> torch.Tensor:
+    """(..., V) logits -> (..., V) probabilities after temperature, top-k, min-p, then top-p.
 
-    temperature 0 gives a one-hot at the argmax (greedy). top_k None, 0 or -1 and top_p None or 1
-    mean "off". Top-p keeps the smallest set of most likely tokens whose mass reaches top_p.
+    temperature 0 gives a one-hot at the argmax (greedy). top_k None, 0 or -1, top_p None or 1 and
+    min_p 0 mean "off". Min-p drops the tokens whose probability is below min_p times the most
+    likely one's (vLLM's order: before top-p; it commutes with top-k, which keeps the top token).
+    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p.
 
     >>> logits_to_probs(torch.tensor([2.0, 1.0, 0.0]), top_k=2).round(decimals=4)
     tensor([0.7311, 0.2689, 0.0000])
@@ -44,6 +46,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int |
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]   # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if check_real("min_p", min_p, 0, 1) > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if top_p is not None and top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)      # (..., V)
         mass_before = sorted_p.cumsum(-1) - sorted_p                # mass of strictly better tokens
