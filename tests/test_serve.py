@@ -247,3 +247,29 @@ def test_priorities_reach_the_engine_and_a_queue_timeout_is_a_503():
             lines = [l for l in r.iter_lines() if l]
         assert lines[-1] == "data: [DONE]" and "queue_timeout" in lines[-2]
         assert _wait_idle(s)
+
+
+def test_json_mode_and_json_schema_answers_parse_and_validate(srv):
+    """response_format through the official client: the content is what the grammar produced,
+    JSON that parses (json_object) and validates against its schema (json_schema), streamed too."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+    msgs = _msgs("Give the largest city of France and its population as JSON.")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "city", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=60, temperature=0, stream=True,
+        response_format={"type": "json_object"}) if c.choices]
+    assert "".join(parts) == r.choices[0].message.content
+    assert _wait_idle(srv)
