@@ -1,11 +1,12 @@
-"""Chapter 8: serving over HTTP. An OpenAI-compatible server over the engine, in four parts:
+"""Chapter 8: serving over HTTP. An OpenAI-compatible server over the engine, in these parts:
 
 - `protocol.py`      request bodies checked and mapped to SamplingParams
 - `fields.py`        every OpenAI / vLLM field past the basics: honoured or refused with a 400
 - `responses.py`     OpenAI's response and chunk shapes, logprobs included
 - `streaming.py`     a streamed answer as server-sent events, text and logprobs held back together
 - `async_engine.py`  one engine loop per server: commands in, per-request output queues out
-- `app.py`           the Starlette routes, streaming as server-sent events, OpenAI error objects
+- `app.py`           the Starlette routes; nothing slow on the event loop
+- `errors.py`        OpenAI error objects, the status of each failure, the catch-all middleware
 - `metrics.py`       `GET /metrics` by prometheus_client, vLLM's metric names
 - `server.py`, `cli.py`  uvicorn in the foreground (`python -m minillm serve`) or in a thread
 

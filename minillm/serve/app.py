@@ -20,8 +20,7 @@ server's compute), 503 when `max_pending` requests are already pending (with Ret
 a request's priority class refuses it after its queue-wait bound (code "queue_timeout"), or at
 shutdown. A token that cannot be drawn (a sampling failure) is a 500 with code
 "sampling_error": not a 503, which clients would retry. Anything else that escapes a handler
-is logged once and answered by `CatchAll` as an OpenAI 500 with `Connection: close`, so the
-client's next request opens a fresh connection. A client that leaves mid-body is not an error.
+is answered by `CatchAll` (errors.py). A client that leaves mid-body is not an error.
 
 CORS is off unless `allowed_origins` lists the origins a browser may call from.
 
@@ -32,7 +31,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
@@ -45,36 +43,11 @@ from starlette.routing import Route
 
 from minillm.serve import protocol, responses
 from minillm.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from minillm.serve.errors import CatchAll, engine_error, error_response, failure, json_response
 from minillm.serve.metrics import ServerMetrics
 from minillm.serve.protocol import APIError
 from minillm.serve.streaming import DONE, StreamWriter, sse
-
-log = logging.getLogger("minillm.serve")
 BIG_ANSWER_TOKENS = 2048            # answers past this many tokens are serialized off the loop
-
-
-def _json(data, status: int = 200, headers=None) -> Response:
-    return Response(json.dumps(data, ensure_ascii=True, separators=(",", ":")), status,
-                    headers, media_type="application/json")
-
-
-def _error(err: APIError, headers=None) -> Response:
-    return _json(err.body(), err.status, headers)
-
-
-def engine_error(message: str) -> APIError:
-    """The error a request the engine ended carries: a queue timeout (its priority class gave
-    up on it) or a token that could not be drawn."""
-    if message.startswith("queue timeout"):
-        return APIError(503, message, type="server_error", code="queue_timeout")
-    return APIError(500, f"sampling failed: {message}", type="server_error", code="sampling_error")
-
-
-def _failure(err: BaseException) -> APIError:
-    if isinstance(err, ShuttingDown):
-        return APIError(503, str(err), type="server_error", code="server_shutting_down")
-    return APIError(500, f"the engine failed: {type(err).__name__}: {err}", type="server_error",
-                    code="engine_error")
 
 
 def _is_json(content_type: str) -> bool:
@@ -165,8 +138,8 @@ async def models(request):
     try:
         s.check_key(request)
     except APIError as err:
-        return _error(err)
-    return _json({"object": "list", "data": [
+        return error_response(err)
+    return json_response({"object": "list", "data": [
         {"id": s.model_name, "object": "model", "created": 0, "owned_by": "minillm",
          "max_model_len": s.limits["context"]}]})
 
@@ -186,17 +159,17 @@ def _endpoint(kind: str):
             req = await asyncio.get_running_loop().run_in_executor(s.parser, s.parse, raw, kind)
             stream = await s.loop.submit(req.prompt_token_ids, req.params, req.priority)
         except APIError as err:
-            return _error(err)
+            return error_response(err)
         except ClientDisconnect:
             return Response(status_code=499)          # gone mid-body: nobody to answer
         except QueueFull as err:
             s.metrics.rejected()
-            return _error(APIError(503, f"the server is overloaded: {err}; retry later",
+            return error_response(APIError(503, f"the server is overloaded: {err}; retry later",
                                    type="server_error", code="overloaded"), {"Retry-After": "1"})
         except ShuttingDown as err:
-            return _error(_failure(err))
+            return error_response(failure(err))
         except (TypeError, ValueError) as err:              # the engine's own checks
-            return _error(APIError(400, str(err), req.structured_param if req else None))
+            return error_response(APIError(400, str(err), req.structured_param if req else None))
         rid = responses.new_id(kind)
         if req.stream:
             return StreamingResponse(_events(s, req, rid, stream), media_type="text/event-stream",
@@ -224,13 +197,13 @@ async def _whole(request, s, req, rid, stream):
     if not answer.done() or answer.cancelled():
         return Response(status_code=499)                    # nobody is listening
     if answer.exception() is not None:
-        return _error(_failure(answer.exception()))
+        return error_response(failure(answer.exception()))
     out = answer.result()
     if getattr(out, "error", None):
-        return _error(engine_error(out.error))
+        return error_response(engine_error(out.error))
     size = sum(len(c.token_ids) for c in out.outputs) + (len(out.prompt_token_ids) if req.echo else 0)
     if size <= BIG_ANSWER_TOKENS:
-        return _json(responses.response(req, rid, out, s.tokens))
+        return json_response(responses.response(req, rid, out, s.tokens))
     data = await asyncio.to_thread(lambda: json.dumps(responses.response(req, rid, out, s.tokens),
                                                       ensure_ascii=True, separators=(",", ":")))
     return Response(data, media_type="application/json")
@@ -256,7 +229,7 @@ async def _events(s, req, rid, stream):
                 for event in writer.events(out):
                     yield event
         except Exception as err:                 # ShuttingDown, or the engine loop failed
-            yield sse(_failure(err).body())
+            yield sse(failure(err).body())
         else:
             if getattr(out, "error", None):
                 yield sse(engine_error(out.error).body())
@@ -268,41 +241,8 @@ async def _events(s, req, rid, stream):
 
 
 async def _http_error(request, exc: HTTPException):
-    return _error(APIError(exc.status_code, exc.detail or "error", type="invalid_request_error"),
+    return error_response(APIError(exc.status_code, exc.detail or "error", type="invalid_request_error"),
                   getattr(exc, "headers", None))
-
-
-class CatchAll:
-    """Outermost ASGI middleware: a server bug becomes an OpenAI 500 with `Connection: close`
-    (logged once), and a client that left mid-body is no error at all."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def tracked(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-        try:
-            await self.app(scope, receive, tracked)
-        except ClientDisconnect:
-            return
-        except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise                               # too late for a status: uvicorn closes
-            body = json.dumps(APIError(500, "internal server error", type="server_error",
-                                       code="internal_error").body()).encode()
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()),
-                                    (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body})
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, max_pending: int = 256,
