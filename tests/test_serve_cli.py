@@ -102,3 +102,14 @@ def test_engine_flags_reach_the_engine_config():
     bad = engine_options(parser().parse_args(["--attention-backend", "fast"]))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(**bad)
+
+
+def test_allowed_origins_take_vllms_json_list_or_commas():
+    from minillm.serve.cli import parser
+    assert parser().parse_args([]).allowed_origins is None             # CORS off by default
+    args = parser().parse_args(["--allowed-origins", '["http://a.example", "http://b.example"]'])
+    assert args.allowed_origins == ["http://a.example", "http://b.example"]
+    args = parser().parse_args(["--allowed-origins", "http://a.example, http://b.example"])
+    assert args.allowed_origins == ["http://a.example", "http://b.example"]
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--allowed-origins", '["http://a.example", 3]'])
