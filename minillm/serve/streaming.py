@@ -89,10 +89,7 @@ class StreamWriter:
         if not st.started:
             st.started = True
             if req.kind == "chat":
-                first = responses.chunk(req, self.rid, c.index, None, first=True)
-                if req.show_prompt_logprobs:
-                    first["prompt_logprobs"] = responses.prompt_logprobs(out, self.tt)
-                events.append(sse(first))
+                events.append(sse(responses.chunk(req, self.rid, c.index, None, first=True)))
             elif req.echo is not None:
                 echo = req.echo
         upto = len(text) if done else max(st.chars, len(text) - self.keep)
