@@ -18,6 +18,7 @@ BENCHMARKS = {
     "roofline": "benchmarks.roofline",   # ch 1: ceilings, matmul points, decode vs batch
     "kernels": "benchmarks.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
     "serving": "benchmarks.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
+    "lockout": "benchmarks.lockout",     # ch 5: short requests behind a long prefill, knobs off / on
     "spec": "benchmarks.spec",           # ch 6: speculative decoding speedups vs theory
     "spec_replay": "benchmarks.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "benchmarks.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay

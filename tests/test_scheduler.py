@@ -276,3 +276,22 @@ def test_partial_prefill_knobs_default_off_and_reach_the_scheduler(model):
                                       long_prefill_token_threshold=40)).scheduler
     assert (s.max_num_partial_prefills, s.max_long_partial_prefills,
             s.long_prefill_token_threshold) == (3, 2, 40)
+
+
+def test_the_server_turns_partial_prefills_on_by_default():
+    """`python -m minillm serve` has no lock-out out of the box; its flags turn it back off, and
+    turning chunked prefill off drops the partial-prefill defaults (they need it)."""
+    from minillm.serve.cli import engine_options, parser
+    cfg = EngineConfig(**engine_options(parser().parse_args([])))
+    assert (cfg.max_num_batched_tokens, cfg.max_num_partial_prefills, cfg.max_long_partial_prefills,
+            cfg.long_prefill_token_threshold) == (512, 2, 1, 384)
+    cfg = EngineConfig(**engine_options(parser().parse_args(
+        ["--long-prefill-token-threshold", "0", "--max-num-partial-prefills", "1",
+         "--max-num-batched-tokens", "256"])))
+    assert (cfg.max_num_batched_tokens, cfg.max_num_partial_prefills,
+            cfg.long_prefill_token_threshold) == (256, 1, 0)
+    cfg = EngineConfig(**engine_options(parser().parse_args(["--no-enable-chunked-prefill"])))
+    assert (cfg.enable_chunked_prefill, cfg.max_num_partial_prefills, cfg.long_prefill_token_threshold) \
+        == (False, 1, 0)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        EngineConfig(**engine_options(parser().parse_args(["--max-long-partial-prefills", "3"])))
