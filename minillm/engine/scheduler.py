@@ -295,8 +295,9 @@ class Scheduler:
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> tuple[int, bool]:
-        """Admit waiting prompts in arrival order while seats, budget and blocks allow; returns
-        the budget left and whether this step now holds a prefill."""
+        """Admit waiting prompts in arrival order while seats, budget and blocks allow (one that
+        would break the partial-prefill limits is stepped over and keeps its place); returns the
+        budget left and whether this step now holds a prefill."""
         passed = []          # prompts stepped over for want of a partial-prefill slot
         while self.waiting and budget > 0:
             seq = self.waiting[0]
