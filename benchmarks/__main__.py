@@ -43,7 +43,8 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
     return record
 
 
-CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare"}
+CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare",
+           "serve_defaults": "benchmarks.serve_defaults"}
 
 
 def main(argv=None) -> None:
