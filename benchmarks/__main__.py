@@ -1,8 +1,9 @@
 """`python -m benchmarks <name|all> [--quick] [--device cpu|cuda] [--out DIR]`, from the checkout's top.
 
 `python -m benchmarks serve ...` (load-test a running OpenAI-compatible server) and
-`python -m benchmarks serve_compare ...` (minillm's server against `transformers serve`) take
-their own flags (`--help` lists them); `all` leaves them out: they need servers.
+`python -m benchmarks serve_compare ...` (minillm's server against `transformers serve`) and
+`python -m benchmarks serve_defaults ...` (the server's old scheduling defaults against its new
+ones) take their own flags (`--help` lists them); `all` leaves them out: they need servers.
 
 Each benchmark lives in its own module with `run(quick, device, out_dir) -> dict`, writes a JSON
 record (machine metadata included) to benchmarks/results/ and its figures, and prints the ratios
