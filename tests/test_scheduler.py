@@ -234,7 +234,9 @@ def test_max_num_partial_prefills_bounds_prompts_mid_prefill():
          preemption_mode="swap", long_prefill_token_threshold=7, max_num_partial_prefills=2),
     dict(block_size=4, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=16, prefill_first=True,
          long_prefill_token_threshold=5, max_num_partial_prefills=2),
-], ids=["chunk8", "three_slots", "preempt_recompute", "preempt_swap", "prefill_first"])
+    dict(block_size=4, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=16,
+         scheduling_policy="priority", long_prefill_token_threshold=5, max_num_partial_prefills=2),
+], ids=["chunk8", "three_slots", "preempt_recompute", "preempt_swap", "prefill_first", "priority"])
 def test_partial_prefills_change_no_token(model, knobs):
     """Ten ragged prompts (1-40 tokens) at once, greedy: every output equals `generate` alone."""
     import random
