@@ -5,18 +5,19 @@ One long prompt (`--long-tokens`, default 4096 tokens of the chapters' text; the
 the lock-out used 8160) starts prefilling alone; four short prompts (chat prompts of 10-20 tokens)
 arrive when the long one has computed 10%, 35%, 60% and 85% of its prompt, so they arrive at the
 same point of its prefill whatever the configuration. Every request generates 8 tokens
-(`ignore_eos`). Three configurations, each on a fresh engine, one after the other:
+(`ignore_eos`). Three configurations, each on a fresh engine, run in turn for two rounds:
 - `off`: EngineConfig's defaults (vLLM's: no partial prefills), the 256-token budget the server
   had: the long prompt's chunks take the whole budget, so a short one waits for its whole prefill;
 - `threshold_128`: the same budget with long_prefill_token_threshold=128 and two partial prefills;
 - `server`: what `python -m minillm serve` now runs (cli.SERVER_DEFAULTS: a 512-token budget,
   threshold 384, two partial prefills, one long).
-Per short request: TTFT in engine steps (machine-independent) and seconds; per configuration the
-long request's time to first token and to the end (the cost of sharing the budget), and the load
-average before and after (a shared machine slows every number; the steps do not move).
+Per short request: TTFT in engine steps (machine-independent, checked equal across rounds) and
+seconds; per configuration the long request's time to first token and to the end (the cost of
+sharing the budget), and the load average before and after each run (a shared machine slows every
+number, by several times when other work oversubscribes its cores; the steps do not move).
 
 Left out on purpose: the HTTP server (the engine's order is what is measured; the server adds
-its fixed per-request cost), repeated rounds, and GPUs.
+its fixed per-request cost), and GPUs.
 """
 import os
 import time
@@ -73,8 +74,10 @@ def one_config(model, tokenizer, knobs: dict, long_ids: list[int], shorts: list[
 
 
 def run(quick: bool = False, device="cpu", out_dir=None, long_tokens: int | None = None,
-        model=None, tokenizer=None) -> dict:
-    """Run the three configurations and write benchmarks/results/lockout_<device>.json."""
+        model=None, tokenizer=None, rounds: int | None = None) -> dict:
+    """Run the three configurations in turn, `rounds` times (default 2, 1 with quick), and write
+    benchmarks/results/lockout_<device>.json."""
+    rounds = rounds or (1 if quick else 2)
     device = device or default_device()
     if model is None:
         from minillm import load_model
@@ -82,8 +85,18 @@ def run(quick: bool = False, device="cpu", out_dir=None, long_tokens: int | None
     n = long_tokens or (1024 if quick else 4096)
     long_ids = long_prompt(tokenizer, n)
     shorts = [tokenizer.encode(p) for p in chapter_prompts()[:len(ARRIVE_AT)]]
-    runs = {name: one_config(model, tokenizer, knobs, long_ids, shorts) for name, knobs in CONFIGS.items()}
-    payload = {"quick": quick, "long_tokens": n, "max_tokens": MAX_TOKENS,
+    runs = {name: {"knobs": knobs, "rounds": []} for name, knobs in CONFIGS.items()}
+    for _ in range(rounds):              # in turn, so that a noisy neighbour slows them all alike
+        for name, knobs in CONFIGS.items():
+            runs[name]["rounds"].append(one_config(model, tokenizer, knobs, long_ids, shorts))
+    for name, r in runs.items():         # the steps are the scheduler's: the same in every round
+        steps = [[s["ttft_steps"] for s in x["short"]] for x in r["rounds"]]
+        if any(st != steps[0] for st in steps):
+            raise RuntimeError(f"{name}: step counts differ between rounds: {steps}")
+        r.update(short_ttft_steps=steps[0], long_ttft_steps=r["rounds"][0]["long"]["ttft_steps"],
+                 worst_short_ttft_s=[max(s["ttft_s"] for s in x["short"]) for x in r["rounds"]],
+                 long_e2e_s=[x["long"]["e2e_s"] for x in r["rounds"]])
+    payload = {"quick": quick, "long_tokens": n, "max_tokens": MAX_TOKENS, "rounds": rounds,
                "arrive_at_fraction_of_long_prefill": list(ARRIVE_AT), "configs": runs, "units": UNITS}
     record = {"benchmark": "lockout", **payload}
     record["path"] = str(write_result("lockout", payload, device=device, out_dir=out_dir))
@@ -91,12 +104,13 @@ def run(quick: bool = False, device="cpu", out_dir=None, long_tokens: int | None
 
 
 def report(record: dict) -> str:
-    lines = [f"short requests behind a {record['long_tokens']}-token prompt "
-             f"(TTFT in steps / seconds; long request: first token, end):"]
+    lines = [f"short requests behind a {record['long_tokens']}-token prompt, {record['rounds']} "
+             f"round(s) (TTFT in steps; worst short TTFT and the long request's end, per round):"]
     for name, r in record["configs"].items():
-        shorts = ", ".join(f"{s['ttft_steps']} / {s['ttft_s']:.1f}s" for s in r["short"])
-        lines.append(f"  {name:14s} shorts [{shorts}]  long {r['long']['ttft_s']:.1f}s, "
-                     f"{r['long']['e2e_s']:.1f}s  (load {r['load_avg']['before']:.1f})")
+        loads = ", ".join(f"{x['load_avg']['before']:.1f}" for x in r["rounds"])
+        lines.append(f"  {name:14s} shorts {r['short_ttft_steps']} steps, worst "
+                     f"{[round(t, 1) for t in r['worst_short_ttft_s']]} s; long done "
+                     f"{[round(t, 1) for t in r['long_e2e_s']]} s  (load {loads})")
     return "\n".join(lines)
 
 
@@ -105,9 +119,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks lockout")
     p.add_argument("--long-tokens", type=int, default=None, help="default 4096 (1024 with --quick)")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=None, help="default 2 (1 with --quick)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    record = run(a.quick, "cpu", a.out, a.long_tokens)
+    record = run(a.quick, "cpu", a.out, a.long_tokens, rounds=a.rounds)
     print(report(record), "\nrecord:", record["path"])
     return record
 
