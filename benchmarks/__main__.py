@@ -1,8 +1,9 @@
 """`python -m benchmarks <name|all> [--quick] [--device cpu|cuda] [--out DIR]`, from the checkout's top.
 
 `python -m benchmarks serve ...` (load-test a running OpenAI-compatible server) and
-`python -m benchmarks serve_compare ...` (minillm's server against `transformers serve`) take
-their own flags (`--help` lists them); `all` leaves them out: they need servers.
+`python -m benchmarks serve_compare ...` (minillm's server against `transformers serve`) and
+`python -m benchmarks serve_defaults ...` (the server's old scheduling defaults against its new
+ones) take their own flags (`--help` lists them); `all` leaves them out: they need servers.
 
 Each benchmark lives in its own module with `run(quick, device, out_dir) -> dict`, writes a JSON
 record (machine metadata included) to benchmarks/results/ and its figures, and prints the ratios
@@ -18,6 +19,7 @@ BENCHMARKS = {
     "roofline": "benchmarks.roofline",   # ch 1: ceilings, matmul points, decode vs batch
     "kernels": "benchmarks.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
     "serving": "benchmarks.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
+    "lockout": "benchmarks.lockout",     # ch 5: short requests behind a long prefill, knobs off / on
     "spec": "benchmarks.spec",           # ch 6: speculative decoding speedups vs theory
     "spec_replay": "benchmarks.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "benchmarks.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
@@ -42,7 +44,8 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
     return record
 
 
-CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare"}
+CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare",
+           "serve_defaults": "benchmarks.serve_defaults"}
 
 
 def main(argv=None) -> None:

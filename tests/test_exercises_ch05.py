@@ -69,7 +69,22 @@ def test_05_5_accepts_the_rule():
     assert exercises.check("05.5", chunk_plan)
 
 
+def test_05_7_and_05_8_partial_prefills_by_hand():
+    # 05.7: every step has 64 - 4 decodes - at most 3 short decodes >= 40 tokens left for the long
+    # prompt, so the threshold sets its chunk: ceil(256 / 40) = 7 steps
+    assert exercises.check("05.7", math.ceil(256 / 40))
+    assert not exercises.check("05.7", math.ceil(256 / (64 - 4)))    # as if nothing were capped
+    # 05.8, one partial slot (the long prompt's): step 1 leaves 64 - 4 - 40 = 20 -> short 1 whole
+    # (16), 4 left cannot finish short 2; step 2 leaves 64 - 5 - 40 = 19 -> short 2; step 3 leaves
+    # 64 - 6 - 40 = 18 -> short 3, which samples in its third step
+    left = [64 - (4 + k) - 40 for k in range(3)]
+    assert all(16 <= x < 32 for x in left)                           # one short prompt a step
+    assert exercises.check("05.8", 3)
+    assert not exercises.check("05.8", 1)                             # as if each short ran at once
+
+
 def test_every_chapter5_exercise_is_listed_and_bad_keys_raise():
-    assert list(exercises.list_exercises("05")) == ["05.1", "05.2", "05.3", "05.4", "05.5", "05.6"]
+    assert list(exercises.list_exercises("05")) == ["05.1", "05.2", "05.3", "05.4", "05.5", "05.6",
+                                                    "05.7", "05.8"]
     with pytest.raises(ValueError, match="05.9"):
         exercises.check("05.9", 1)

@@ -5,7 +5,11 @@ Pool: `num_blocks`, else `gpu_memory_utilization` on a GPU, else `kv_cache_memor
 (engine_args.py). Batch: `max_num_seqs` (default: min(32, the token budget)) and the token budget
 `max_num_batched_tokens`, which must cover one token per running sequence and one verify step.
 Order within a step: decodes first (default), or `prefill_first=True` (prompts first, as vLLM's V0
-scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Memory of a long-running
+scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Partial prefills (vLLM's
+names, off by default as there): `long_prefill_token_threshold` caps every prompt's chunk (0: no
+cap; a prompt with more tokens left is "long"), `max_num_partial_prefills` bounds the prompts
+mid-prefill at once and `max_long_partial_prefills` the long ones among them, so a short prompt
+is admitted beside a long one instead of waiting for its whole prefill (scheduler.py). Memory of a long-running
 engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
 dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int8" and "fp8"
 store one byte per element (paging/kv_storage.py), so the same memory holds about 2x (bf16/fp16) or 4x
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
+from minillm.engine.scheduler import check_partial_prefills
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 
 
@@ -34,6 +39,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     enable_chunked_prefill: bool = True
     prefill_first: bool = False                  # True: prompts take the budget before decodes
+    max_num_partial_prefills: int = 1            # prompts mid-prefill at once
+    max_long_partial_prefills: int = 1           # ... of which longer than the threshold
+    long_prefill_token_threshold: int = 0        # chunk cap; more tokens left = long (0: off)
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"           # or "swap"
     scheduling: str = "continuous"               # or "static" (the baseline)
@@ -63,6 +71,8 @@ class EngineConfig:
         if not isinstance(self.prefill_first, bool):
             raise ArgumentTypeError(f"EngineConfig.prefill_first must be True or False, got "
                                     f"{self.prefill_first!r}")
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills,
+                               self.long_prefill_token_threshold, self.enable_chunked_prefill)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):

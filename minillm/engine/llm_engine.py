@@ -78,7 +78,10 @@ class LLMEngine:
                      PriorityScheduler if cfg.scheduling_policy == "priority" else Scheduler)
         self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.preemption_mode,
-                                   prefill_first=cfg.prefill_first)
+                                   prefill_first=cfg.prefill_first,
+                                   max_num_partial_prefills=cfg.max_num_partial_prefills,
+                                   max_long_partial_prefills=cfg.max_long_partial_prefills,
+                                   long_prefill_token_threshold=cfg.long_prefill_token_threshold)
         self.runner = ModelRunner(model, self.cache, self.block_manager)
         self.sampler = Sampler(param.device, cfg.seed)
         self.spec_stats = SpecDecodingStats()      # all zero without speculative decoding

@@ -13,6 +13,14 @@ One step (`schedule()`), with a token budget of `max_num_batched_tokens`:
 With chunked prefill a prompt takes whatever budget is left (a chunk); without it a prompt runs
 whole, and only if it fits or is the step's first prefill.
 
+Partial prefills (vLLM's three knobs; all off by default, as in vLLM): a prompt whose tokens still
+to compute exceed `long_prefill_token_threshold` is *long*, and no prompt's chunk in a step exceeds
+that threshold, so a long prompt leaves the rest of the budget to others. A prompt is *partial*
+while it is mid-prefill: it has run a chunk and has tokens left. At most `max_num_partial_prefills`
+prompts are partial at once, at most `max_long_partial_prefills` of them long; a waiting prompt
+that would break either limit keeps its place in the queue while prompts behind it that fit are
+admitted (a short request is never locked out behind a long one). Decodes still go first.
+
 `prefill_first=True` turns the order around (the default, decode-first, is Sarathi-Serve's and
 vLLM's with chunked prefill; prefill-first is how vLLM's V0 scheduler ran without it): running
 prompts' chunks, then waiting prompts (when nothing is swapped out), take the budget first and the
@@ -24,13 +32,28 @@ Priorities (`scheduling_policy="priority"`) are a subclass, `PriorityScheduler` 
 overrides the small hooks below (`_run_key`, `_victim_key`, `_preempt_for_waiting`, `_may_admit`,
 `_may_swap_in`, `_admission_open`); here they keep fcfs order.
 
-Left out on purpose: fairness across users, and lookahead scheduling.
+Left out on purpose: fairness across users, lookahead scheduling, and vLLM V0's even split of
+the budget among partial prefills (the threshold alone keeps room for the others here).
 """
 from collections import deque
 from dataclasses import dataclass, field
 
+from minillm._validate import check_int
 from minillm.paging.block_manager import BlockManager
 from minillm.engine.sequence import Sequence, SequenceStatus
+
+
+def check_partial_prefills(max_num_partial_prefills: int, max_long_partial_prefills: int,
+                           long_prefill_token_threshold: int, chunked: bool = True) -> None:
+    """ValueError (naming the field and its range) unless 1 <= max_long_partial_prefills <=
+    max_num_partial_prefills and long_prefill_token_threshold >= 0 (0: no prompt is long); the
+    knobs shape chunks, so they need chunked prefill."""
+    check_int("max_num_partial_prefills", max_num_partial_prefills, 1)
+    check_int("max_long_partial_prefills", max_long_partial_prefills, 1, max_num_partial_prefills)
+    check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
+    if not chunked and (max_num_partial_prefills > 1 or long_prefill_token_threshold > 0):
+        raise ValueError("max_num_partial_prefills > 1 and long_prefill_token_threshold > 0 need "
+                         "enable_chunked_prefill=True")
 
 
 @dataclass
@@ -55,9 +78,16 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
-                 prefill_first: bool = False):
+                 prefill_first: bool = False, max_num_partial_prefills: int = 1,
+                 max_long_partial_prefills: int = 1, long_prefill_token_threshold: int = 0):
         if not isinstance(prefill_first, bool):
             raise TypeError(f"prefill_first must be a bool, got {type(prefill_first).__name__}")
+        check_partial_prefills(max_num_partial_prefills, max_long_partial_prefills,
+                               long_prefill_token_threshold, enable_chunked_prefill)
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self.max_long_partial_prefills = max_long_partial_prefills
+        self.long_prefill_token_threshold = long_prefill_token_threshold   # 0: no prompt is long
+        self._partial = [0, 0]                # this step: prompts left mid-prefill, long ones of them
         self.bm = block_manager
         self.prefill_first = prefill_first   # False: decodes first (see the module docstring)
         self.max_num_seqs = max_num_seqs
@@ -113,6 +143,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        self._partial = [0, 0]
         self._preempt_for_waiting(out)
         given = len(out.preempted)      # evicted for a better class, not for memory
         order = sorted(self.running, key=self._run_key)
@@ -125,6 +156,7 @@ class Scheduler:
             need = seq.num_uncomputed
             if need > 1:  # a prompt (or recompute) partly done: its blocks are already booked
                 n = self._prefill_size(need, budget, prefill_seen)
+                self._count_partial(need, n)   # admitted earlier: it holds its slot, chunk or not
                 if n:
                     out.scheduled.append((seq, n))
                     budget -= n
@@ -153,8 +185,27 @@ class Scheduler:
 
     def _prefill_size(self, need: int, budget: int, prefill_seen: bool) -> int:
         if self.chunked:
-            return min(need, budget)
+            return min(need, budget, self.long_prefill_token_threshold or need)
         return need if need <= budget or not prefill_seen else 0
+
+    def _is_long(self, need: int) -> bool:
+        return 0 < self.long_prefill_token_threshold < need
+
+    def _count_partial(self, need: int, n: int) -> None:
+        """A prompt with `need` tokens to compute runs `n` of them this step: count it if it stays
+        mid-prefill (a running prompt that got no budget this step stays mid-prefill too)."""
+        if n < need:
+            self._partial[0] += 1
+            self._partial[1] += self._is_long(need)
+
+    def _partial_slot(self, need: int, n: int) -> bool:
+        """May a waiting prompt start a prefill of `n` of its `need` tokens without breaking
+        max_num_partial_prefills / max_long_partial_prefills? (One that finishes takes no slot.)"""
+        if n == need:
+            return True
+        if self._partial[0] >= self.max_num_partial_prefills:
+            return False
+        return not self._is_long(need) or self._partial[1] < self.max_long_partial_prefills
 
     # ---- policy hooks (fcfs here; PriorityScheduler overrides them) -------------------------------
     def _run_key(self, seq: Sequence) -> tuple:
@@ -218,6 +269,7 @@ class Scheduler:
                  if seq.num_uncomputed > 1 else 1)
             if n == 0:
                 break
+            self._count_partial(seq.num_uncomputed, n)
             self.swapped.popleft()
             done = seq.token_ids[:seq.num_computed_tokens]
             first = self.bm.allocate(seq.seq_id, done) // self.bm.block_size  # cached blocks
@@ -243,8 +295,10 @@ class Scheduler:
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int, prefill_seen: bool) -> tuple[int, bool]:
-        """Admit waiting prompts in arrival order while seats, budget and blocks allow; returns
-        the budget left and whether this step now holds a prefill."""
+        """Admit waiting prompts in arrival order while seats, budget and blocks allow (one that
+        would break the partial-prefill limits is stepped over and keeps its place); returns the
+        budget left and whether this step now holds a prefill."""
+        passed = []          # prompts stepped over for want of a partial-prefill slot
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not self._may_admit(seq):
@@ -254,15 +308,21 @@ class Scheduler:
             tokens = seq.token_ids
             # probe first, allocate only what runs: a failed probe must not evict cached blocks
             cached = self.bm.num_cached_tokens(tokens)
-            n = self._prefill_size(len(tokens) - cached, budget, prefill_seen)
+            need = len(tokens) - cached
+            n = self._prefill_size(need, budget, prefill_seen)
             if n == 0 or not self.bm.can_allocate(tokens):
                 break
+            if not self._partial_slot(need, n):
+                passed.append(self.waiting.popleft())   # keeps its place; the next one may fit
+                continue
             seq.num_computed_tokens = self.bm.allocate(seq.seq_id, tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             out.scheduled.append((seq, n))
+            self._count_partial(need, n)
             budget -= n
             prefill_seen = True
+        self.waiting.extendleft(reversed(passed))
         return budget, prefill_seen

@@ -2,7 +2,7 @@
 
 Numeric answers are judged against values minillm computes when the reader checks: the roofline
 functions on datasheet presets (05.1, 05.4) and the engine's own step counts on the tiny float64
-model (05.2, 05.3, 05.6), which do not depend on the machine. The code exercise (05.5) runs the reader's
+model (05.2, 05.3, 05.6, 05.7, 05.8), which do not depend on the machine. The code exercise (05.5) runs the reader's
 chunk plan against the engine's trace.
 """
 import torch
@@ -56,6 +56,21 @@ def _cached_prefix_run() -> int:
     eng.trace.clear()
     lat = request_latencies(replay(eng, work, time_unit="steps"), eng.trace)
     return lat[-1]["ttft_steps"]
+
+
+def _partial_prefill_run(threshold: int, partial: int) -> dict:
+    """05.7 / 05.8: the run of the partial-prefill section (budget 64, four decodes, the 256-token
+    prompt at step 4 with three 16-token requests right behind it) with the given
+    long_prefill_token_threshold and max_num_partial_prefills; TTFTs in engine steps."""
+    from minillm.lab.workloads import long_prompt_workload, replay, request_latencies
+    from minillm.engine.config import EngineConfig
+    work = long_prompt_workload(256, num_running=_RUNNING, output_len=16, long_prompt_len=_LONG,
+                                arrival=4, num_behind=3)
+    eng = _engine(_tiny(), EngineConfig(max_num_batched_tokens=_BUDGET, max_num_partial_prefills=partial,
+                                        long_prefill_token_threshold=threshold))
+    lat = request_latencies(replay(eng, work, time_unit="steps"), eng.trace)
+    return dict(long_ttft_steps=lat[_RUNNING]["ttft_steps"],
+                worst_short_ttft_steps=max(r["ttft_steps"] for r in lat[_RUNNING + 1:]))
 
 
 def engine_chunk_plan(prompt_len: int, num_decodes: int, budget: int) -> list[int]:
@@ -119,3 +134,12 @@ numeric("05.6", "The same run (budget 64, four decodes) with prefix caching on, 
         "has 384 tokens whose first 256 were served before: engine steps from its arrival to its "
         "first token.", _cached_prefix_run, atol=0.0, rtol=0.0,
         hint="cached blocks need no compute; only the rest is chunked")
+numeric("05.7", "The partial-prefill section's run (budget 64, four decodes, the 256-token prompt and "
+        "three 16-token requests behind it) with long_prefill_token_threshold=40 and "
+        "max_num_partial_prefills=2: engine steps from the long prompt's arrival to its first token.",
+        lambda: _partial_prefill_run(40, 2)["long_ttft_steps"], atol=0.0, rtol=0.0,
+        hint="the threshold, not what is left of the budget, now sets the long prompt's chunk")
+numeric("05.8", "The same run with max_num_partial_prefills=1: the worst TTFT, in engine steps, of "
+        "the three short requests.", lambda: _partial_prefill_run(40, 1)["worst_short_ttft_steps"],
+        atol=0.0, rtol=0.0, hint="a short prompt that cannot finish in its first step needs a "
+        "partial-prefill slot, and the long prompt holds the only one; count what each step leaves")

@@ -4,7 +4,8 @@
     python -m minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching \\
         --scheduling-policy priority --api-key secret
 
-Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...);
+Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...), with the
+server's own defaults for the token budget and partial prefills (`SERVER_DEFAULTS`);
 `--num-gpu-blocks-override` is num_blocks; `--load-format dummy` serves SmolLM2-135M's shape with
 random weights (a GPU run without the model file; say so in any number it produces). The server
 binds 127.0.0.1 unless `--host` says otherwise, and it binds its port before it loads anything:
@@ -34,7 +35,18 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--kv-cache-dtype": ("kv_cache_dtype", str), "--seed": ("seed", int),
     "--num-speculative-tokens": ("num_speculative_tokens", int),
     "--attention-backend": ("attention_backend", str),     # "auto", "paged" or "flash_decoding"
+    "--max-num-partial-prefills": ("max_num_partial_prefills", int),
+    "--max-long-partial-prefills": ("max_long_partial_prefills", int),
+    "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
 }
+# The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
+# typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
+# short request from waiting behind a long prompt's whole prefill (a quarter of the budget is left
+# to others). `--long-prefill-token-threshold 0 --max-num-partial-prefills 1` is the old order.
+SERVER_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_partial_prefills": 2,
+                   "max_long_partial_prefills": 1, "long_prefill_token_threshold": 384}
+PARTIAL_PREFILL_FIELDS = ("max_num_partial_prefills", "max_long_partial_prefills",
+                          "long_prefill_token_threshold")
 
 
 def origins(value: str) -> list[str]:
@@ -80,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
 def engine_options(args) -> dict:
     opts = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in ENGINE_FLAGS.items()}
     opts = {k: v for k, v in opts.items() if v is not None}
+    for field, value in SERVER_DEFAULTS.items():   # partial prefills need chunked prefill
+        if args.enable_chunked_prefill or field not in PARTIAL_PREFILL_FIELDS:
+            opts.setdefault(field, value)
     opts["enable_prefix_caching"] = args.enable_prefix_caching
     opts["enable_chunked_prefill"] = args.enable_chunked_prefill
     return opts
