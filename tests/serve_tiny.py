@@ -69,3 +69,12 @@ def completion(prompt="The capital of France is", **extra) -> dict:
 
 def sse_lines(response) -> list[str]:
     return [line for line in response.iter_lines() if line]
+
+
+@pytest.fixture(autouse=True)
+def settles(request):
+    """Imported by a test module: after each test that used the module's `srv`, /metrics must
+    settle at 0 running, 0 waiting and 0 KV blocks in use."""
+    yield
+    if "srv" in request.fixturenames:
+        assert_settled(request.getfixturevalue("srv").url)

@@ -13,12 +13,8 @@ import torch
 
 from minillm import SamplingParams
 from minillm.serve import running
-from serve_tiny import MODEL, assert_settled, chat, completion, sse_lines, tiny_llm, tokenizer
+from serve_tiny import MODEL, assert_settled, chat, completion, sse_lines, tiny_llm
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 @pytest.fixture(scope="module")

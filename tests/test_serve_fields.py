@@ -5,7 +5,6 @@ import pytest
 
 from minillm.engine.sequence import MAX_LOGPROBS
 from minillm.engine.structured import StructuredOutputsParams
-from minillm.model.loading import load_tokenizer
 from minillm.serve import fields
 from minillm.serve.protocol import APIError, parse_request
 
@@ -13,13 +12,6 @@ LIMITS = dict(context=512, vocab_size=49152, pool_tokens=4096, max_n=8, max_toke
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
-
-@pytest.fixture(scope="module")
-def tok():
-    t = load_tokenizer()
-    if t is None:
-        pytest.skip("SmolLM2's tokenizer is not cached (load_model() once)")
-    return t
 
 
 def chat(**extra):

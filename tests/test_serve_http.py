@@ -15,13 +15,9 @@ import pytest
 import torch
 
 from minillm.serve import responses, running
-from serve_tiny import (MODEL, assert_settled, chat, completion, gauge, scrape, sse_lines,
-                        tiny_llm, tokenizer)
+from serve_tiny import (MODEL, assert_settled, settles, chat, completion, gauge, scrape, sse_lines,
+                        tiny_llm)  # noqa: F401 (settles: an autouse fixture)
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +30,6 @@ def srv(llm):
     with running(llm, served_model_name=MODEL) as s:
         yield s
 
-
-@pytest.fixture(autouse=True)
-def _settles(request):
-    yield
-    if "srv" in request.fixturenames:
-        assert_settled(request.getfixturevalue("srv").url)
 
 
 def post(srv, path, body=None, **kw):

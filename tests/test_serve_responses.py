@@ -11,20 +11,12 @@ import pytest
 
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.sequence import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
-from minillm.model.loading import load_tokenizer
 from minillm.serve import responses
 from minillm.serve.protocol import GenRequest
 from minillm.serve.streaming import StreamWriter
 
 TEXT = " Hello, 日本 world! naïve café\n\nThe end STOP and after"
 
-
-@pytest.fixture(scope="module")
-def tok():
-    t = load_tokenizer()
-    if t is None:
-        pytest.skip("SmolLM2's tokenizer is not cached (load_model() once)")
-    return t
 
 
 def fake_logprobs(ids, k, seed=0):

@@ -13,14 +13,10 @@ import httpx
 import pytest
 
 from minillm.serve import running
-from serve_tiny import MODEL, assert_settled, chat, completion, sse_lines, tiny_llm, tokenizer
+from serve_tiny import MODEL, assert_settled, settles, chat, completion, sse_lines, tiny_llm  # noqa: F401 (settles: an autouse fixture)
 
 CONTEXT = 512
 
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +24,6 @@ def srv(tok):
     with running(tiny_llm(tok, max_seq_len=CONTEXT), served_model_name=MODEL) as s:
         yield s
 
-
-@pytest.fixture(autouse=True)
-def _settles(request):
-    yield
-    if "srv" in request.fixturenames:
-        assert_settled(request.getfixturevalue("srv").url)
 
 
 def send(srv, body, path=None, **kw):

@@ -15,7 +15,6 @@ from minillm.engine import structured
 from minillm.engine.structured import GrammarState, StructuredOutputsParams, generate_structured
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
-from minillm.model.loading import load_tokenizer
 
 V = 49152                               # SmolLM2's logits width
 
@@ -58,13 +57,6 @@ REGEX = r"[0-9]{3}-[0-9]{4}"
 CHOICES = ["red", "green", "blue"]
 LARK = 'start: NUM " + " NUM\nNUM: /[0-9]{1,3}/'
 
-
-@pytest.fixture(scope="module")
-def tok():
-    t = load_tokenizer()
-    if t is None:
-        pytest.skip("SmolLM2's tokenizer is not cached (minillm.load_model() writes it)")
-    return t
 
 
 def person(tok) -> GrammarState:
