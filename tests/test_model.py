@@ -69,6 +69,24 @@ def test_kv_cache_against_dense_token_by_token(masked):
     assert torch.allclose(torch.cat(got, dim=1), model(x), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_kv_cache_positions_buffer_reused_in_place(masked):
+    """The cache works out what depends on the positions once per forward pass; a caller that
+    refills one positions buffer in place (as a captured step does) still gets the no-cache
+    logits at every step, also with a multi-token step between single-token ones."""
+    from minillm.model.kv_cache import StaticKVCache
+    model = minillm.tiny_model(seed=7, dtype=torch.float64)
+    x = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(4))
+    cache = (StaticKVCache if masked else minillm.KVCache)(model.config, 2, 20, dtype=torch.float64)
+    got = [model(x[:, :6], torch.arange(6)[None], cache)]
+    one, three = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)
+    for a, b in [(6, 7), (7, 8), (8, 11), (11, 12), (12, 13), (13, 14)]:
+        pos = one if b - a == 1 else three
+        pos.copy_(torch.arange(a, b)[None])
+        got.append(model(x[:, a:b], pos, cache))
+    assert torch.allclose(torch.cat(got, dim=1), model(x), atol=1e-12, rtol=0)
+
+
 def test_cache_protocol_refuses_missing_or_misshapen_positions():
     model = minillm.tiny_model(seed=3, dtype=torch.float64)
     cache = minillm.KVCache(model.config, 2, 16, dtype=torch.float64)

@@ -12,10 +12,14 @@ rolling back (speculative decoding's rejected drafts) is just writing at the ear
 next time; nothing beyond a query's position is ever read.
 
 Two ways to read the filled keys, with the same result:
-- `KVCache` slices the slots up to the last position (one host read of that position per layer:
-  free on a CPU) and needs no mask for a single new token;
+- `KVCache` slices the slots up to the last position (one host read of that position per forward
+  pass: free on a CPU) and needs no mask for a single new token;
 - `StaticKVCache` attends over all S_max slots with a position mask, so no value ever leaves the
   device and a CUDA graph can capture the step (chapter 1's CUDA-graph measurement uses it).
+What depends only on the positions (that last position, the range check, the mask) is worked out
+once per forward pass, in the first layer that attends with a new `positions` tensor (or in layer
+0, which every forward pass starts with), and reused by the other layers: every layer of a pass
+gets the same `positions`.
 """
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.slots = torch.arange(max_seq_len, device=self.k.device)   # (S_max,)
         self.n_layer, self.max_seq_len = config.n_layer, max_seq_len
+        self._pass = None       # (positions, pos (T,), end, mask) of the current forward pass
 
     @property
     def nbytes(self) -> int:
@@ -53,22 +58,32 @@ class KVCache:
         if positions.dim() != 2 or positions.shape[0] != 1 or positions.shape[1] != q.shape[2]:
             raise ValueError(f"KVCache rows share positions: pass positions of shape (T,) or (1, T) "
                              f"with T = {q.shape[2]}, got {tuple(positions.shape)}")
-        pos = positions[0]                                         # (T,)
-        if not self.masked:
-            end = int(pos[-1]) + 1
-            if end > self.max_seq_len:
-                raise ValueError(f"KV cache full: position {end - 1} >= max_seq_len {self.max_seq_len}")
+        if layer_idx == 0 or self._pass is None or self._pass[0] is not positions:
+            self._pass = (positions, *self._plan(positions[0], q.shape[2], q.dtype))
+        _, pos, end, mask = self._pass
         self.k[layer_idx].index_copy_(2, pos, k)                   # (B, Hkv, T, D) at pos
         self.v[layer_idx].index_copy_(2, pos, v)
         keys, values = self.k[layer_idx], self.v[layer_idx]        # (B, Hkv, S_max, D)
-        if self.masked:                                            # every slot, masked by position
-            mask = self.slots <= pos[:, None]                      # (T, S_max)
-        else:                                                      # the slots up to the last query
+        if end is not None:                                        # the slots up to the last query
             keys, values = keys[:, :, :end], values[:, :, :end]    # (B, Hkv, S, D)
-            mask = None if q.shape[2] == 1 else self.slots[:end] <= pos[:, None]   # (T, S)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=keys.shape[1] != q.shape[1])
 
+    def _plan(self, pos, T: int, dtype):
+        """pos (T,) -> (pos, end, mask) for every layer of one forward pass: `end` the slots
+        read (None: all of them, masked), `mask` (T, S) as 0 (seen) / -inf (hidden) in the
+        queries' dtype, or None (a single query sees every slot read). A boolean mask would be
+        turned into that same 0 / -inf tensor inside SDPA again in every layer."""
+        if self.masked:                                            # every slot, masked by position
+            end, seen = None, self.slots <= pos[:, None]           # (T, S_max)
+        else:
+            end = int(pos[-1]) + 1
+            if end > self.max_seq_len:
+                raise ValueError(f"KV cache full: position {end - 1} >= max_seq_len {self.max_seq_len}")
+            seen = None if T == 1 else self.slots[:end] <= pos[:, None]   # (T, S)
+        mask = None if seen is None else torch.zeros(seen.shape, dtype=dtype, device=seen.device
+                                                     ).masked_fill_(~seen, float("-inf"))
+        return pos, end, mask
 
 class StaticKVCache(KVCache):
     """A KVCache that reads every slot through a position mask: no host sync, graph-capturable."""
