@@ -93,6 +93,18 @@ class _QuantLinear(nn.Module, abc.ABC):
         self.route, self._kernels = self._check_route(route), {}
         self._kernel_for(self.qweight.device)
 
+    def kernel_as(self, route: str, device):
+        """Route `route`'s kernel for `device` if it exists and passes the probe, else None; the
+        module keeps its own route (for the route timing in `routes.py`)."""
+        saved, self.route = self.route, self._check_route(route)
+        try:
+            kernel = self._prepare(torch.device(device))
+            return kernel if kernel is not None and self._probe(kernel, device) else None
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return None
+        finally:
+            self.route = saved
+
     def read_nbytes(self, device=None) -> int:
         """Bytes one call reads from memory on `device`: what the active kernel reads (its own
         packed copy where it has one), or the stored weight on the reference path."""

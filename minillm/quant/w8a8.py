@@ -58,13 +58,27 @@ def packed_nbytes(N: int, K: int) -> int:
     return N * K + 8 * N
 
 
+_ANCHORS: dict = {}       # K -> the constant row [+1, -1, -1, ...]
+TINY = torch.finfo(torch.float32).tiny
+
+
+def _anchor(K: int) -> torch.Tensor:
+    if K not in _ANCHORS:
+        row = torch.full((K,), -1.0)
+        row[0] = 1.0
+        _ANCHORS[K] = row                                                   # (K,)
+    return _ANCHORS[K]
+
+
 def linear_w8a8(x: torch.Tensor, packed) -> torch.Tensor:
-    """x (M, K) float -> (M, N) fp32, activations quantized per token (see the module's text)."""
+    """x (M, K) float -> (M, N) fp32, activations quantized per token (see the module's text).
+    Few small ops on purpose: at one row each costs about what the kernel does."""
     x = x.float()
-    a = x.abs().amax(dim=1, keepdim=True)                                   # (M, 1)
-    a = torch.where(a > 0, a, torch.ones_like(a))         # an all-zero row stays all zero
-    anchor = torch.full((1, x.shape[1]), -1.0)
-    anchor[0, 0] = 1.0                                                      # (1, K): range [-1, 1]
-    xs = torch.cat([x / a, anchor])                                         # (M + 1, K)
+    M, K = x.shape
+    a = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)     # (M, 1) abs-max
+    a.clamp_min_(TINY)                                   # an all-zero row stays all zero
+    xs = torch.empty(M + 1, K)
+    torch.div(x, a, out=xs[:M])                                             # rows in [-1, 1]
+    xs[M].copy_(_anchor(K))                                                 # range exactly [-1, 1]
     y = torch.ops.quantized.linear_dynamic(xs, packed, True)                # (M + 1, N)
-    return y[:-1] * a                                                       # (M, N)
+    return y[:M].mul_(a)                                                    # (M, N)
