@@ -73,7 +73,7 @@ def _anchor(K: int) -> torch.Tensor:
 def linear_w8a8(x: torch.Tensor, packed) -> torch.Tensor:
     """x (M, K) float -> (M, N) fp32, activations quantized per token (see the module's text).
     Few small ops on purpose: at one row each costs about what the kernel does."""
-    x = x.float()
+    x = x.detach().float()                               # no autograd through int8 kernels
     M, K = x.shape
     a = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)     # (M, 1) abs-max
     a.clamp_min_(TINY)                                   # an all-zero row stays all zero
