@@ -87,13 +87,15 @@ def test_route_table_is_cached_and_never_reused_across_machines(tmp_path, quiet,
                                                                  one_thread):
     model = quantize(minillm.tiny_model(), "int8", path="reference")
     set_path(model, "auto")
-    first = routes.choose_routes(model, cache_dir=tmp_path)
+    default = routes.choose_routes(model, cache_dir=tmp_path)      # weight-only, nothing timed
+    assert {c["route"] for c in default.values()} == {"int8pack"} and not list(tmp_path.iterdir())
+    first = routes.choose_routes(model, cache_dir=tmp_path, allow_w8a8=True)
     assert first and {c["source"] for c in first.values()} == {"timed"}
     for name, mods in routes.groups(model).items():       # each shape runs its chosen route
         assert {m.route for m in mods} == {first[name]["route"]}
         assert first[name]["route"] in Int8Linear.ROUTES
     monkeypatch.setattr(routes, "_PROCESS", {})
-    again = routes.choose_routes(model, cache_dir=tmp_path)
+    again = routes.choose_routes(model, cache_dir=tmp_path, allow_w8a8=True)
     assert {c["source"] for c in again.values()} == {"cache"}
     (path,) = tmp_path.glob("quant_*.json")
     data = json.loads(path.read_text())
@@ -102,12 +104,14 @@ def test_route_table_is_cached_and_never_reused_across_machines(tmp_path, quiet,
         foreign = dict(data, key={**data["key"], field: other})
         path.write_text(json.dumps(foreign))
         monkeypatch.setattr(routes, "_PROCESS", {})
-        assert {c["source"] for c in routes.choose_routes(model, cache_dir=tmp_path).values()} \
+        assert {c["source"] for c in routes.choose_routes(model, cache_dir=tmp_path,
+                                                          allow_w8a8=True).values()} \
             == {"timed"}, field
 
 
 def test_pick_takes_the_least_time_over_both_row_counts():
     assert routes.pick({"a": {1: 1.0, 8: 9.0}, "b": {1: 2.0, 8: 3.0}}) == "b"
+    assert routes.pick({"a": {1: 1.0, 8: 9.0}, "b": {1: 2.0, 8: 3.0}}, ("a",)) == "a"
     assert routes.pick({}) is None
 
 

@@ -9,6 +9,11 @@ weight of each shape the model holds (one pass reads them all, as a decode step 
 interleaved rounds, keeps the fastest of the rounds, and gives each shape the route with the
 least t(1) + t(8). A format with one fast route (int4) is not timed.
 
+W8A8 is opt-in (`allow_w8a8=True`): rounding SmolLM2's activations to 8 bits per token costs
+far more than rounding its weights (argmax agreement with fp32 on a held-out paragraph: about
+0.81 with W8A8 against 0.96 weight-only, measured by `benchmarks/quant.py`), so by default int8
+keeps the weight-only kernel and only a caller who accepts that cost gets the race.
+
 The timings are cached as the fp32 route table is (`kernels/tuning_cache.py`), under the same key
 (CPU model, instruction set, torch version, thread count: `cpu_tuning.cache_key`) plus this
 table's own version, so a table from another machine, torch or thread count is never reused. A
@@ -73,15 +78,26 @@ def time_routes(modules: list, rounds: int = 5) -> dict:
     return {r: {R: round(t, 4) for R, t in ts.items()} for r, ts in best.items()}
 
 
-def pick(times: dict) -> str | None:
-    """The route with the least t(1) + t(8); None when no route worked."""
+def pick(times: dict, allowed=None) -> str | None:
+    """The route (among `allowed`, default all) with the least t(1) + t(8); None when none
+    worked."""
+    times = {r: t for r, t in times.items() if allowed is None or r in allowed}
     return min(times, key=lambda r: sum(times[r].values())) if times else None
 
 
-def choose_routes(model, cache_dir=None, retune: bool = False) -> dict:
+def choose_routes(model, cache_dir=None, retune: bool = False, allow_w8a8: bool = False) -> dict:
     """Give every multi-route quantized projection of `model` this machine's fastest route
     (from the cached table where it has the shape, timed otherwise); returns {group: {"route":
-    ..., "times": {route: {R: ms}}, "source": "cache" | "timed"}}."""
+    ..., "times": {route: {R: ms}}, "source": "cache" | "timed" | "default"}}. Without
+    `allow_w8a8` int8 takes its weight-only route, untimed (see the module's text)."""
+    if not allow_w8a8:
+        chosen = {}
+        for name, mods in groups(model).items():
+            for m in mods:
+                if m.route != m.ROUTES[0]:
+                    m.set_route(m.ROUTES[0])
+            chosen[name] = {"route": mods[0].route, "times": {}, "source": "default"}
+        return chosen
     key, path = cache_key(), cache_path(cache_dir)
     data = None if retune else read_tuned(path, key)
     table = dict(data["groups"]) if data and not data.get("busy") else {}
