@@ -2,12 +2,18 @@
 
 Formats: fp32 (as `load_model` gives it, the CPU routes tuned for this machine), bf16, int8 per
 channel, int4 in groups of 32 (round-to-nearest) and "gguf" (the shipped Q4_1 blocks; the same
-numbers as int4 g32 here, read from the file instead). Each quantized one runs the fused kernel
-("fast", where `auto` found one) and the dequantize-then-matmul reference. Each format's floor
-is its weight bytes (`quantized_bytes`: one decode step reads every weight once, the fp32
-embedding as lm_head) over the read bandwidth measured in the same process. ms/token is
+numbers as int4 g32 here, read from the file instead). Each quantized one runs this machine's
+chosen fast route (`quant/routes.py`; "int8_w8a8" lets int8 race its W8A8 route), once with the fp32
+embedding as lm_head and once with a quantized lm_head (int8 for int8, int4 g32 for the others),
+and the dequantize-then-matmul reference. Each row's floor is the bytes ITS step reads
+(`quantized_bytes(model)["read_per_step"]`: the kernels' packed copies where they read those,
+the quantized lm_head instead of the 113 MB fp32 table) over the read bandwidth measured in the
+same process; "of floor" is floor / ms. Agreement: the share of positions of a held-out
+paragraph where the model's argmax equals fp32's (one teacher-forced pass). ms/token is
 (t(N new tokens) - t(1)) / (N - 1), as in `benchmarks/decode.py`, so the prefill is not counted; each
 time is the fastest of a few runs, and the bandwidth the higher of two measurements.
+
+Targets (reported, not asserted): int4 >= 3x fp32 decode, each format >= 70% of its floor.
 
 Left out on purpose: batch > 1 (the kernels' cost curve), gptq / awq (same format and speed as
 int4: only the numbers in the weights differ), KV-cache formats.
@@ -25,10 +31,13 @@ from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
 from minillm.llm import load_model            # the front door: CPU routes switched on
 from minillm.quant.api import quantize, quantized_bytes, set_path
+from minillm.quant.quality import eval_ids
 
 PROMPT = "Explain how a CPU cache works."
-QUANTIZED = {"int8": dict(method="int8"), "int4_g32": dict(method="int4", group_size=32),
-             "gguf": dict(method="gguf")}
+QUANTIZED = {"int8": dict(method="int8"), "int8_w8a8": dict(method="int8", allow_w8a8=True),
+             "int4_g32": dict(method="int4", group_size=32), "gguf": dict(method="gguf")}
+HEAD = {"int8": "int8", "int8_w8a8": "int8", "int4_g32": "int4", "gguf": "int4"}     # the quantized lm_head per format
+FLOOR_TARGET, INT4_TARGET = 0.70, 3.0
 
 
 @torch.inference_mode()
@@ -51,15 +60,25 @@ def _time(model, prompt, n_new, repeat) -> float:
 def _row(model, bandwidth, prompt, n_new, repeat, path=None) -> dict:
     ms = _time(model, prompt, n_new, repeat)
     counted = quantized_bytes(model)                 # after the run: fast-path copies exist now
-    nbytes = counted["total"]
+    nbytes = counted["read_per_step"]
     floor = 1e3 * nbytes / bandwidth
-    row = {"weight_bytes": nbytes, "floor_ms": round(floor, 3), "ms_per_token": ms,
-           "fraction_of_floor": round(floor / ms, 3),
+    row = {"read_bytes": nbytes, "weight_bytes": counted["total"], "floor_ms": round(floor, 3),
+           "ms_per_token": ms, "fraction_of_floor": round(floor / ms, 3),
            "fast_path_copy_bytes": counted.get("fast_path_copies", 0)}
     if path is not None:
-        kinds = {m.active_path() for m in model.modules() if hasattr(m, "active_path")}
+        kinds = {m.route if m.active_path() == "fast" else "reference"
+                 for m in model.modules() if hasattr(m, "active_path")}
         row["path"] = path if path == "reference" else "+".join(sorted(kinds))
     return row
+
+
+@torch.inference_mode()
+def _argmax(model, ids):
+    return model(ids.to(model.device)).argmax(-1).cpu()                   # (B, T)
+
+
+def _agreement(model, ids, ref) -> float:
+    return round((_argmax(model, ids) == ref).float().mean().item(), 4)
 
 
 def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) -> dict:
@@ -70,31 +89,44 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     n_ref = 3 if quick else 5                # the reference dequantizes every weight every step
     prompt = encode_chat(tok, PROMPT)
     bandwidth = max(measure_bandwidth(model.device) for _ in range(2))
+    held_out = eval_ids(tok, 1, 64 if quick else 256)                     # (1, T)
+    ref_argmax = _argmax(model, held_out)
     rows = {"fp32": _row(model, bandwidth, prompt, n_new, repeat)}
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     rows["bf16"] = _row(bf16, bandwidth, prompt, n_new, repeat)
     del bf16
     for name, kwargs in QUANTIZED.items():
-        q = quantize(copy.deepcopy(model), **kwargs)
-        rows[f"{name}_fast"] = _row(q, bandwidth, prompt, n_new, repeat, path="auto")
-        rows[f"{name}_reference"] = _row(set_path(q, "reference"), bandwidth, prompt, n_ref,
-                                         min(repeat, 2), path="reference")
-        del q
-        gc.collect()
+        for head in (None, HEAD[name]):
+            q = quantize(copy.deepcopy(model), **kwargs, lm_head=head)
+            key = f"{name}_fast" + (f"_lm_{head}" if head else "")
+            rows[key] = _row(q, bandwidth, prompt, n_new, repeat, path="auto")
+            rows[key]["agreement_with_fp32"] = _agreement(q, held_out, ref_argmax)
+            if head is None and (not quick or name == "int4_g32") and name != "int8_w8a8":
+                rows[f"{name}_reference"] = _row(set_path(q, "reference"), bandwidth, prompt,
+                                                 n_ref, min(repeat, 2), path="reference")
+            del q
+            gc.collect()
     ms = {k: v["ms_per_token"] for k, v in rows.items()}
-    ratios = {"int4_g32_fast_vs_fp32": ms["fp32"] / ms["int4_g32_fast"],
-              "int4_g32_fast_vs_bf16": ms["bf16"] / ms["int4_g32_fast"],
-              "gguf_fast_vs_fp32": ms["fp32"] / ms["gguf_fast"],
-              "gguf_fast_vs_bf16": ms["bf16"] / ms["gguf_fast"],
-              "int8_fast_vs_fp32": ms["fp32"] / ms["int8_fast"],
-              "int4_g32_reference_vs_fast": ms["int4_g32_reference"] / ms["int4_g32_fast"]}
+    ratios = {f"{k}_vs_fp32": ms["fp32"] / v for k, v in ms.items() if "_fast" in k}
+    ratios.update({"int4_g32_fast_vs_bf16": ms["bf16"] / ms["int4_g32_fast"],
+                   "gguf_fast_vs_bf16": ms["bf16"] / ms["gguf_fast"],
+                   "int4_g32_reference_vs_fast": ms["int4_g32_reference"] / ms["int4_g32_fast"]})
+    fast = {k: v for k, v in rows.items() if "_fast" in k}
+    targets = {"int4_vs_fp32": round(max(ratios[k] for k in ratios
+                                         if k.startswith("int4_g32_fast") and k.endswith("_vs_fp32")), 3),
+               "int4_at_least_3x_fp32": max(ratios[k] for k in ratios
+                                            if k.startswith("int4_g32_fast") and k.endswith("_vs_fp32")) >= INT4_TARGET,
+               "every_format_at_least_70pct_of_floor": all(
+                   max(v["fraction_of_floor"] for k, v in fast.items() if k.startswith(n))
+                   >= FLOOR_TARGET for n in QUANTIZED)}
     record = {"model": model.config.name, "quick": quick, "new_tokens": n_new,
               "new_tokens_reference": n_ref, "prompt_tokens": len(prompt),
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2), "rows": rows,
-              "ratios": {k: round(v, 3) for k, v in ratios.items()},
-              "units": {"ms_per_token": "ms per batch-1 decode step", "floor_ms": "weight bytes / "
-                        "measured read bandwidth", "weight_bytes": "bytes of every weight, the "
-                        "tied fp32 embedding (= lm_head) included"}}
+              "ratios": {k: round(v, 3) for k, v in ratios.items()}, "targets": targets,
+              "units": {"ms_per_token": "ms per batch-1 decode step", "floor_ms": "read bytes / "
+                        "measured read bandwidth", "read_bytes": "bytes one step reads (kernel "
+                        "copies where read, the lm_head as used)", "weight_bytes": "bytes of "
+                        "every weight held, the fp32 embedding included"}}
     record["machine"] = machine_info(model.device)
     record["path"] = str(write_result("quant", record, model.device, out_dir))
     return record
@@ -104,12 +136,18 @@ def report(r: dict) -> str:
     m = r["machine"]
     lines = [f"quantized decode on {m.get('device_name', m['device'])} ({m['torch_threads']} "
              f"threads), read bandwidth {r['measured_bandwidth_GBps']} GB/s, batch 1:",
-             f"  {'format':<20}{'MB':>8}{'floor ms':>10}{'ms/token':>10}{'of floor':>10}"
-             f"{'+copy MB':>10}  path"]
+             f"  {'format':<24}{'read MB':>8}{'floor ms':>10}{'ms/token':>10}{'of floor':>10}"
+             f"{'agree':>7}  path"]
     for name, row in r["rows"].items():
-        lines.append(f"  {name:<20}{row['weight_bytes'] / 1e6:>8.1f}{row['floor_ms']:>10.2f}"
-                     f"{row['ms_per_token']:>10.2f}{100 * row['fraction_of_floor']:>9.0f}%"
-                     f"{row.get('fast_path_copy_bytes', 0) / 1e6:>10.1f}  "
-                     f"{row.get('path', '')}")
+        agree = row.get("agreement_with_fp32")
+        lines.append(f"  {name:<24}{row.get('read_bytes', row['weight_bytes']) / 1e6:>8.1f}"
+                     f"{row['floor_ms']:>10.2f}{row['ms_per_token']:>10.2f}"
+                     f"{100 * row['fraction_of_floor']:>9.0f}%"
+                     f"{'' if agree is None else f'{agree:.3f}':>7}  {row.get('path', '')}")
     lines += [f"  {k}: {v:.2f}x" for k, v in r["ratios"].items()]
+    t = r.get("targets", {})
+    if t:
+        lines.append(f"  targets: int4 {t['int4_vs_fp32']:.2f}x fp32 (>= 3x: "
+                     f"{'met' if t['int4_at_least_3x_fp32'] else 'not met'}); every format >= 70% "
+                     f"of its floor: {'met' if t['every_format_at_least_70pct_of_floor'] else 'not met'}")
     return "\n".join(lines)

@@ -328,6 +328,10 @@ def test_quantized_bytes_counts_every_weight_once():
     # the int4 kernel's tiled copy holds as many bytes as the stored codes and scales
     fast = any(m.active_path() == "fast" for m in model.modules() if isinstance(m, Int4Linear))
     assert counted.pop("fast_path_copies", 0) == (int4 if fast else 0)
+    assert counted.pop("embedding") == 4 * V * C
+    # a step reads the int4 weights (the kernel's same-sized copy on the fast path), the norms,
+    # the untied fp32 lm_head and one embedding row per token
+    assert counted.pop("read_per_step") == int4 + 4 * (V * C + (2 * L + 1) * C) + 4 * C
     assert counted == {"int4_g32": int4, "float32": fp32, "total": int4 + fp32}
     assert minillm.quantize is not None and "quantize" in minillm.__all__
 

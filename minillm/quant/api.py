@@ -9,8 +9,15 @@ copy with `quantize(copy.deepcopy(model), ...)`.
 
 What is quantized: the four projections of every block (`attn.qkv_proj`, `attn.o_proj`,
 `mlp.gate_up_proj`, `mlp.down_proj`). What is not: the norms and the token embedding, which is
-tied to `lm_head` (one tensor, read as the output projection at every step). It stays fp32:
-exact for "gguf", and `quantized_bytes` counts it, so the tables show what it costs.
+tied to `lm_head` (one tensor, read in full as the output projection at every step). By default
+it stays fp32 (exact for "gguf"), and `quantized_bytes` counts it, so the tables show what it
+costs. `lm_head="int8"` or `"int4"` gives the output projection its own quantized copy
+(round-to-nearest, int4 in the method's groups): the embedding lookup keeps the fp32 table, from
+which a step reads one row per token, and the step reads the small copy instead of the 113 MB table.
+
+Fast routes: int8 has two (weight-only and W8A8, `linear.py`); `routes.choose_routes` times
+them on this machine's shapes and picks per shape, once per machine (cached). A format with no
+fast kernel here runs the reference path, with one warning per model and format.
 
 Methods: "int8" per output channel (group_size must be None); "int4" round-to-nearest in groups
 (default 32); "gguf" the shipped file's own Q4_1 blocks (groups of 32; only for the shipped
@@ -19,21 +26,25 @@ SmolLM2, checked weight by weight); "gptq" and "awq" int4 from a calibration set
 leaves the model as it was. This module is the top of quant/: the projections, the checks of the
 calibration ids and `rtn_weights` live in `targets.py`, which the methods import instead.
 
-Left out on purpose: quantizing the embedding / lm_head, mixed formats per layer, saving and
+Left out on purpose: quantizing the embedding lookup, mixed formats per layer, saving and
 loading quantized checkpoints.
 """
+import warnings
+
 import torch
 
 from minillm.model.config import get_config
 from minillm.model.llama import Transformer
 from minillm.quant.awq import awq_weights
-from minillm.quant.formats import check_group_size
+from minillm.quant.formats import check_group_size, quantize_int4, quantize_int8
 from minillm.quant.gguf import gguf_weights
 from minillm.quant.gptq import gptq_weights
 from minillm.quant.linear import Int4Linear, Int8Linear, check_path
+from minillm.quant.routes import choose_routes
 from minillm.quant.targets import check_calibration, projections, rtn_weights
 
 METHODS = ("int8", "int4", "gguf", "gptq", "awq")
+LM_HEADS = (None, "int8", "int4")
 DEFAULT_GROUP = 32
 
 
@@ -41,12 +52,16 @@ def is_quantized(model) -> bool:
     return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
 
 
-def _check(model, method, group_size, calibration, path):
+def _check(model, method, group_size, calibration, path, lm_head=None, allow_w8a8=False):
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a minillm Transformer, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_path(path)
+    if not isinstance(allow_w8a8, bool):
+        raise TypeError(f"allow_w8a8 must be a bool, got {type(allow_w8a8).__name__}")
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"lm_head must be one of {LM_HEADS}, got {lm_head!r}")
     if is_quantized(model):
         raise ValueError("model is already quantized; quantize a float model (load it again, or "
                          "keep a copy.deepcopy before the first quantize)")
@@ -65,6 +80,11 @@ def _check(model, method, group_size, calibration, path):
                 check_group_size(group, module.in_features)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{e} (the input width of {name})") from None
+    if lm_head == "int4":
+        try:
+            check_group_size(group or DEFAULT_GROUP, model.config.d_model)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{e} (the input width of lm_head)") from None
     if method in ("gptq", "awq"):
         if calibration is None:
             raise ValueError(f"method={method!r} needs calibration token ids (a LongTensor (B, T) "
@@ -124,18 +144,38 @@ def _check_folds(model, folds: dict) -> dict:
     return params
 
 
+def _build(weights: dict, head, cls, path: str, device) -> dict:
+    """The new modules, every one probed; a missing fast kernel is told once per format and
+    device for the whole model (the modules share what they have told)."""
+    told: set = set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new = {n: cls(_on(w, device), path=path) for n, w in weights.items()}
+        if head is not None:
+            new["lm_head"] = head[0](_on(head[1], device), path=path)
+    for m in new.values():
+        told |= m._fallback_seen
+        m._fallback_seen = told
+    for line in dict.fromkeys(str(w.message) for w in caught):
+        warnings.warn(line, stacklevel=3)
+    return new
+
+
 def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
-             path: str = "auto"):
+             path: str = "auto", lm_head: str | None = None, allow_w8a8: bool = False):
     """Replace the model's projections by quantized ones, in place; returns the model.
 
     method: "int8" | "int4" | "gguf" | "gptq" | "awq"; group_size: int4 groups along the input
-    (default 32; None for int8); calibration: token ids for gptq / awq; path: "auto" | "fast" |
-    "reference" (see `quant.linear`).
+    (default 32; None for int8); calibration: token ids for gptq / awq; path: "auto" | "fast"
+    (this machine's chosen fast route, `routes.py`) | "reference" (see `quant.linear`);
+    lm_head: None (the fp32 embedding is the output projection) | "int8" | "int4" (a quantized
+    copy for the output projection; the embedding lookup keeps the fp32 table); allow_w8a8:
+    let int8 race its W8A8 route (8-bit activations: faster on some CPUs, less accurate).
 
     >>> model, tok = load_model()
     >>> quantize(model, "gguf")          # the shipped Q4_1 blocks: the same weights, 5 bits each
     """
-    group, calibration = _check(model, method, group_size, calibration, path)
+    group, calibration = _check(model, method, group_size, calibration, path, lm_head, allow_w8a8)
     weights, folds = _new_weights(model, method, group, calibration)
     mods = projections(model)
     if set(weights) != set(mods):
@@ -147,13 +187,23 @@ def quantize(model, method: str = "int4", group_size: int | None = None, calibra
                              f"whose weight is {tuple(mods[name].weight.shape)}")
     params = _check_folds(model, folds)
     cls = Int8Linear if method == "int8" else Int4Linear
-    new = {n: cls(_on(w, model.device), path=path) for n, w in weights.items()}
+    head = None
+    if lm_head is not None:
+        w = model.lm_head.weight.detach()
+        head = (Int8Linear, quantize_int8(w)) if lm_head == "int8" else \
+            (Int4Linear, quantize_int4(w, group or DEFAULT_GROUP))
+    new = _build(weights, head, cls, path, model.device)
     with torch.no_grad():                                      # all checked: now swap everything
         for name, value in folds.items():
             params[name].copy_(value)
         for name, module in new.items():
-            parent, child = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, module)
+            if "." in name:
+                parent, child = name.rsplit(".", 1)
+                setattr(model.get_submodule(parent), child, module)
+            else:
+                setattr(model, name, module)
+    if path != "reference":
+        choose_routes(model, allow_w8a8=allow_w8a8)
     return model
 
 
@@ -174,22 +224,36 @@ def set_path(model, path: str):
 
 
 def quantized_bytes(model) -> dict:
-    """Bytes of the model's weights by format ("int8", "int4", "float32", ...) and "total";
-    a tied weight (embedding = lm_head) is counted once. One batch-1 decode step reads all of it
-    (the embedding as lm_head), so total / bandwidth is the step's floor. The fast path's own
-    copies of the codes, when any, are under "fast_path_copies": memory, outside "total"."""
+    """Bytes of the model's weights by format ("int8", "int4_g32", "float32", ...) and "total"
+    (what the model holds; a tied weight, embedding = lm_head, counted once). Beside them:
+
+    - "read_per_step": what one batch-1 decode step reads, so read_per_step / bandwidth is the
+      step's floor: each quantized projection as its active kernel reads it (the kernel's packed
+      copy where it reads one, `read_nbytes`), the float parameters, and the embedding in full
+      only when it is also the output projection (one row per token otherwise);
+    - "embedding": the float embedding table held (inside "total");
+    - "fast_path_copies": the fast kernels' own copies of the codes, when any: memory held beside
+      the weights, outside "total"."""
     out, seen = {}, set()
-    for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
-            fmt = module.format + (f"_g{module.group_size}" if module.format == "int4" else "")
-            out[fmt] = out.get(fmt, 0) + module.nbytes
+    qmods = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    for module in qmods:
+        fmt = module.format + (f"_g{module.group_size}" if module.format == "int4" else "")
+        out[fmt] = out.get(fmt, 0) + module.nbytes
     for p in model.parameters():                      # the float parameters left: norms, embed
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             fmt = str(p.dtype).replace("torch.", "")
             out[fmt] = out.get(fmt, 0) + p.numel() * p.element_size()
     out["total"] = sum(out.values())
-    extra = sum(m.kernel_nbytes for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    emb = model.embed.weight
+    emb_bytes = emb.numel() * emb.element_size()
+    is_head = getattr(model.lm_head, "weight", None) is emb
+    out["read_per_step"] = (sum(m.read_nbytes() for m in qmods)
+                            + sum(p.numel() * p.element_size() for p in model.parameters()
+                                  if p is not emb)
+                            + (emb_bytes if is_head else emb.shape[1] * emb.element_size()))
+    out["embedding"] = emb_bytes
+    extra = sum(m.kernel_nbytes for m in qmods)
     if extra:
         out["fast_path_copies"] = extra      # held beside the weights, not read by a step: not in total
     return out
