@@ -108,3 +108,15 @@ def test_int8_route_computes_the_dequantized_product(model):
 def test_bad_input_names_the_argument(model, kw, word):
     with pytest.raises(ValueError, match=re.escape(word)):
         verify_table(model, hardware=HW, **kw)
+
+
+def test_plot_draws_the_table():
+    pytest.importorskip("matplotlib")
+    from minillm.viz.roofline import plot_verify_cost
+    rows = [{"n": n, "ratio": r, "least": l, "roofline": 1.0, "int8_least": l}
+            for n, r, l in ((1, 1.0, 1.0), (8, 1.6, 1.4), (64, 4.0, 3.0))]
+    fig = plot_verify_cost({"rows": rows, "tolerance": 0.15, "ridge_rows": 40, "context": 128})
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].lines}
+    assert lines["measured forward(N) / forward(1)"] == [1.0, 1.6, 4.0]
+    assert lines["least these matmul kernels allow"] == [1.0, 1.4, 3.0]
+    assert "ridge: 40 rows" in lines
