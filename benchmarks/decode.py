@@ -137,7 +137,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     weight_bytes = model.config.num_params * model.dtype.itemsize
     floor_ms = 1e3 * weight_bytes / bandwidth
     floor = floor_run(weight_bytes, device)
-    hardware = measure_hardware(device, quick=True, dtypes=(str(model.dtype).replace("torch.", ""),),
+    hardware = measure_hardware(device, quick=quick, dtypes=(str(model.dtype).replace("torch.", ""),),
                                 progress=False)          # the roofline of the verify-cost table
     record = {"model": model.config.name, "dtype": str(model.dtype).replace("torch.", ""),
               "quick": quick, "new_tokens": n_new,

@@ -19,12 +19,12 @@ With `int8=True` it also times the same matmuls through torch's int8 dynamic qua
 route's least ratio, (other(1) + int8(N)) / (other(1) + int8(1)): the ratio a forward through it
 would have if only its matmuls grew with N.
 
-All cases are timed in interleaved rounds, medians kept, so a busy machine slows them alike.
+All cases are timed in interleaved rounds and each keeps its fastest round: on a machine shared
+with other work a disturbance only adds time, so the fastest round is the least disturbed one.
 Letters: N new tokens of the forward, S cached context, L layers, H/Hkv heads, D head dim.
 Left out on purpose: tree-shaped masks (a tree's N rows cost what a chain's N rows cost here)
 and batches of more than one sequence.
 """
-import statistics
 import time
 import warnings
 
@@ -104,31 +104,42 @@ def attention_alone(model, n: int, context: int = 128, seed: int = 0):
     return run
 
 
-def int8_matmuls(model, n: int, seed: int = 0):
-    """A function that runs a forward's matmuls (every `nn.Linear` of `model`, once) at N rows
-    through torch's int8 dynamic quantized linear (`quantized::linear_dynamic`: weights int8 per
-    output channel, prepacked once here; activations quantized per call), or None where this
-    torch has no such kernel (no quantized engine, or not a CPU model)."""
-    check_int("n", n, 1)
+def int8_prepack(model) -> list | None:
+    """Every `nn.Linear` weight of `model`, quantized to int8 per output channel (symmetric) and
+    prepacked for torch's `quantized::linear_dynamic`, as (in_features, packed) in module order;
+    None where this torch has no quantized engine or the model is not on a CPU."""
     if model.device.type != "cpu" or torch.backends.quantized.engine == "none":
         return None
-    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    out = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            w = m.weight.detach().float()
+            scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)          # (out,)
+            with warnings.catch_warnings():       # torch marks its quantized tensors deprecated
+                warnings.simplefilter("ignore", UserWarning)
+                qw = torch.quantize_per_channel(w, scales, torch.zeros_like(scales, dtype=torch.long),
+                                                0, torch.qint8)
+            out.append((m.in_features, torch.ops.quantized.linear_prepack(qw, None)))
+    return out
+
+
+def int8_matmuls(model, n: int, seed: int = 0, packed: list | None = None):
+    """A function that runs a forward's matmuls (every `nn.Linear` of `model`, once) at N rows
+    through torch's int8 dynamic quantized linear (W8A8: `int8_prepack`'s weights, activations
+    quantized per call), or None where this torch has no such kernel. `packed`: an
+    `int8_prepack(model)` to share between row counts."""
+    check_int("n", n, 1)
+    packed = packed if packed is not None else int8_prepack(model)
+    if packed is None:
+        return None
     g = torch.Generator().manual_seed(seed)
-    xs = {k: torch.randn(n, k, generator=g) for k in sorted({m.in_features for m in lins})}
-    calls = []
-    for m in lins:
-        w = m.weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)              # (out,)
-        with warnings.catch_warnings():       # torch marks its quantized tensors deprecated
-            warnings.simplefilter("ignore", UserWarning)
-            qw = torch.quantize_per_channel(w, scales, torch.zeros_like(scales, dtype=torch.long),
-                                            0, torch.qint8)
-        calls.append((xs[m.in_features], torch.ops.quantized.linear_prepack(qw, None)))
+    xs = {k: torch.randn(n, k, generator=g) for k in sorted({k for k, _ in packed})}  # (N, in)
+    calls = [(xs[k], p) for k, p in packed]
 
     @torch.inference_mode()
     def run():
-        for x, packed in calls:
-            torch.ops.quantized.linear_dynamic(x, packed, True)            # (N, out)
+        for x, p in calls:
+            torch.ops.quantized.linear_dynamic(x, p, True)                 # (N, out)
     return run
 
 
@@ -136,10 +147,11 @@ def int8_matmuls(model, n: int, seed: int = 0):
 def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
                  hardware: Hardware | None = None, tolerance: float = TOLERANCE,
                  attention: bool = True, int8: bool = False) -> dict:
-    """The verify-cost table of `model` on this machine: per N in `rows` (1 included), the
-    median ms of one forward over N new tokens after `context` cached ones, its ratio to N = 1,
-    the least ratio these kernels allow, the roofline's ratio for `hardware` (measured here,
-    quickly, when None) and the gap ratio / least - 1, flagged within `tolerance` or not.
+    """The verify-cost table of `model` on this machine: per N in `rows` (1 included), the ms of
+    one forward over N new tokens after `context` cached ones (each case's fastest of `rounds`
+    interleaved rounds), its ratio to N = 1, the least ratio these kernels allow, the roofline's
+    ratio for `hardware` (measured here when None) and the gap ratio / least - 1, flagged
+    within `tolerance` or not.
 
     Returns {"rows": [{"n", "forward_ms", "matmuls_ms", "other_ms", "ratio", "least",
     "roofline", "gap", "within", and with `attention` "attention_ms", with `int8`
@@ -159,15 +171,16 @@ def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
     check_real("tolerance", tolerance, 0.0, 10.0, low_open=True)
     dtype = dtype_name(model.dtype)
     if hardware is None:
-        hardware = measure_hardware(model.device, quick=True, dtypes=(dtype,), progress=False)
+        hardware = measure_hardware(model.device, dtypes=(dtype,), progress=False)
     _, forward = prefilled(model, 1, context, max(rows))
     xs = {n: torch.ones(1, n, dtype=torch.long, device=model.device) for n in rows}
     cases = {"forward": {n: (lambda x=xs[n]: forward(x)) for n in rows},
              "matmuls": {n: decode_matmuls(model, n) for n in rows}}
     if attention:
         cases["attention"] = {n: attention_alone(model, n, context) for n in rows}
-    if int8 and int8_matmuls(model, 1) is not None:
-        cases["int8_matmuls"] = {n: int8_matmuls(model, n) for n in rows}
+    packed = int8_prepack(model) if int8 else None
+    if packed is not None:
+        cases["int8_matmuls"] = {n: int8_matmuls(model, n, packed=packed) for n in rows}
     samples = {(c, n): [] for c in cases for n in rows}
     with linear_route("auto"):
         for c in cases:                                                    # warm-up
@@ -178,7 +191,7 @@ def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
                 t0 = time.perf_counter()
                 cases[c][n]()
                 times.append(1e3 * (time.perf_counter() - t0))
-    ms = {c: {n: statistics.median(samples[(c, n)]) for n in rows} for c in cases}
+    ms = {c: {n: min(samples[(c, n)]) for n in rows} for c in cases}
     f1, m1 = ms["forward"][1], ms["matmuls"][1]
     other1 = max(f1 - m1, 0.0)
     table = []
@@ -220,7 +233,8 @@ def _limit(table: list) -> str | None:
 def format_verify_table(t: dict) -> str:
     """`verify_table`'s result as aligned text: one line per N, then the ridge and the verdict."""
     extra = [k for k in ("attention_ms", "int8_least") if k in t["rows"][0]]
-    head = ["N", "forward ms", "ratio", "least", "roofline", "gap", "other ms", *extra]
+    names = {"attention_ms": "attn ms", "int8_least": "int8 least"}
+    head = ["N", "forward ms", "ratio", "least", "roofline", "gap", "other ms", *map(names.get, extra)]
     lines = ["".join(f"{h:>11}" for h in head)]
     for r in t["rows"]:
         cells = [r["n"], f"{r['forward_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['least']:.2f}",
