@@ -37,7 +37,8 @@ from minillm.engine.sequence import SamplingParams
 from minillm.kernels.cpu_tuning import accelerate, kernel_report
 from minillm.lab.common import time_fn
 from minillm.lab.forward_cost import COST_ROWS, forward_cost, least_forward_ratio
-from minillm.lab.measure import decode_matmuls, measure_bandwidth
+from minillm.lab.measure import decode_matmuls, measure_bandwidth, measure_hardware
+from minillm.lab.verify_cost import VERIFY_ROWS, format_verify_table, verify_table
 from minillm.lab.prompts import DECODE_PROMPTS as PROMPTS
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate, generate_batch
@@ -136,6 +137,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     weight_bytes = model.config.num_params * model.dtype.itemsize
     floor_ms = 1e3 * weight_bytes / bandwidth
     floor = floor_run(weight_bytes, device)
+    hardware = measure_hardware(device, quick=quick, dtypes=(str(model.dtype).replace("torch.", ""),),
+                                progress=False)          # the roofline of the verify-cost table
     record = {"model": model.config.name, "dtype": str(model.dtype).replace("torch.", ""),
               "quick": quick, "new_tokens": n_new,
               "units": {"ms_per_step": "ms per decode step", "tok_per_s": "generated tokens/s",
@@ -151,7 +154,12 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                         "forward_cost": "ms per forward of N new tokens (128 cached); 'matmuls': "
                                         "its matmuls alone at N rows, same rounds",
                         "least_forward_ratio": "N -> 1 + (matmuls(N) - matmuls(1)) / forward(1): "
-                                               "the least forward(N) / forward(1) these kernels allow"},
+                                               "the least forward(N) / forward(1) these kernels allow",
+                        "verify_cost": "verify_table: per N, forward ms (128 cached, logits at every "
+                                       "position), ratio to N = 1, the least ratio these kernels "
+                                       "allow, the roofline's ratio, gap = ratio / least - 1, and "
+                                       "the attention alone; stored_once also the int8 dynamic "
+                                       "route's least ratio"},
               "measured_bandwidth_GBps": round(bandwidth / 1e9, 2),
               "weight_bytes": weight_bytes, "bandwidth_floor_ms": round(floor_ms, 3)}
     configs = {"stored_once": False, "with_copies": True} if device.type == "cpu" else {"cuda": None}
@@ -163,6 +171,9 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                                             routes=("auto", "F.linear") if copies is False else ("auto",),
                                             matmuls=True)
         part["least_forward_ratio"] = least_forward_ratio(part["forward_cost"])
+        part["verify_cost"] = verify_table(model, rows=VERIFY_ROWS[:3] if quick else VERIFY_ROWS,
+                                           rounds=1 if quick else 5, hardware=hardware,
+                                           int8=copies is False)
         b1 = part["batch1"]
         part["batch1_fraction_of_floor"] = round(b1["floor_ms_per_step"] / b1["minillm_ms_per_step"], 3)
         part["batch1_matmuls_fraction_of_floor"] = round(b1["floor_ms_per_step"]
@@ -174,7 +185,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
     record.update(batch1=main["batch1"], batch8=main["batch8"], forward_cost=main["forward_cost"],
                   batch1_fraction_of_floor=main["batch1_fraction_of_floor"],
                   batch1_matmuls_fraction_of_floor=main["batch1_matmuls_fraction_of_floor"],
-                  least_forward_ratio=main["least_forward_ratio"])
+                  least_forward_ratio=main["least_forward_ratio"], verify_cost=main["verify_cost"])
     if device.type == "cpu":
         accelerate(model)                                   # leave the default routes behind
     record["machine"] = machine_info(device)
@@ -218,4 +229,7 @@ def report(r: dict) -> str:
         if "least_forward_ratio" in part:
             lines.append("  the least forward(N) / forward(1) these kernels allow: "
                          + " ".join(f"{n}:{v:.2f}" for n, v in part["least_forward_ratio"].items()))
+        if "verify_cost" in part:
+            lines.append("  verify cost, forward(N) / forward(1), against the least and the roofline:")
+            lines += ["    " + line for line in format_verify_table(part["verify_cost"]).splitlines()]
     return "\n".join(lines)

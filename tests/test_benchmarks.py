@@ -250,3 +250,6 @@ def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tm
         assert set(part["forward_cost"]["matmuls"]) == set(part["forward_cost"]["auto"]) == {"1", "2", "4"}
         assert part["least_forward_ratio"] == least_forward_ratio(part["forward_cost"])
     assert decode.report(r).count("its matmuls alone") == 4
+    assert [row["n"] for row in r["verify_cost"]["rows"]] == [1, 2, 4]
+    assert "int8_least" in r["stored_once"]["verify_cost"]["rows"][0]
+    assert decode.report(r).count("verify cost") == 2

@@ -4,6 +4,8 @@ load and replay things on the reader's own machine.
 - `common`: careful timing (`time_fn`, `sync`), a prefilled cache for timing forwards, and
   `load_results`, which reads the committed benchmark records of the checkout;
 - `measure`, `forward_cost`: this machine's ceilings, matmul points and decode-step costs (ch. 0, 1, 5);
+- `verify_cost`: the verify-cost table, forward(N) / forward(1) beside the roofline and the least
+  the kernels allow (ch. 1, 6);
 - `cuda_graphs`: launch overhead and graph replay (ch. 1, GPU only);
 - `paging`: paged attention timed against the block size (ch. 3);
 - `workloads`: synthetic request streams replayed through the engine (ch. 4, 5, 8);

@@ -99,6 +99,33 @@ def plot_skinny_matmul(rows, times: dict, title=None):
     return fig
 
 
+def plot_verify_cost(table: dict, title=None):
+    """forward(N) / forward(1) against N from `lab.verify_cost.verify_table`: measured, the least
+    the kernels allow (with the tolerance band above it), the roofline's ratio, and the ridge
+    point in rows when it falls inside the plotted range."""
+    rows = table["rows"]
+    ns = [r["n"] for r in rows]
+    least = np.array([r["least"] for r in rows])
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(ns, [r["ratio"] for r in rows], "o-", label="measured forward(N) / forward(1)")
+    ax.plot(ns, least, "s--", label="least these matmul kernels allow")
+    ax.fill_between(ns, least, least * (1 + table["tolerance"]), alpha=0.15,
+                    label=f"within {100 * table['tolerance']:.0f}% of the least")
+    if "int8_least" in rows[0]:
+        ax.plot(ns, [r["int8_least"] for r in rows], "^:", label="least through int8 dynamic matmuls")
+    ax.plot(ns, [r["roofline"] for r in rows], "k-", lw=1, label="roofline")
+    ridge = table["ridge_rows"]
+    if ridge is not None and ridge <= max(ns):
+        ax.axvline(ridge, color="0.5", ls=":", lw=1, label=f"ridge: {ridge} rows")
+    ax.set(xscale="log", xlabel="new tokens N in one forward (128 cached)" if table.get("context") == 128
+           else "new tokens N in one forward", ylabel="time / time of N = 1",
+           title=title or "What a verify step of N tokens costs")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.2)
+    return fig
+
+
 def plot_decode_breakdown(parts: dict, title=None):
     """One horizontal bar: where a measured decode step's time goes (ms).
 
