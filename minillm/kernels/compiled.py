@@ -19,6 +19,12 @@ What inductor needs, and how it gets it:
   all S_max slots through a position mask instead of slicing to the last position (a Python int
   read back from a tensor, which would break the graph);
 - no graph breaks: `fullgraph=True`, so a break raises instead of silently running half eager;
+- the matmuls as inductor's own kernels: by default `mode="max-autotune-no-cudagraphs"` with
+  `freezing` (weights taken as constants), which lets inductor time its C++ GEMM templates
+  against the library's matmul for each weight shape on this CPU and pack each weight once into
+  the layout its kernel reads best. That copy costs memory: one packed copy of the weights per
+  compiled row count, beside the model's own (`mode="default", freezing=False` keeps no copy and
+  calls the library's matmuls, which on a 2-core EPYC ran no faster than eager);
 - the reference forward: the compiled model is a `Transformer` of `llama.py` that shares the
   given model's parameters (no copy), so the accelerated model (`FlatTransformer`, routed
   matmuls, whose per-call route lookup is Python the graph cannot hold) stays eager as it is.
@@ -61,16 +67,16 @@ class CompiledForward:
     The first call at a new T compiles (seconds to minutes); `compile_s[T]` records how long that
     first call took."""
 
-    def __init__(self, model: Transformer, max_seq_len: int, mode: str = "default",
-                 freezing: bool = False):
+    def __init__(self, model: Transformer, max_seq_len: int, mode: str = "max-autotune-no-cudagraphs",
+                 freezing: bool = True):
         check_mode(mode)
         self.model = reference_twin(model)
         cfg = self.model.config
         check_int("max_seq_len", max_seq_len, 1, cfg.max_seq_len)
         self.cache = StaticKVCache(cfg, 1, max_seq_len, device=model.device, dtype=model.dtype)
-        options = {"freezing": True} if freezing else None
+        self.freezing = bool(freezing)
         self._fn = torch.compile(self.model, dynamic=False, fullgraph=True,
-                                 mode=None if mode == "default" else mode, options=options)
+                                 mode=None if mode == "default" else mode)
         self.compile_s: dict[int, float] = {}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -78,7 +84,9 @@ class CompiledForward:
         if T in self.compile_s:
             return self._fn(input_ids, positions, self.cache)
         t0 = time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        # compiler settings for this compile only, not for the process
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                torch._inductor.config.patch(freezing=self.freezing):
             out = self._fn(input_ids, positions, self.cache)
         self.compile_s[T] = time.perf_counter() - t0
         return out
@@ -159,7 +167,7 @@ def _timed(fn) -> float:
 
 @torch.inference_mode()
 def compile_if_faster(model: nn.Module, rows=(1, 9), context: int = 64, rounds: int = 7,
-                      steps: int = 3, mode: str = "default", freezing: bool = False,
+                      steps: int = 3, mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
                       min_gain: float = MIN_GAIN, progress=None) -> CompileChoice:
     """Compile `model`'s forward for each row count in `rows` (1: a decode step; N: a verify
     step of N tokens) after `context` cached tokens, time it warm against the eager `model`
