@@ -35,6 +35,7 @@ change shape every step), bfloat16, GPUs (CUDA graphs are measured in `lab/cuda_
 """
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -84,9 +85,13 @@ class CompiledForward:
         if T in self.compile_s:
             return self._fn(input_ids, positions, self.cache)
         t0 = time.perf_counter()
-        # compiler settings for this compile only, not for the process
+        # compiler settings for this compile only, not for the process; autotuning's tables of
+        # timings per kernel (printed to stderr by default) are not shown
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                torch._inductor.config.patch(freezing=self.freezing):
+                torch._inductor.config.patch(freezing=self.freezing, autotune_num_choices_displayed=0,
+                                             max_autotune_report_choices_stats=False), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             out = self._fn(input_ids, positions, self.cache)
         self.compile_s[T] = time.perf_counter() - t0
         return out
