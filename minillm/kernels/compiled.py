@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from minillm._validate import check_int
-from minillm.kernels.tuning_cache import machine_load
+from minillm.kernels.tuning_cache import is_busy, machine_load
 from minillm.model.kv_cache import KVCache, StaticKVCache
 from minillm.model.llama import Transformer
 
@@ -213,14 +213,17 @@ def compile_if_faster(model: nn.Module, rows=(1, 9), context: int = 64, rounds: 
         timings.append(StepTiming(T, round(statistics.median(t_e), 3), round(statistics.median(t_c), 3),
                                   won, rounds, round(compiled.compile_s[T], 2), diff, equal, choice))
     load1, _ = machine_load()
-    return CompileChoice(model, compiled, timings, {"before": round(load0, 2),
-                                                    "after": round(load1, 2), "cores": cores})
+    busy = is_busy(load0, cores, torch.get_num_threads()) or is_busy(load1, cores)
+    return CompileChoice(model, compiled, timings, {"before": round(load0, 2), "after": round(load1, 2),
+                                                    "cores": cores, "busy": busy})
 
 
 def format_choice(choice: CompileChoice) -> str:
     """One line per row count: eager and compiled ms, the ratio, compile seconds, the choice."""
     lines = [f"torch.compile (inductor) vs eager, batch 1, {torch.get_num_threads()} thread(s), "
-             f"median of {choice.timings[0].rounds} alternating rounds"]
+             f"median of {choice.timings[0].rounds} alternating rounds"
+             + (f"; the machine was busy (load {choice.load['after']:.1f} on {choice.load['cores']} "
+                f"cores): these times measure the other work too" if choice.load.get("busy") else "")]
     for t in choice.timings:
         kind = "decode step" if t.rows == 1 else f"verify of {t.rows}"
         lines.append(f"  {kind:>13}: eager {t.eager_ms:7.2f} ms, compiled {t.compiled_ms:7.2f} ms "
