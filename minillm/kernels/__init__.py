@@ -5,4 +5,5 @@ a CPU): `cpu_kernels` (the CPU matmul routes), `route_timing` (timing them on a 
 `tuning_cache` (the cache files, the load average, the one-line notices), `flat_forward` (the
 model's forward as one loop, bit for bit the reference's), and `compiled` (torch.compile of the
 decode and verify steps, timed against eager and kept only where it wins: `compile_if_faster`).
-`python -m minillm.kernels` runs the full tuning. CUDA graph capture of a decode step is measured in `minillm.bench.cuda_graphs`."""
+`python -m minillm.kernels` runs the full tuning. CUDA graph capture of a decode step is measured
+in `minillm.bench.cuda_graphs`."""
