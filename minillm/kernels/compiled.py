@@ -58,7 +58,11 @@ def reference_twin(model: Transformer) -> Transformer:
         raise TypeError(f"model must be a minillm Transformer, got {type(model).__name__}")
     with torch.device("meta"):
         twin = Transformer(model.config)
-    twin.load_state_dict(model.state_dict(keep_vars=True), assign=True, strict=True)
+    try:
+        twin.load_state_dict(model.state_dict(keep_vars=True), assign=True, strict=True)
+    except RuntimeError as e:                   # replaced layers: other parameters than the reference's
+        raise TypeError("model must have the reference Transformer's parameters (nn.Linear or routed "
+                        f"projections; a quantized model is not compiled here): {e}") from None
     return twin.eval()
 
 
@@ -66,7 +70,8 @@ class CompiledForward:
     """`step(input_ids, positions)` -> logits (1, T, V): the model's reference forward compiled
     by inductor over its own `StaticKVCache` of `max_seq_len` slots (`.cache`), one graph per T.
     The first call at a new T compiles (seconds to minutes); `compile_s[T]` records how long that
-    first call took."""
+    first call took. With `freezing` the weights are constants of the graph: a later change to
+    the model's weights is not seen by a row count already compiled."""
 
     def __init__(self, model: Transformer, max_seq_len: int, mode: str = "max-autotune-no-cudagraphs",
                  freezing: bool = True):
