@@ -64,3 +64,11 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="Transformer"):
         CompiledForward(torch.nn.Linear(2, 2), 8)
     assert check_rows([9, 1, 9]) == (1, 9)
+
+
+def test_the_choice_keeps_compiled_only_where_it_won():
+    from minillm.kernels.compiled import _pick
+    assert _pick([10, 10, 10], [8, 8, 8], True, 0.03) == ("compiled", 3)
+    assert _pick([10, 10, 10], [8, 8, 8], False, 0.03) == ("eager", 3)     # outputs disagree
+    assert _pick([10, 10, 10], [9.9, 9.9, 9.9], True, 0.03)[0] == "eager"  # under the margin
+    assert _pick([10, 10, 10, 10], [5, 5, 11, 11], True, 0.03) == ("eager", 2)   # not most rounds
