@@ -5,7 +5,8 @@ N for a verify step that scores N drafted tokens after a cached context), S_max 
 V vocab.
 
 A compiler can fuse the few hundred small ops of a step (norms, the rotation, SiLU, the cache
-write) into a handful of loops; the matmuls stay library calls. Whether that pays on a CPU,
+write) into a handful of loops, and with max-autotune replace a library matmul by its own kernel
+where that timed faster. Whether that pays on a CPU,
 where a batch-1 step is mostly weight reads, is measured here, not assumed:
 `compile_if_faster(model, rows=(1, 9))` compiles the model's forward once per row count, times it
 warm against the eager model in alternating rounds, reports the compile time apart from the step
@@ -22,8 +23,8 @@ What inductor needs, and how it gets it:
 - the matmuls as inductor's own kernels: by default `mode="max-autotune-no-cudagraphs"` with
   `freezing` (weights taken as constants), which lets inductor time its C++ GEMM templates
   against the library's matmul for each weight shape on this CPU and pack each weight once into
-  the layout its kernel reads best. That copy costs memory: one packed copy of the weights per
-  compiled row count, beside the model's own (`mode="default", freezing=False` keeps no copy and
+  the layout its kernel reads best. That copy costs memory: packed weights held by each compiled
+  graph, beside the model's own (`mode="default", freezing=False` keeps no copy and
   calls the library's matmuls, which on a 2-core EPYC ran no faster than eager);
 - the reference forward: the compiled model is a `Transformer` of `llama.py` that shares the
   given model's parameters (no copy), so the accelerated model (`FlatTransformer`, routed
