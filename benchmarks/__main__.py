@@ -18,6 +18,7 @@ BENCHMARKS = {
     "decode": "benchmarks.decode",       # ch 0: minillm vs transformers, batch 1 and 8
     "roofline": "benchmarks.roofline",   # ch 1: ceilings, matmul points, decode vs batch
     "kernels": "benchmarks.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
+    "compile": "benchmarks.compile",     # ch 1: torch.compile vs eager, decode and verify steps
     "serving": "benchmarks.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
     "lockout": "benchmarks.lockout",     # ch 5: short requests behind a long prefill, knobs off / on
     "spec": "benchmarks.spec",           # ch 6: speculative decoding speedups vs theory

@@ -253,3 +253,18 @@ def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tm
     assert [row["n"] for row in r["verify_cost"]["rows"]] == [1, 2, 4]
     assert "int8_least" in r["stored_once"]["verify_cost"]["rows"][0]
     assert decode.report(r).count("verify cost") == 2
+
+
+def test_quick_compile_record_on_a_tiny_model(tmp_path, one_thread):
+    """bench compile, quick, on the tiny model: one timing per row count, the choice each made,
+    compile seconds apart from step times, and the report's line per row count."""
+    from benchmarks import compile as compile_bench
+    r = compile_bench.run(quick=True, device="cpu", out_dir=tmp_path,
+                          model=tiny_model(vocab_size=128, n_layer=1))
+    assert [t["rows"] for t in r["timings"]] == [1, 9] and set(r["choice"]) == {"1", "9"}
+    for t in r["timings"]:
+        assert t["choice"] == r["choice"][str(t["rows"])] and t["compile_s"] > 0
+        assert t["speedup"] == pytest.approx(t["eager_ms"] / t["compiled_ms"], rel=1e-2)
+    text = compile_bench.report(r)
+    assert "decode step" in text and "verify of 9" in text and (tmp_path / "compile_cpu.json").exists()
+    assert compile_bench.run(device="meta")["skipped"]
