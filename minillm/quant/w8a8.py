@@ -15,13 +15,15 @@ scale per token and the result batch-invariant:
 
 1. divide each row by its own abs-max `a` (every row now lies in [-1, 1]);
 2. append one constant row [+1, -1, -1, ...]: the tensor's range is now exactly [-1, 1] whatever
-   the batch holds, so the kernel's per-tensor scale (2 / 127, with `reduce_range` keeping the
-   products inside int16 on CPUs without VNNI) is the same in every call;
+   the batch holds, so the kernel's per-tensor scale is the same in every call: 2 / 255, or
+   2 / 127 with `reduce_range`, which keeps the products inside int16 on CPUs without VNNI
+   (their 8-bit multiply-add saturates at 16 bits; VNNI's adds in 32 bits, so it needs no
+   halving: `REDUCE_RANGE` says which this CPU gets);
 3. run the kernel, drop the constant row, multiply each output row by its `a`.
 
 Each row is quantized by the same rule whatever its companions; the integer product is exact, so
 a row's output is the same alone and inside a batch. The activation's rounding is at most one
-step of 2 / 127 times `a` per element (a clamp at the top of the range included): a result is
+step of 2 / 127 times `a` per element (half that with VNNI) (a clamp at the top of the range included): a result is
 off from the dequantized weight's product by at most `a * 2/127 * sum_k |w[n, k]|`.
 
 Left out on purpose: static (calibrated) activation scales, per-group weight scales, outlier
@@ -40,6 +42,19 @@ def available() -> bool:
             torch.backends.quantized.engine in ("x86", "fbgemm", "onednn")
     except RuntimeError:
         return False
+
+
+def _has_vnni() -> bool:
+    """Does this CPU say it has VNNI (Linux's flags; anywhere else: assume not, the safe side)?"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+REDUCE_RANGE = not _has_vnni()     # 7-bit activations only where 8-bit products could saturate
 
 
 def prepack(q: torch.Tensor, scale: torch.Tensor):
@@ -80,5 +95,5 @@ def linear_w8a8(x: torch.Tensor, packed) -> torch.Tensor:
     xs = torch.empty(M + 1, K)
     torch.div(x, a, out=xs[:M])                                             # rows in [-1, 1]
     xs[M].copy_(_anchor(K))                                                 # range exactly [-1, 1]
-    y = torch.ops.quantized.linear_dynamic(xs, packed, True)                # (M + 1, N)
+    y = torch.ops.quantized.linear_dynamic(xs, packed, REDUCE_RANGE)                # (M + 1, N)
     return y[:M].mul_(a)                                                    # (M, N)
