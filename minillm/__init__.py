@@ -36,11 +36,13 @@ from minillm.spec.rejection import greedy_verify, rejection_sample
 
 
 def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
-             path: str = "auto"):
+             path: str = "auto", lm_head: str | None = None, allow_w8a8: bool = False):
     """Quantize a model's projections in place (chapter 7): method "int8" | "int4" | "gguf" |
-    "gptq" | "awq". See `minillm.quant.api.quantize`; imported on first use."""
+    "gptq" | "awq"; lm_head None | "int8" | "int4"; allow_w8a8 lets int8 race its W8A8 route.
+    See `minillm.quant.api.quantize`; imported on first use."""
     from minillm.quant.api import quantize as _quantize
-    return _quantize(model, method, group_size, calibration, path)
+    return _quantize(model, method, group_size, calibration, path, lm_head=lm_head,
+                     allow_w8a8=allow_w8a8)
 
 
 __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat", "encode_chat", "PRESETS", "ModelConfig",

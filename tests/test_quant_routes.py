@@ -146,3 +146,17 @@ def test_quantized_lm_head_is_the_dequantized_copy_and_the_embedding_stays(head,
     assert counted["total"] == qbytes + norms + counted["embedding"]
     with pytest.raises(ValueError, match="lm_head must be one of"):
         quantize(minillm.tiny_model(), "int8", lm_head="int2")
+
+
+def test_front_door_quantize_forwards_every_argument():
+    """`minillm.quantize` takes every argument of `quant.api.quantize`, with the same defaults,
+    and passes them on: lm_head="int8" through the front door gives an int8 output projection."""
+    import inspect
+    import minillm
+    from minillm.quant import api
+    from minillm.quant.linear import Int8Linear
+    front, inner = inspect.signature(minillm.quantize), inspect.signature(api.quantize)
+    assert list(front.parameters) == list(inner.parameters)
+    assert all(front.parameters[k].default == p.default for k, p in inner.parameters.items())
+    model = minillm.quantize(minillm.tiny_model(), "int8", lm_head="int8", path="reference")
+    assert isinstance(model.lm_head, Int8Linear)
