@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from minillm._validate import check_int, check_real
-from minillm.analysis.roofline import Hardware, dtype_name, step_costs, step_time, total_cost
+from minillm.analysis.roofline import (Hardware, _first_reaching, dtype_name, step_costs, step_time,
+                                      total_cost)
 from minillm.kernels.cpu_kernels import linear_route
 from minillm.lab.common import prefilled
 from minillm.lab.measure import decode_matmuls, measure_hardware
@@ -59,16 +60,8 @@ def ridge_rows(cfg, hardware: Hardware, dtype="fp32", context: int = 128,
     check_int("max_rows", max_rows, 1)
     ridge = hardware.ridge(dtype)
 
-    def intensity(n):
-        return total_cost(_verify_costs(cfg, n, context, dtype)).intensity
-
-    if intensity(max_rows) < ridge:
-        return None
-    lo, hi = 1, max_rows
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if intensity(mid) >= ridge else (mid + 1, hi)
-    return lo
+    return _first_reaching(lambda n: total_cost(_verify_costs(cfg, n, context, dtype)).intensity,
+                           ridge, max_rows)
 
 
 def roofline_ratio(cfg, hardware: Hardware, n: int, dtype="fp32", context: int = 128) -> float:
