@@ -231,3 +231,27 @@ def test_paged_cache_refuses_an_unflattened_batch_in_both_forwards():
         cache.prepare([3, 3], [3, 3], [[0], [1]])
         with pytest.raises(ValueError, match="flattened batch"):
             m(torch.zeros(2, 3, dtype=torch.long), torch.arange(3), cache)
+
+
+def test_return_hidden_is_the_final_norm_output_in_both_forwards():
+    """The features chapter 10's drafters read: lm_head(hidden) is the logits, bit for bit, and
+    the flat loop returns what the reference forward returns."""
+    from minillm.kernels.flat_forward import flatten, unflatten
+    model = minillm.tiny_model(seed=3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref_logits, ref_hidden = model(ids, return_hidden=True)
+        assert ref_hidden.shape == (1, 7, model.config.d_model)
+        torch.testing.assert_close(model.lm_head(ref_hidden), ref_logits, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids), ref_logits, rtol=0, atol=0)
+        last, hidden_last = model(ids, logits_index=torch.tensor([6]), return_hidden=True)
+        torch.testing.assert_close(last, ref_logits[:, 6:])   # one row's matmul: ULPs apart
+        torch.testing.assert_close(hidden_last, ref_hidden, rtol=0, atol=0)
+        flatten(model)
+        try:
+            assert model.flat_ok(ids)
+            flat_logits, flat_hidden = model(ids, return_hidden=True)
+        finally:
+            unflatten(model)
+    torch.testing.assert_close(flat_hidden, ref_hidden, rtol=0, atol=0)
+    torch.testing.assert_close(flat_logits, ref_logits, rtol=0, atol=0)

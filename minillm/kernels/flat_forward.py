@@ -45,14 +45,15 @@ _LINEARS = (nn.Linear, RoutedLinear)
 class FlatTransformer(Transformer):
     """`Transformer` whose forward is one flat loop where that gives the same function."""
 
-    def forward(self, input_ids, positions=None, cache=None, logits_index=None):
+    def forward(self, input_ids, positions=None, cache=None, logits_index=None,
+                return_hidden: bool = False):
         layers = self.flat_layers(input_ids)
         if layers is None:
-            return super().forward(input_ids, positions, cache, logits_index)
+            return super().forward(input_ids, positions, cache, logits_index, return_hidden)
         positions = self.check_inputs(input_ids, positions, cache)
         return flat_forward(self, input_ids, positions,
                             cache if cache is not None else DenseCausalAttention(), logits_index,
-                            layers)
+                            layers, return_hidden)
 
     def flat_ok(self, input_ids) -> bool:
         """Whether this call takes the flat loop (see the module docstring's contract)."""
@@ -123,8 +124,9 @@ def _layer_weights(model) -> list | None:
     return out
 
 
-def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=None, layers=None):
-    """logits (B, T or T', V) of `model` over input_ids (B, T) at positions (1 or B, T) with
+def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=None, layers=None,
+                 return_hidden: bool = False):
+    """logits (B, T or T', V) (with `return_hidden`, also the final norm's output (B, T, C)) of `model` over input_ids (B, T) at positions (1 or B, T) with
     `cache` (the protocol of llama.py); unchecked: `FlatTransformer.forward` checks first and
     passes `layers` (`_layer_weights(model)`).
 
@@ -161,6 +163,11 @@ def flat_forward(model: Transformer, input_ids, positions, cache, logits_index=N
         gate, up = _linear(h, gate_up_proj, route).chunk(2, -1)    # (R, F) views each
         x = x + _linear(F.silu(gate) * up, down_proj, route)
     x = x.view(B, T, -1)
+    if return_hidden:
+        hidden = F.rms_norm(x, x.shape[-1:], model.norm.weight, model.norm.eps)   # (B, T, C)
+        rows = hidden if logits_index is None else hidden[:, logits_index]
+        Bo, To, C = rows.shape
+        return _linear(rows.reshape(Bo * To, C), model.lm_head, route).view(Bo, To, -1), hidden
     if logits_index is not None:
         x = x[:, logits_index]                                     # (B, T', C)
     Bo, To, C = x.shape

@@ -141,7 +141,10 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache=None, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                cache=None, logits_index: torch.Tensor | None = None,
+                return_hidden: bool = False):
+        """logits (B, T or T', V); with `return_hidden`, (logits, hidden): hidden (B, T, C) is the
+        final norm's output at every new token, the features trained drafters read (chapter 10)."""
         positions = self.check_inputs(input_ids, positions, cache)    # (1, T) or (B, T)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         cos, sin = cos[:, None], sin[:, None]                      # (B or 1, 1, T, D)
@@ -149,6 +152,10 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)                                  # (B, T, C)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_cache, i, positions)
+        if return_hidden:
+            hidden = self.norm(x)                                  # (B, T, C)
+            rows = hidden if logits_index is None else hidden[:, logits_index]
+            return self.lm_head(rows), hidden                      # (B, T or T', V), (B, T, C)
         if logits_index is not None:
             x = x[:, logits_index]                                 # (B, T', C)
         return self.lm_head(self.norm(x))                          # (B, T or T', V)
