@@ -10,12 +10,13 @@ import random
 import pytest
 import torch
 
-from minillm import tiny_model
+from minillm import get_config, tiny_model
+from minillm.analysis.roofline import get_hardware
 from minillm.analysis.spec_theory import expected_tokens_per_step
 from minillm.spec.loop import SpecStats, speculative_generate
 from minillm.spec.tree import TokenTree
 from minillm.spec.tree_sizing import (best_trees, cost_fn, expected_tau, predicted_speedup,
-                                      size_tree)
+                                      roofline_costs, size_tree)
 from test_tree import TopKTreeProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # fixture in conftest.py
@@ -86,6 +87,20 @@ def test_the_machine_decides_the_tree():
     big, small = size_tree(acc, gpu), size_tree(acc, cpu)
     assert big.tree.num_nodes > 2 * small.tree.num_nodes
     assert big.tau > small.tau and big.speedup > small.speedup
+
+
+def test_roofline_trees_side_by_side():
+    """The H200's roofline verifies 64 tokens of SmolLM2 at about the price of one: the tree
+    grows to the node limit; a 2-core CPU's measured-like costs (9 tokens about 2x) stop early."""
+    cfg = get_config("smollm2-135m")
+    gpu = roofline_costs(cfg, get_hardware("h200"), 64)
+    assert gpu[64] / gpu[1] < 1.2
+    acc = [0.6, 0.15, 0.08, 0.04, 0.02]
+    cpu = {n: 1.0 + (n - 1) / 8 for n in range(1, 65)}
+    big, small = size_tree(acc, gpu), size_tree(acc, cpu)
+    print(f"H200 roofline: {big.tree.num_nodes} nodes, tau {big.tau:.2f}, x{big.speedup:.2f}; "
+          f"2-core CPU: {small.tree.num_nodes} nodes, tau {small.tau:.2f}, x{small.speedup:.2f}")
+    assert big.tree.num_nodes > 40 and small.tree.num_nodes < 12
 
 
 def test_theory_against_a_run():

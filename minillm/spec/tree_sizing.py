@@ -30,6 +30,7 @@ depth limits beyond max_depth, acceptance that depends on more than (depth, rank
 from functools import lru_cache
 from typing import NamedTuple
 
+from minillm.analysis.roofline import Hardware, step_costs, step_time
 from minillm.spec.tree import TokenTree
 
 
@@ -80,6 +81,17 @@ def cost_fn(costs):
                 return t0 if n1 == n0 else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
         return pts[-1][1]
     return cost, pts[-1][0]
+
+
+def roofline_costs(cfg, hardware: Hardware, max_tokens: int = 64, dtype="bf16",
+                   context: int = 128) -> dict:
+    """{n: seconds} for n = 1..max_tokens: the roofline's lower bound of a verify pass over n
+    tokens (logits at every one) after `context` cached, for a machine not at hand (a GPU's
+    datasheet); on the reader's machine, measure instead (`minillm.lab.forward_cost`)."""
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    return {n: step_time(step_costs(cfg, 1, n, context, dtype, logits_tokens=n), hardware, dtype)
+            for n in range(1, max_tokens + 1)}
 
 
 def expected_tau(tree: TokenTree, acceptance) -> float:
