@@ -82,16 +82,17 @@ def tree_accept(logits: torch.Tensor, draft: TreeDraft, temperature: float = 0.0
             if nxt is None:
                 return path, best[path[-1]]
             path.append(nxt)
-    p = logits_to_probs(logits, temperature, top_k, top_p).to(torch.float64)   # (N, V)
+    # the rule walks a few rows element by element: on the host, in float64
+    p = logits_to_probs(logits, temperature, top_k, top_p).to("cpu", torch.float64)   # (N, V)
     while True:
         kids = draft.children(path[-1])
         accept, residual = sibling_rule(p[path[-1]], [toks[c] for c in kids])
-        u = _uniform(generator, logits.device)
+        u = _uniform(generator, p.device)
         chosen = int((u >= accept.cumsum(0)).sum()) if len(kids) else 0   # first j with u < cum
         if chosen < len(kids):
             path.append(kids[chosen])
             continue
-        v = torch.tensor([_uniform(generator, logits.device)], dtype=torch.float64)
+        v = torch.tensor([_uniform(generator, p.device)], dtype=torch.float64)
         return path, int(sample_from_uniform(residual[None], v)[0])
 
 
@@ -109,7 +110,7 @@ def typical_accept(logits: torch.Tensor, draft: TreeDraft, temperature: float = 
                          f"{posterior_threshold}, {posterior_alpha}")
     if temperature == 0:
         return tree_accept(logits, draft, 0.0)
-    p = logits_to_probs(logits, temperature).to(torch.float64)                  # (N, V)
+    p = logits_to_probs(logits, temperature).to("cpu", torch.float64)           # (N, V)
     entropy = -(p * p.clamp(min=1e-300).log()).sum(-1)                          # (N,)
     bar = torch.minimum(torch.full_like(entropy, posterior_threshold),
                         posterior_alpha * torch.exp(-entropy))                  # (N,)
@@ -119,5 +120,5 @@ def typical_accept(logits: torch.Tensor, draft: TreeDraft, temperature: float = 
         ok[i] = ok[par] and bool(p[par, draft.tokens[i]] > bar[par])
         if ok[i] and draft.depths[i] > draft.depths[best]:
             best = i
-    v = torch.tensor([_uniform(generator, logits.device)], dtype=torch.float64)
+    v = torch.tensor([_uniform(generator, p.device)], dtype=torch.float64)
     return draft.path_to(best), int(sample_from_uniform(p[best][None], v)[0])
