@@ -56,6 +56,9 @@ def test_tree_draft_checks():
     d = TreeDraft.from_tree(WIDE, torch.arange(WIDE.num_nodes))
     p = d.prune(1)
     assert p.tokens.tolist() == [0, 1, 2, 3] and p.parents == [-1, 0, 0, 0]
+    assert p.ranks == [-1, 0, 1, 2] and d.first(5).parents == [-1, 0, 0, 0, 1]
+    with pytest.raises(ValueError, match="ranks"):
+        TreeDraft(torch.tensor([1, 2]), [-1, 0], ranks=[0])
     assert d.path_to(9) == [0, 1, 4, 7, 9]
 
 
@@ -200,6 +203,13 @@ def test_tree_loop_features_and_self_draft_counts(pair):
     acc = st.acceptance_by_position()
     assert all(acc[(d, 0)] == 1.0 for d in range(1, 5)) and acc[(1, 1)] == 0.0   # top-1 always
     assert st.num_proposed[0] == WIDE.num_nodes - 1
+
+
+def test_statistics_use_the_tree_ranks(pair):
+    target, _ = pair
+    st = SpecStats()
+    speculative_generate(target, TopKTreeProposer(target), [1, 2, 3], 9, tree=[(0,), (2,)], stats=st)
+    assert set(st.acceptance_by_position()) == {(1, 0), (1, 2)}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 11])

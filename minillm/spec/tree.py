@@ -122,9 +122,11 @@ class TokenTree:
 class TreeDraft:
     """A concrete draft: tokens (N,) with tokens[0] = the root (the last sampled token, not yet
     run through the target) and parents (parents[0] = -1, parents[i] < i). Siblings hold distinct
-    tokens (the exact acceptance rule tries each candidate once)."""
+    tokens (the exact acceptance rule tries each candidate once). `ranks` (optional): each node's
+    top-k rank, as in the `TokenTree` it fills (statistics per (depth, rank) read it)."""
     tokens: torch.Tensor
     parents: list[int]
+    ranks: list[int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dtype != torch.long \
@@ -145,6 +147,8 @@ class TreeDraft:
                 raise ValueError(f"TreeDraft: node {i}'s children repeat a token "
                                  f"({[toks[c] for c in kids]}); siblings must be distinct")
         self.depths = _depths(self.parents)
+        if self.ranks is not None and len(self.ranks) != N:
+            raise ValueError(f"TreeDraft.ranks must have N = {N} entries, got {len(self.ranks)}")
 
     @classmethod
     def from_tree(cls, tree: TokenTree, tokens) -> "TreeDraft":
@@ -152,7 +156,7 @@ class TreeDraft:
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.shape != (tree.num_nodes,):
             raise ValueError(f"tokens must be ({tree.num_nodes},) for {tree}, got {tuple(tokens.shape)}")
-        return cls(tokens, list(tree.parents))
+        return cls(tokens, list(tree.parents), list(tree.ranks))
 
     @property
     def num_nodes(self) -> int:
@@ -173,9 +177,16 @@ class TreeDraft:
 
     def prune(self, max_depth: int) -> "TreeDraft":
         """The nodes at depth <= max_depth (node order kept), e.g. to fit a token budget."""
-        keep = [i for i in range(self.num_nodes) if self.depths[i] <= max_depth]
+        return self._subset([i for i in range(self.num_nodes) if self.depths[i] <= max_depth])
+
+    def first(self, n: int) -> "TreeDraft":
+        """The first n nodes (a tree too: parents come before their children)."""
+        return self._subset(list(range(min(n, self.num_nodes))))
+
+    def _subset(self, keep: list[int]) -> "TreeDraft":
         new = {old: j for j, old in enumerate(keep)}
-        return TreeDraft(self.tokens[keep], [-1] + [new[self.parents[i]] for i in keep[1:]])
+        ranks = None if self.ranks is None else [self.ranks[i] for i in keep]
+        return TreeDraft(self.tokens[keep], [-1] + [new[self.parents[i]] for i in keep[1:]], ranks)
 
 
 class TreeAttention:

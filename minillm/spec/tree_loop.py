@@ -15,7 +15,7 @@ context token but the last, (S - 1, C). The prefill gives the prompt's; each ste
 hidden rows of the accepted path (the root and the accepted nodes), which the tree pass computed.
 
 `SpecStats` counts as in chapter 6 (drafted = nodes - 1, accepted = path length - 1) and, per
-(depth, rank) of a node (rank = its place among its siblings), how often it was tested (its
+(depth, rank) of a node (its `TreeDraft.ranks`, else its place among its siblings), how often it was tested (its
 parent was accepted) and accepted: `SpecStats.acceptance_by_position()`, what `tree_sizing` reads.
 
 Left out on purpose: adaptive K, batches (the engine), stop strings.
@@ -44,8 +44,8 @@ def count_positions(stats, draft: TreeDraft, path: list[int]) -> None:
     for i in range(draft.num_nodes):
         if i not in on_path:
             continue
-        for rank, c in enumerate(draft.children(i)):
-            key = (draft.depths[c], rank)
+        for place, c in enumerate(draft.children(i)):
+            key = (draft.depths[c], place if draft.ranks is None else draft.ranks[c])
             stats.node_tested[key] = stats.node_tested.get(key, 0) + 1
             if c in on_path:
                 stats.node_accepted[key] = stats.node_accepted.get(key, 0) + 1
@@ -93,7 +93,7 @@ def _step(target, proposer, cache, context, features, tree, budget, params, gene
         draft = TreeDraft(torch.tensor([context[-1]]), [-1])
     fits = cache.max_seq_len - start                          # a big dynamic tree near the end
     if draft.num_nodes > fits:
-        draft = TreeDraft(draft.tokens[:fits], draft.parents[:fits])
+        draft = draft.first(fits)
     t1 = time.perf_counter()
     out = tree_forward(target, cache, draft, start, return_hidden=features is not None)
     logits, hidden = out if features is not None else (out, None)            # (N, V), (N, C)
