@@ -81,7 +81,7 @@ def eagle_loss(drafter, lm_head, embed, sample, a: int, L: int, depth: int, nois
     S = sample.ids.numel()
     L = min(L, S - 1 - a)
     dev = getattr(lm_head, "weight", lm_head).device
-    feats = sample.hidden[a:a + L].to(dev)                                 # (L, C)
+    feats = sample.hidden[a:a + L].to(dev, torch.float32)           # (L, C)
     if noise > 0:                                                          # EAGLE's input noise
         feats = feats + (torch.rand(feats.shape, generator=generator) * 2 - 1).to(dev) * noise
     ids = sample.ids.to(dev)
@@ -92,7 +92,7 @@ def eagle_loss(drafter, lm_head, embed, sample, a: int, L: int, depth: int, nois
     for level, out in enumerate(outs, start=1):
         f_idx = rows + level                                               # feature predicted
         ok_f = f_idx < S
-        f_true = sample.hidden.to(dev)[f_idx.clamp(max=S - 1)]
+        f_true = sample.hidden.to(dev, torch.float32)[f_idx.clamp(max=S - 1)]
         fl = F.smooth_l1_loss(out[ok_f], f_true[ok_f]) if ok_f.any() else total
         t_idx = rows + level + 1                                           # token predicted
         tgt = ids[t_idx.clamp(max=S - 1)].clone()

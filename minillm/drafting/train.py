@@ -152,7 +152,7 @@ def train_medusa(model, tokenizer, num_heads: int = 4, recipe="full", seed: int 
         rows, tgt = medusa_targets(s, num_heads)
         feats.append(s.hidden[rows])
         tgts.append(vocab_targets(tgt, vocab, model.config.vocab_size))
-    feats, tgts = torch.cat(feats), torch.cat(tgts)                  # (R, C), (R, K)
+    feats, tgts = torch.cat(feats).float(), torch.cat(tgts)                # (R, C), (R, K)
     if feats.shape[0] == 0:
         raise ValueError("no training rows: the distilled answers are empty")
     lm_head = model.lm_head.weight.detach().float()

@@ -125,7 +125,7 @@ class _Drafter(nn.Module):
         if blob["weights_sha256"] != weights_fingerprint(model):
             raise _mismatch(path, "made for other weights (weights fingerprint differs)")
         state = dict(blob["state"])
-        out = cls(cfg, **blob["config"], draft_vocab=state.pop("draft_vocab", None))
+        out = cls(cfg, **blob["config"], draft_vocab=state.get("draft_vocab"))
         try:
             out.load_state_dict(state)
         except RuntimeError as err:
