@@ -184,7 +184,7 @@ def test_eagle_dynamic_tree_is_a_tree_within_the_budget(model):
 
 
 def test_training_lowers_the_loss_and_is_deterministic(model, samples):
-    r = Recipe(steps=50, batch_rows=32, lr=3e-3, eagle_chunk=16)
+    r = Recipe(steps=50, batch_rows=32, lr=3e-3, eagle_lr=3e-3, eagle_chunk=16)
 
     def lowered(d):
         losses = d.meta["losses"]                                      # every step (< 50 steps)

@@ -33,12 +33,13 @@ from minillm.spec.heads import EagleDrafter, MedusaHeads, weights_fingerprint
 class Recipe:
     """Data and optimizer sizes of one training run."""
     n_chat: int | None = None         # chat questions (None: all)
-    n_humaneval: int = 64             # HumanEval prompts
+    n_humaneval: int = 32             # HumanEval prompts
     n_stdlib: int | None = None       # standard-library docstring prompts (None: all)
-    max_tokens: int = 160             # answer length
-    steps: int = 400
-    batch_rows: int = 256             # Medusa: feature rows per step; EAGLE: rows per chunk x chunks
-    lr: float = 1e-3
+    max_tokens: int = 128             # answer length
+    steps: int = 300
+    batch_rows: int = 128             # Medusa: feature rows per step; EAGLE: rows per chunk x chunks
+    lr: float = 5e-3                  # Medusa's AdamW learning rate
+    eagle_lr: float = 1e-3            # EAGLE's
     eagle_chunk: int = 64             # EAGLE: rows per chunk
     eagle_depth: int = 2              # EAGLE: unrolled levels (1: teacher forcing only)
     eagle_noise: float = 0.1          # EAGLE: uniform input noise on the features
@@ -48,7 +49,7 @@ class Recipe:
 RECIPES = {
     "small": Recipe(n_chat=24, n_humaneval=8, n_stdlib=8, max_tokens=96, steps=80,
                     batch_rows=128),
-    "full": Recipe(),
+    "full": Recipe(n_stdlib=24),
 }
 
 
@@ -207,7 +208,7 @@ def train_eagle(model, tokenizer, recipe="full", seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter.train()
-        losses = _fit(drafter.parameters(), recipe.steps, recipe.lr, seed, loss_fn, progress,
+        losses = _fit(drafter.parameters(), recipe.steps, recipe.eagle_lr, seed, loss_fn, progress,
                       "training the EAGLE drafter")
     return _finish(drafter, model, recipe, losses, path, cache)
 
