@@ -1,0 +1,87 @@
+"""The engine's speculative methods, and what each needs before it can draft: the names, the
+checks of a `speculative_token_tree`, and the proposer a trained method drafts with.
+
+Methods: "ngram" (prompt lookup) and "draft" (a draft model), chapter 6; "medusa" (heads on the
+target's last hidden state), "eagle" (a one-layer drafter over the target's features) and
+"lookahead" (Jacobi guesses into an n-gram pool), chapter 10. The trained ones draft through a
+*proposer*: an object with `propose(contexts, k, temperature, top_k, top_p, generator=None,
+features=None) -> Proposal`, attributes `needs_features` (bool; then `features` is a list with one
+Tensor (w, C) | None per context: the target's hidden rows at the context's positions S-1-w..S-2,
+features.py) and optionally `feature_window` (W rows kept per sequence, default 1) and
+`max_rank` (how many top-k candidates it gives per node; None: unbounded). `make_proposer` takes
+the "model" of a `speculative_config`: such a proposer object as it is, or None for lookahead.
+
+A token tree is a list of paths of top-k ranks, e.g. [(0,), (1,), (0, 0)] ("auto": sized for
+the machine). `check_tree` refuses paths that are not prefix-closed, deeper than K or with a rank
+the drafter does not produce, naming `speculative_token_tree`.
+
+Left out on purpose: training heads (the front door, `LLM`, trains or loads them: this floor
+cannot), tree verification in the paged engine (trees are checked here; the engine verifies the
+chain of rank-0 candidates).
+"""
+import os
+
+SPEC_METHODS = ("ngram", "draft", "medusa", "eagle", "lookahead")
+TREE_METHODS = ("medusa", "eagle", "lookahead")        # drafters with top-k candidates per node
+TRAINED_METHODS = ("medusa", "eagle")                  # need heads trained for the target
+
+
+def tree_paths(tree) -> tuple | str | None:
+    """A `speculative_token_tree` in one form: None, "auto", or a tuple of tuples of ints."""
+    if tree is None or tree == "auto":
+        return tree
+    if isinstance(tree, str) or not isinstance(tree, (list, tuple)):
+        raise TypeError(f"speculative_token_tree must be None, 'auto' or a list of paths of "
+                        f"top-k ranks like [(0,), (1,), (0, 0)], got {tree!r}")
+    paths = []
+    for path in tree:
+        if (not isinstance(path, (list, tuple)) or not path
+                or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in path)):
+            raise ValueError(f"speculative_token_tree: each path must be a non-empty tuple of "
+                             f"ranks >= 0 like (0, 1), got {path!r}")
+        paths.append(tuple(path))
+    return tuple(paths)
+
+
+def check_tree(tree, k: int, max_rank: int | None) -> tuple | str | None:
+    """`tree_paths(tree)`, refused (ValueError naming speculative_token_tree) unless every path's
+    prefixes are paths too, no path is deeper than K = num_speculative_tokens, and no rank
+    reaches `max_rank`, the candidates per node the drafter produces."""
+    paths = tree_paths(tree)
+    if not isinstance(paths, tuple):
+        return paths
+    if not paths:
+        raise ValueError("speculative_token_tree must hold at least one path, got []")
+    known = set(paths)
+    for path in paths:
+        if len(path) > k:
+            raise ValueError(f"speculative_token_tree path {path} is {len(path)} deep; "
+                             f"num_speculative_tokens={k} allows depth <= {k}")
+        if path[:-1] and path[:-1] not in known:
+            raise ValueError(f"speculative_token_tree is not prefix-closed: {path} needs "
+                             f"{path[:-1]} too")
+        if max_rank is not None and max(path) >= max_rank:
+            raise ValueError(f"speculative_token_tree path {path} uses rank {max(path)}; the "
+                             f"drafter gives ranks 0..{max_rank - 1} (top-{max_rank})")
+    return paths
+
+
+def is_proposer(obj) -> bool:
+    return callable(getattr(obj, "propose", None))
+
+
+def make_proposer(method: str, drafter):
+    """The proposer a trained method drafts with, from a speculative_config's "model"."""
+    if method not in TREE_METHODS:
+        raise ValueError(f"make_proposer is for methods {list(TREE_METHODS)}, got {method!r}")
+    if is_proposer(drafter):
+        return drafter
+    if drafter is None and method in TRAINED_METHODS:
+        raise ValueError(f"speculative_config['model'] is None: method {method!r} needs trained "
+                         f"heads; pass them (an object or a path), or use minillm.LLM, which "
+                         f"trains (or loads the cached) heads for the model")
+    if isinstance(drafter, (str, os.PathLike)):
+        raise ValueError(f"speculative_config['model']={str(drafter)!r}: heads given by path "
+                         f"need minillm.LLM here")
+    raise TypeError(f"speculative_config['model'] for method {method!r} must be a proposer "
+                    f"(an object with propose()), got {type(drafter).__name__}")
