@@ -7,10 +7,10 @@ The "features" of a context of S tokens are the hidden rows of positions 0..S-2:
 the root (the last sampled token, not yet run through the target). The engine keeps a window of
 the last W of them per sequence, with the position its first row belongs to, and changes it in one
 place (`LLMEngine.update_from_output`):
-- every scheduled chunk's rows are appended (prefill chunks, decode tokens, verified drafts);
+- every scheduled chunk's rows are appended (prefill chunks, decode tokens, accepted drafts; the
+  rows of rejected drafts never join, as their KV slots are released);
 - a chunk that does not continue the window (prefix-cache hits skip positions, a recompute starts
   again from 0) starts it afresh, so a drafter reads whatever tail exists;
-- the rows of rejected drafts are cut (`truncate`), as their KV slots are;
 - preemption by recompute clears it (the re-prefill rebuilds it); by swap keeps it, as the KV is.
 
 Left out on purpose: features of several layers (EAGLE-3's fusion) and a window that grows with
@@ -42,14 +42,6 @@ class FeatureWindow:
             self.rows = torch.cat([self.rows, rows])                # (w + n, C)
         drop = max(0, len(self.rows) - self.window)
         self.start, self.rows = self.start + drop, self.rows[drop:].clone()
-
-    def truncate(self, end: int) -> None:
-        """Forget positions >= end (rejected drafts)."""
-        if self.rows is not None and end < self.end:
-            keep = max(0, end - self.start)
-            self.rows = self.rows[:keep] if keep else None
-            if self.rows is None:
-                self.start = end
 
     def clear(self) -> None:
         self.start, self.rows = 0, None

@@ -250,7 +250,7 @@ class LLMEngine:
         rejected drafts roll back (their feature rows too), tokens (and their logprobs) are
         appended, finished sequences stop, and metrics and the trace are written. A row that
         could not be sampled (say, NaN logits) aborts its own request and nobody else's."""
-        self._keep_features(out, hidden)
+        self._keep_features(out, hidden, rows, sampled)
         num_decode, prefill_ids = self._advance(out, t0)
         for seq, first, entries in prompt_logprobs:     # a recomputed chunk writes the same again
             self.requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = \
@@ -298,15 +298,18 @@ class LLMEngine:
                 self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
         return num_decode, prefill_ids
 
-    def _keep_features(self, out, hidden) -> None:
-        """Each scheduled chunk's hidden rows join its sequence's window (features.py)."""
+    def _keep_features(self, out, hidden, rows: list[SampleRow], sampled: list[Sampled]) -> None:
+        """Each scheduled chunk's hidden rows join its sequence's window (features.py), but for
+        the rows of rejected drafts. Runs before the counts move (and before any fork)."""
         if hidden is None:
             return
+        rejected = {r.seq.seq_id: s.num_rejected for r, s in zip(rows, sampled) if r.num_drafts}
         at = 0
         for seq, n in out.scheduled:
             if seq.features is None:
                 seq.features = FeatureWindow(self.spec.feature_window)
-            seq.features.extend(seq.num_computed_tokens, hidden[at:at + n])        # (n, C)
+            kept = n - rejected.get(seq.seq_id, 0)
+            seq.features.extend(seq.num_computed_tokens, hidden[at:at + kept])     # (kept, C)
             at += n
 
     def _settle_drafts(self, seq: Sequence, s: Sampled) -> None:
@@ -316,8 +319,6 @@ class LLMEngine:
         seq.num_computed_tokens -= s.num_rejected
         self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
         self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        if seq.features is not None:
-            seq.features.truncate(seq.num_computed_tokens)
         seq.draft_token_ids, seq.draft_probs = [], None
         for counts in (self.requests[seq.request_id].metrics, self.spec_stats):
             counts.num_spec_steps += 1

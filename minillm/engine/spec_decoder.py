@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.engine.sequence import Sequence
-from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, check_tree, make_proposer
+from minillm.engine.spec_methods import SPEC_METHODS, check_tree, make_proposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 
 
@@ -88,7 +88,7 @@ class SpecDecoder:
             extra = {}
             if self.method == "draft":
                 extra["key"] = seq.seq_id                            # its own draft cache
-            elif self.method in TREE_METHODS:
+            elif self.needs_features:
                 feats = seq.features.tail(seq.num_tokens) if seq.features is not None else None
                 extra["features"] = [feats]                          # (w, C) or None
             prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
