@@ -18,6 +18,7 @@ from minillm.engine.sequence import SamplingParams
 from minillm.kernels.flat_forward import flatten
 from minillm.spec.proposers import Proposal
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 K = 3
 # drafts take fewer steps, so fewer requests overlap: a smaller pool forces recompute preemption
 CONFIGS = {**CONFIGS, "preempt_recompute": dict(block_size=2, num_blocks=28, max_num_seqs=64,
