@@ -53,8 +53,9 @@ class StandInDrafter:
         self.checked = self.missing = self.calls = 0
 
     def propose(self, contexts, k, temperature=0.0, top_k=None, top_p=None, generator=None,
-                features=None):
+                features=None, key=None):
         assert len(contexts) == 1 and (features is not None) == self.needs_features
+        assert (key is not None) == hasattr(self, "observe_chain")
         ctx = list(contexts[0])
         if self.needs_features:
             self._check(ctx, features[0])
@@ -76,6 +77,20 @@ class StandInDrafter:
         self.checked += 1
 
 
+class StandInLookahead(StandInDrafter):
+    """Keeps state per sequence, so it is keyed and sees the verify logits, which must be the
+    dense forward pass's logits at [last token, drafts]."""
+
+    observed = 0
+
+    def observe_chain(self, context_ids, draft_ids, logits, key=None):
+        ids = list(context_ids) + list(draft_ids)
+        with torch.no_grad():
+            ref = self.model(torch.tensor([ids]))[0, len(context_ids) - 1:]       # (K + 1, V)
+        torch.testing.assert_close(logits, ref, atol=1e-9, rtol=0)
+        self.observed += 1
+
+
 DRAFTERS = {"medusa": dict(needs_features=True, feature_window=1),
             "eagle": dict(needs_features=True, feature_window=5),
             "lookahead": dict(needs_features=False)}
@@ -92,8 +107,12 @@ def work(model):
     return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
+def stand_in(model, method):
+    return (StandInLookahead if method == "lookahead" else StandInDrafter)(model, **DRAFTERS[method])
+
+
 def engine_for(model, method, cfg, **spec):
-    drafter = StandInDrafter(model, **DRAFTERS[method])
+    drafter = stand_in(model, method)
     engine = LLMEngine(model, EngineConfig(**cfg), speculative_config={
         "method": method, "num_speculative_tokens": K, "model": drafter, **spec})
     return engine, drafter
@@ -108,6 +127,8 @@ def check_run(engine, drafter, outs, refs):
     assert engine.num_free_blocks == engine.num_blocks
     if drafter.needs_features:
         assert drafter.checked == drafter.calls > 0 and drafter.missing == 0
+    if hasattr(drafter, "observe_chain"):                  # one verify pass per step with drafts
+        assert drafter.observed == stats.num_spec_steps > 0
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -174,7 +195,7 @@ def test_stop_string_inside_an_accepted_run(tok):
     params = SamplingParams(max_tokens=24, stop=[stop])
     plain = LLMEngine(tiny, EngineConfig(**cfg), tokenizer=tok).generate([prompt], params)[0]
     for method in DRAFTERS:
-        drafter = StandInDrafter(tiny, **DRAFTERS[method])
+        drafter = stand_in(tiny, method)
         engine = LLMEngine(tiny, EngineConfig(**cfg), tokenizer=tok, speculative_config={
             "method": method, "num_speculative_tokens": 4, "model": drafter})
         out = engine.generate([prompt], params)[0]

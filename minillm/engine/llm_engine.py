@@ -177,6 +177,8 @@ class LLMEngine:
                 (seqs, logits), hidden = self.runner.execute(out), None
             rows = self._sample_rows(seqs)
             sampled = self.sampler.sample(rows, logits)     # tokens; drafts verified
+            if self.spec is not None:
+                self.spec.observe(rows, logits)             # lookahead learns from the verify pass
             prompt_lps = self.sampler.prompt_logprobs(prompt_rows(out), logits)
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time

@@ -68,6 +68,9 @@ class SpecDecoder:
         self.tree = check_tree(tree, k, getattr(self.proposer, "max_rank", None))
         self.needs_features = bool(getattr(self.proposer, "needs_features", False))
         self.feature_window = getattr(self.proposer, "feature_window", 1)
+        # a proposer with state per sequence (lookahead's guesses) is keyed by seq_id and sees
+        # the verify logits (`observe`)
+        self.keyed = method == "draft" or callable(getattr(self.proposer, "observe_chain", None))
 
     def propose(self, seqs: list[Sequence],
                 draft_generator) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -86,9 +89,9 @@ class SpecDecoder:
                 drafts.append(([], None))
                 continue
             extra = {}
-            if self.method == "draft":
-                extra["key"] = seq.seq_id                            # its own draft cache
-            elif self.needs_features:
+            if self.keyed:
+                extra["key"] = seq.seq_id                            # its own cache or state
+            if self.needs_features:
                 feats = seq.features.tail(seq.num_tokens) if seq.features is not None else None
                 extra["features"] = [feats]                          # (w, C) or None
             prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
@@ -98,3 +101,15 @@ class SpecDecoder:
             probs = prop.probs[:, :n] if prop.probs is not None else None             # (1, K, V)
             drafts.append((prop.token_ids[0, :n].tolist(), probs))
         return drafts
+
+    def observe(self, rows, logits: torch.Tensor | None) -> None:
+        """Hand a keyed proposer the verify logits of its drafts (K + 1 rows at the last token
+        and the drafts), before the engine appends anything: lookahead's Jacobi step."""
+        observe = getattr(self.proposer, "observe_chain", None)
+        if observe is None or logits is None:
+            return
+        for r in rows:
+            if r.num_drafts:
+                seq = r.seq
+                observe(seq.token_ids, seq.draft_token_ids,
+                        logits[r.row:r.row + r.num_drafts + 1], key=seq.seq_id)       # (K+1, V)
