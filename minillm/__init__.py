@@ -5,7 +5,8 @@ The folders are the architecture (each folder imports only lower floors; docs/la
 - `paging/`    chapter 3: block manager (no tensors), the paged KV cache and its int8 / fp8 storage
 - `engine/`    chapters 4-5: sequence, scheduler, model runner, sampler, LLMEngine, draft proposals
 - `attention/` chapters 3, 9: dense reference, FlashAttention tiles, paged attention math, flash-decoding
-- `spec/`      chapters 6, 10: rejection sampling, proposers, the batch-1 speculative loop, token trees
+- `spec/`      chapters 6, 10: rejection sampling, proposers, the batch-1 loop, token trees, Medusa / EAGLE drafters
+- `drafting/`  chapter 10: training drafters on this CPU by self-distillation
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
 - `analysis/`  chapters 1, 2, 6, 7: roofline, KV-cache math, speculation theory, weight bytes (pure functions)
@@ -36,6 +37,9 @@ from minillm.spec.rejection import greedy_verify, rejection_sample
 from minillm.spec.tree import TokenTree, TreeDraft
 from minillm.spec.tree_rejection import tree_accept
 from minillm.spec.tree_sizing import expected_tau, predicted_speedup, size_tree
+from minillm.spec.heads import EagleDrafter, MedusaHeads
+from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
+from minillm.drafting.train import train_eagle, train_medusa
 
 
 def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
@@ -54,4 +58,6 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
            "SamplingParams", "Logprob", "StructuredOutputsParams", "rejection_sample", "greedy_verify", "speculative_generate",
            "DraftModelProposer", "NgramProposer", "quantize", "flash_attention",
-           "TokenTree", "TreeDraft", "tree_accept", "expected_tau", "predicted_speedup", "size_tree"]
+           "TokenTree", "TreeDraft", "tree_accept", "expected_tau", "predicted_speedup", "size_tree",
+           "MedusaHeads", "EagleDrafter", "MedusaProposer", "EagleProposer", "train_medusa",
+           "train_eagle"]

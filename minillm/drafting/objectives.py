@@ -1,0 +1,104 @@
+"""What the drafters learn, row by row (chapter 10): Medusa's shifted next tokens and EAGLE's
+unrolled next features, both over the self-distilled `Sample`s of `distill.py`.
+
+Letters: S tokens of a sample, L rows of a training chunk, C d_model, K heads, D unrolled depth.
+
+Medusa: the feature of token t (hidden row t) should give, through head k and the lm_head, the
+token t + 2 + k (the target's own lm_head gives t + 1). Only answer tokens are targets: they are
+the target's own greedy choices, which is what it will say again.
+
+EAGLE: row i pairs (feature i, token i + 1), sits at position i + 1 and predicts feature i + 1,
+whose lm_head gives token i + 2. `unroll` runs D levels the way drafting does: level l >= 2 row
+i feeds the row's own level l - 1 prediction with the true token i + l, and sees the true rows up
+to i plus its own earlier levels (its ancestors in a draft tree), so a level-l row is exactly the
+depth-l node drafted after context position i + 1. Training on two levels (EAGLE-3's
+training-time test) teaches the drafter to read its own predictions, not only the target's.
+
+Left out on purpose: Medusa-2's soft targets (the target's full distribution), EAGLE-3's
+multi-layer features.
+"""
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100                                           # cross_entropy's ignore_index
+
+
+def medusa_targets(sample, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows t (R,), targets (R, K)): answer rows t >= start - 1 and tokens t + 2 + k
+    (IGNORE where past the end or not an answer token)."""
+    S = sample.ids.numel()
+    rows = torch.arange(max(sample.start - 1, 0), S - 2)                   # (R,)
+    pos = rows[:, None] + 2 + torch.arange(num_heads)                      # (R, K)
+    tgt = sample.ids[pos.clamp(max=S - 1)]
+    tgt[(pos >= S) | (pos < sample.start)] = IGNORE
+    return rows, tgt
+
+
+def vocab_targets(tgt: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int):
+    """Real token ids -> indices into the drafter's vocabulary (IGNORE when outside it)."""
+    if draft_vocab is None:
+        return tgt
+    where = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    where[draft_vocab.cpu()] = torch.arange(draft_vocab.numel())
+    out = torch.full_like(tgt, IGNORE)
+    ok = tgt != IGNORE
+    out[ok] = where[tgt[ok]]
+    return out
+
+
+def unroll_mask(L: int, depth: int, device=None) -> torch.Tensor:
+    """(D L, D L) bool, True = seen: level-1 rows causal; level-l row i sees true rows <= i and
+    row i of levels 2..l."""
+    i = torch.arange(L, device=device)
+    causal = i[None, :] <= i[:, None]                                      # (L, L)
+    eye = torch.eye(L, dtype=torch.bool, device=device)
+    blocks = [[causal if m == 0 else (eye if 1 <= m <= l else torch.zeros_like(eye))
+               for m in range(depth)] for l in range(depth)]
+    return torch.cat([torch.cat(row, dim=1) for row in blocks], dim=0)
+
+
+def unroll(drafter, feats: torch.Tensor, toks: torch.Tensor, start_pos: int, depth: int,
+           embed) -> list[torch.Tensor]:
+    """feats (L, C) true features of rows i, toks (L + depth,) tokens i + 1 .. of the chunk
+    (toks[j] = token of row j + 1), positions start_pos + 1 + i -> predicted features of each
+    level, D tensors (L, C): level l row i predicts feature i + l."""
+    L = feats.shape[0]
+    pos = torch.arange(L, device=feats.device) + start_pos + 1                # (L,)
+    outs = []
+    for level in range(1, depth + 1):
+        f_in = torch.cat([feats] + outs)                                   # (level L, C)
+        t_in = torch.cat([toks[m:m + L] for m in range(level)])            # (level L,)
+        p_in = torch.cat([pos + m for m in range(level)])
+        out = drafter(f_in[None], t_in[None], embed, p_in, unroll_mask(L, level, feats.device))[0]
+        outs.append(out[(level - 1) * L:])                                 # (L, C) this level
+    return outs
+
+
+def eagle_loss(drafter, lm_head, embed, sample, a: int, L: int, depth: int, noise: float,
+               cls_weight: float, generator: torch.Generator):
+    """Smooth-L1 on the next features + cls_weight x cross-entropy on the next tokens, summed
+    over the unrolled levels, for the chunk of rows [a, a + L) of one sample."""
+    S = sample.ids.numel()
+    L = min(L, S - 1 - a)
+    dev = getattr(lm_head, "weight", lm_head).device
+    feats = sample.hidden[a:a + L].to(dev, torch.float32)           # (L, C)
+    if noise > 0:                                                          # EAGLE's input noise
+        feats = feats + (torch.rand(feats.shape, generator=generator) * 2 - 1).to(dev) * noise
+    ids = sample.ids.to(dev)
+    toks = ids[(torch.arange(L + depth, device=dev) + a + 1).clamp(max=S - 1)]   # (L + D,)
+    outs = unroll(drafter, feats, toks, a, depth, embed)
+    rows = torch.arange(L, device=dev) + a
+    total = feats.new_zeros(())
+    for level, out in enumerate(outs, start=1):
+        f_idx = rows + level                                               # feature predicted
+        ok_f = f_idx < S
+        f_true = sample.hidden.to(dev, torch.float32)[f_idx.clamp(max=S - 1)]
+        fl = F.smooth_l1_loss(out[ok_f], f_true[ok_f]) if ok_f.any() else total
+        t_idx = rows + level + 1                                           # token predicted
+        tgt = ids[t_idx.clamp(max=S - 1)].clone()
+        tgt[(t_idx >= S) | (t_idx < sample.start)] = IGNORE
+        tgt = vocab_targets(tgt.cpu(), drafter.draft_vocab, drafter.vocab_size).to(dev)
+        logits = drafter.vocab_logits(out, lm_head)                        # (L, V or Vd)
+        cl = F.cross_entropy(logits, tgt, ignore_index=IGNORE) if (tgt != IGNORE).any() else total
+        total = total + fl + cls_weight * cl
+    return total

@@ -1,0 +1,217 @@
+"""Training drafters on the reader's CPU by self-distillation (chapter 10): `train_medusa`,
+`train_eagle`, and the named recipes they follow.
+
+The target answers the training prompts greedily (`distill.py`), one pass records its features,
+and the drafter learns to predict the target's own next tokens from them (`objectives.py`):
+AdamW, seeded (same seed and thread count -> the same weights), a tqdm bar. A "small" recipe
+trains live in a chapter cell; the default "full" one takes a few minutes and is cached under
+`cache_dir() / "drafters"`, keyed by the target's weights fingerprint and the recipe, so the next
+call loads it (a corrupt cache file is reported and trained again). The distilled answers (token
+ids only) are cached there too: Medusa and EAGLE share them.
+
+Left out on purpose: mixed precision, learning-rate schedules beyond a linear warm-down,
+multi-process data loading, sampled (temperature > 0) training answers.
+"""
+import hashlib
+import json
+import random
+import warnings
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from minillm.drafting.distill import draft_vocab, generate_answers, record_features
+from minillm.drafting.objectives import IGNORE, eagle_loss, medusa_targets, vocab_targets
+from minillm.drafting.prompts import training_prompts
+from minillm.model.loading import cache_dir
+from minillm.spec.heads import EagleDrafter, MedusaHeads, weights_fingerprint
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Data and optimizer sizes of one training run."""
+    n_chat: int | None = None         # chat questions (None: all)
+    n_humaneval: int = 64             # HumanEval prompts
+    n_stdlib: int | None = None       # standard-library docstring prompts (None: all)
+    max_tokens: int = 160             # answer length
+    steps: int = 400
+    batch_rows: int = 256             # Medusa: feature rows per step; EAGLE: rows per chunk x chunks
+    lr: float = 1e-3
+    eagle_chunk: int = 64             # EAGLE: rows per chunk
+    eagle_depth: int = 2              # EAGLE: unrolled levels (1: teacher forcing only)
+    eagle_noise: float = 0.1          # EAGLE: uniform input noise on the features
+    eagle_cls_weight: float = 0.1     # EAGLE: weight of the token loss beside the feature loss
+
+
+RECIPES = {
+    "small": Recipe(n_chat=24, n_humaneval=8, n_stdlib=8, max_tokens=96, steps=80,
+                    batch_rows=128),
+    "full": Recipe(),
+}
+
+
+def _recipe(recipe) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be a Recipe or one of {sorted(RECIPES)}, got {recipe!r}")
+    return RECIPES[recipe]
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def distilled(model, tokenizer, recipe: Recipe, cache: bool = True, progress: bool = True):
+    """The recipe's training samples: answers cached as token ids, features recomputed."""
+    prompts = training_prompts(recipe.n_chat, recipe.n_humaneval, recipe.n_stdlib)
+    fp = weights_fingerprint(model)
+    path = cache_dir() / "drafters" / f"answers-{fp[:16]}-{_key([prompts, recipe.max_tokens])}.json"
+    seqs = None
+    if cache and path.is_file():
+        try:
+            seqs = [(list(s), int(st)) for s, st in json.loads(path.read_text())]
+        except (ValueError, TypeError) as err:
+            warnings.warn(f"{path} is corrupt ({err}); generating the answers again")
+    if seqs is None:
+        seqs = generate_answers(model, tokenizer, prompts, recipe.max_tokens, progress=progress)
+        if cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(seqs))
+    return record_features(model, seqs, progress=progress)
+
+
+def _cached(cls, model, path, retrain: bool):
+    if retrain or not path.is_file():
+        return None
+    try:
+        return cls.load(path, model)
+    except ValueError as err:
+        warnings.warn(f"{err}; training again")
+        return None
+
+
+def _fit(params, steps: int, lr: float, seed: int, loss_fn, progress: bool, desc: str) -> list[float]:
+    """AdamW with a linear warm-down; loss_fn(step, generator) -> scalar. Returns the losses."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
+    gen, losses = torch.Generator().manual_seed(seed), []
+    bar = tqdm(range(steps), desc=desc, disable=not progress)
+    for step in bar:
+        loss = loss_fn(step, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    return losses
+
+
+def _prepare(model, recipe, kind: str, extra, seed: int, draft_vocab_size):
+    """The recipe and the cache path of this training run."""
+    recipe = _recipe(recipe)
+    key = _key([kind, asdict(recipe), extra, seed, draft_vocab_size])
+    path = cache_dir() / "drafters" / f"{kind}-{weights_fingerprint(model)[:16]}-{key}.pt"
+    return recipe, path
+
+
+def _vocab(samples, model, draft_vocab_size):
+    if draft_vocab_size is None:
+        return None
+    return draft_vocab(samples, model.config.vocab_size, draft_vocab_size)
+
+
+def _finish(drafter, model, recipe, losses, path, cache: bool):
+    drafter.target_fingerprint = weights_fingerprint(model)
+    drafter.meta = {"recipe": asdict(recipe), "losses": losses[::max(1, len(losses) // 50)],
+                    "first_loss": losses[0], "last_loss": losses[-1]}
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        drafter.save(path)
+    return drafter.to(model.device, model.dtype).eval()
+
+
+def train_medusa(model, tokenizer, num_heads: int = 4, recipe="full", seed: int = 0,
+                 draft_vocab_size: int | None = None, cache: bool = True, retrain: bool = False,
+                 progress: bool = True, samples=None) -> MedusaHeads:
+    """Medusa heads for `model`, trained by self-distillation (or loaded from the cache).
+    `samples`: distilled `Sample`s to train on instead of the recipe's prompts (tests)."""
+    recipe, path = _prepare(model, recipe, "medusa", num_heads, seed, draft_vocab_size)
+    cache = cache and samples is None
+    found = _cached(MedusaHeads, model, path, retrain) if cache else None
+    if found is not None:
+        return found
+    samples = samples if samples is not None else distilled(model, tokenizer, recipe, cache, progress)
+    vocab = _vocab(samples, model, draft_vocab_size)
+    heads = MedusaHeads(model.config, num_heads, seed=seed, draft_vocab=vocab).to(model.device).float()
+    feats, tgts = [], []
+    for s in samples:
+        rows, tgt = medusa_targets(s, num_heads)
+        feats.append(s.hidden[rows])
+        tgts.append(vocab_targets(tgt, vocab, model.config.vocab_size))
+    feats, tgts = torch.cat(feats).float(), torch.cat(tgts)                # (R, C), (R, K)
+    if feats.shape[0] == 0:
+        raise ValueError("no training rows: the distilled answers are empty")
+    lm_head = model.lm_head.weight.detach().float()
+
+    def loss_fn(step, gen):
+        idx = torch.randint(feats.shape[0], (recipe.batch_rows,), generator=gen)
+        x, y = feats[idx].to(model.device), tgts[idx].to(model.device)
+        logits = heads.vocab_logits(heads(x), lm_head)           # (b, K, V)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads.train()
+        losses = _fit(heads.parameters(), recipe.steps, recipe.lr, seed, loss_fn, progress,
+                      f"training {num_heads} Medusa heads")
+    return _finish(heads, model, recipe, losses, path, cache)
+
+
+def train_eagle(model, tokenizer, recipe="full", seed: int = 0,
+                draft_vocab_size: int | None = None, cache: bool = True, retrain: bool = False,
+                progress: bool = True, samples=None) -> EagleDrafter:
+    """An EAGLE drafter for `model`, trained by self-distillation (or loaded from the cache)."""
+    recipe, path = _prepare(model, recipe, "eagle", None, seed, draft_vocab_size)
+    cache = cache and samples is None
+    found = _cached(EagleDrafter, model, path, retrain) if cache else None
+    if found is not None:
+        return found
+    samples = samples if samples is not None else distilled(model, tokenizer, recipe, cache, progress)
+    samples = [s for s in samples if s.ids.numel() >= 3]
+    if not samples:
+        raise ValueError("no training rows: the distilled answers are empty")
+    vocab = _vocab(samples, model, draft_vocab_size)
+    drafter = EagleDrafter(model.config, seed=seed, draft_vocab=vocab).to(model.device).float()
+    chunks = max(1, recipe.batch_rows // recipe.eagle_chunk)
+    rng = random.Random(seed)
+    lm_head = model.lm_head.weight.detach().float()
+
+    def embed(t):
+        return F.embedding(t, model.embed.weight.detach().float())
+
+    def loss_fn(step, gen):
+        total = 0.0
+        for _ in range(chunks):
+            s = samples[rng.randrange(len(samples))]
+            lo = max(0, s.start - recipe.eagle_chunk // 2)               # chunks over the answer
+            a = rng.randrange(lo, s.ids.numel() - 2)
+            total = total + eagle_loss(drafter, lm_head, embed, s, a, recipe.eagle_chunk,
+                                       recipe.eagle_depth, recipe.eagle_noise,
+                                       recipe.eagle_cls_weight, gen)
+        return total / chunks
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter.train()
+        losses = _fit(drafter.parameters(), recipe.steps, recipe.lr, seed, loss_fn, progress,
+                      "training the EAGLE drafter")
+    return _finish(drafter, model, recipe, losses, path, cache)
+
+
+def with_steps(recipe, steps: int) -> Recipe:
+    """A copy of a recipe with another number of steps."""
+    return replace(_recipe(recipe), steps=steps)

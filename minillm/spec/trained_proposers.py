@@ -1,0 +1,208 @@
+"""Proposers built on trained drafters (chapter 10): `MedusaProposer` and `EagleProposer`.
+
+Letters: S context length, C d_model, N tree nodes, K draft depth, V vocab.
+
+Both read the target's features: the final norm's output at context positions 0..S-2 (every
+token but the last, the root, which the target has not run yet), shape (S - 1, C). The loop or
+engine that verifies already has them from its last pass; given None, they are computed here by
+one forward pass over the context (`context_features`).
+
+- `propose_tree(context_ids, features, tree) -> TreeDraft` fills a `TokenTree` of top-k ranks.
+  Medusa: the node at path (i0, i1, ...) of depth d is head d-1's top-i_{d-1} token, read from
+  the last feature only; a node's token does not depend on its parent, and siblings are distinct
+  because they are different ranks of one top-k. EAGLE: the drafter runs over a window of the
+  last `window` context rows plus the nodes drafted so far (each attends to the window, its
+  ancestors and itself), and a node's children are the top ranks of its own predicted feature.
+  With `dynamic=True` EAGLE grows EAGLE-2's tree instead: at each depth it expands the
+  `dynamic_width` nodes with the highest cumulative draft probability, then keeps the
+  `tree.num_nodes - 1` most probable nodes of all (a child is never more probable than its
+  parent, so the kept set is a tree), returned in depth order.
+- `propose(contexts, k, ...) -> Proposal`: the K-chain form (the tree's top-1 path), with q None:
+  the drafts are deterministic, which is exact at any temperature under rejection sampling.
+
+Left out on purpose: Medusa's typical acceptance (lossy; chapter 10 measures it as a contrast),
+a KV cache for the drafter (it recomputes its window, one layer), batched trees.
+"""
+import torch
+
+from minillm.spec.heads import EagleDrafter, MedusaHeads
+from minillm.spec.proposers import Proposal, _check_k, _contexts
+from minillm.spec.tree import TokenTree, TreeDraft
+
+
+@torch.inference_mode()
+def context_features(model, context_ids: list[int]) -> torch.Tensor:
+    """The target's features of a context: hidden rows of positions 0..S-2, (S - 1, C)."""
+    if len(context_ids) < 2:
+        raise ValueError("trained drafters need a context of >= 2 tokens (one feature row)")
+    ids = torch.tensor([context_ids[:-1]], device=model.device)              # (1, S - 1)
+    _, hidden = model(ids, logits_index=torch.tensor([ids.shape[1] - 1]), return_hidden=True)
+    return hidden[0]                                                        # (S - 1, C)
+
+
+def _check_drafter(model, drafter, cls) -> None:
+    if not isinstance(drafter, cls):
+        raise TypeError(f"expected a {cls.__name__}, got {type(drafter).__name__}")
+    cfg = model.config
+    if (drafter.hidden_size, drafter.vocab_size) != (cfg.d_model, cfg.vocab_size):
+        raise ValueError(f"drafter made for hidden size {drafter.hidden_size}, vocab "
+                         f"{drafter.vocab_size}; the model has {cfg.d_model}, {cfg.vocab_size}")
+
+
+class _TrainedProposer:
+    needs_features = True
+
+    def _features(self, context_ids, features) -> torch.Tensor:
+        if features is None:
+            return context_features(self.model, context_ids)
+        if features.dim() != 2 or features.shape[0] != len(context_ids) - 1:
+            raise ValueError(f"features must be (S - 1, C) = ({len(context_ids) - 1}, C), got "
+                             f"{tuple(features.shape)}")
+        return features.to(self.model.device, self.model.dtype)
+
+    def propose(self, contexts, k: int, temperature: float = 0.0, top_k=None, top_p=None,
+                generator=None, features=None) -> Proposal:
+        """(B,) contexts -> the top-1 chain of k tokens per row, (B, k); q None (deterministic).
+        `features`: None or one (S - 1, C) tensor per row."""
+        contexts, _ = _contexts(contexts), _check_k(k)
+        feats = features if features is not None else [None] * len(contexts)
+        chain = TokenTree.chain(k)
+        rows = [self._chain(c, f, chain).tokens[1:] for c, f in zip(contexts, feats, strict=True)]
+        return Proposal(torch.stack(rows).cpu(), None, torch.full((len(contexts),), k))
+
+    def _chain(self, context_ids, features, chain: TokenTree) -> TreeDraft:
+        return self.propose_tree(context_ids, features, chain)
+
+    def reset(self) -> None:
+        pass
+
+
+class MedusaProposer(_TrainedProposer):
+    """Tree drafts from Medusa heads: depth d holds head d-1's top ranks."""
+
+    def __init__(self, model, heads: MedusaHeads):
+        _check_drafter(model, heads, MedusaHeads)
+        self.model, self.heads = model, heads.to(model.device, model.dtype).eval()
+
+    @torch.inference_mode()
+    def ranked(self, feature: torch.Tensor, width: int) -> torch.Tensor:
+        """feature (C,) -> each head's top-`width` token ids, (K, width)."""
+        logits = self.heads.logits(feature, self.model.lm_head)             # (K, V)
+        return self.heads.token_ids(logits.topk(width, dim=-1).indices)     # (K, width)
+
+    @torch.inference_mode()
+    def propose_tree(self, context_ids: list[int], features, tree: TokenTree) -> TreeDraft:
+        depth = max(tree.depths)
+        if depth > self.heads.num_heads:
+            raise ValueError(f"speculative_token_tree is {depth} deep but there are "
+                             f"{self.heads.num_heads} Medusa heads (depth <= num_heads)")
+        feature = self._features(context_ids, features)[-1]                 # (C,)
+        top = self.ranked(feature, max(tree.ranks) + 1)                     # (K, width)
+        tokens = [context_ids[-1]] + [int(top[d - 1, r]) for d, r in
+                                      zip(tree.depths[1:], tree.ranks[1:])]
+        return TreeDraft(torch.tensor(tokens, device=self.model.device), list(tree.parents))
+
+
+class EagleProposer(_TrainedProposer):
+    """Tree drafts from an EAGLE drafter, static (the given tree) or dynamic (EAGLE-2)."""
+
+    def __init__(self, model, drafter: EagleDrafter, window: int = 32, dynamic: bool = False,
+                 dynamic_width: int = 4):
+        _check_drafter(model, drafter, EagleDrafter)
+        for name, v in (("window", window), ("dynamic_width", dynamic_width)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.model, self.drafter = model, drafter.to(model.device, model.dtype).eval()
+        self.window, self.dynamic, self.dynamic_width = window, dynamic, dynamic_width
+
+    def _run(self, win, parents: list[int], tokens: list[int], node_feats: list) -> torch.Tensor:
+        """Drafter outputs for the window rows and tree nodes 1.. (node 0 = root = last window
+        row). win = (features (W, C), next tokens (W,), positions (W,)); node n's input is its
+        parent's predicted feature `node_feats[n]` and its token. -> (W + N - 1, C)."""
+        f, t, pos = win
+        W, n = f.shape[0], len(parents) - 1
+        dev = f.device
+        depth = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        mask = torch.zeros(W + n, W + n, dtype=torch.bool, device=dev)     # True = seen
+        mask[:W, :W] = torch.ones(W, W, dtype=torch.bool, device=dev).tril()
+        mask[W:, :W] = True
+        for i in range(1, n + 1):
+            j = i
+            while j > 0:                                                   # self and ancestors
+                mask[W + i - 1, W + j - 1] = True
+                j = parents[j]
+        feats = torch.cat([f] + [x[None] for x in node_feats[1:]])          # (W + n, C)
+        toks = torch.cat([t, torch.tensor(tokens[1:], dtype=torch.long, device=dev)])
+        p = torch.cat([pos, pos[-1] + torch.tensor(depth[1:], dtype=torch.long, device=dev)])
+        return self.drafter(feats[None], toks[None], self.model.embed, p, mask)[0]  # (W + n, C)
+
+    def _window(self, context_ids, features):
+        feats = self._features(context_ids, features)                       # (S - 1, C)
+        S = len(context_ids)
+        lo = max(0, S - 1 - self.window)
+        dev = feats.device
+        toks = torch.tensor(context_ids[lo + 1:], dtype=torch.long, device=dev)   # (W,)
+        return feats[lo:], toks, torch.arange(lo + 1, S, device=dev)
+
+    def _children_logp(self, out: torch.Tensor, width: int):
+        """out (M, C) predicted features -> (top log-probs, token ids), each (M, width)."""
+        logp = self.drafter.vocab_logits(out, self.model.lm_head).float().log_softmax(-1)
+        top = logp.topk(width, dim=-1)
+        return top.values, self.drafter.token_ids(top.indices)
+
+    @torch.inference_mode()
+    def propose_tree(self, context_ids: list[int], features, tree: TokenTree) -> TreeDraft:
+        win = self._window(context_ids, features)
+        if self.dynamic:
+            return self._dynamic(context_ids, win, tree)
+        return self._static(context_ids, win, tree)
+
+    @torch.inference_mode()
+    def _chain(self, context_ids, features, chain: TokenTree) -> TreeDraft:
+        return self._static(context_ids, self._window(context_ids, features), chain)
+
+    def _static(self, context_ids, win, tree: TokenTree) -> TreeDraft:
+        W = win[0].shape[0]
+        width = max(tree.ranks) + 1
+        tokens, parents, node_feats = [context_ids[-1]], [-1], [None]
+        order = list(range(1, tree.num_nodes))                              # depth order
+        for d in range(1, max(tree.depths) + 1):
+            out = self._run(win, parents, tokens, node_feats)               # (W + n, C)
+            level = [i for i in order if tree.depths[i] == d]
+            par = sorted({tree.parents[i] for i in level})                 # nodes to expand
+            rows = out[[W - 1 + p for p in par]]                           # (P, C)
+            _, ids = self._children_logp(rows, width)                      # (P, width)
+            for i in level:
+                pi = par.index(tree.parents[i])
+                tokens.append(int(ids[pi, tree.ranks[i]]))
+                parents.append(tree.parents[i])
+                node_feats.append(rows[pi])
+        return TreeDraft(torch.tensor(tokens, device=self.model.device), parents)
+
+    def _dynamic(self, context_ids, win, tree: TokenTree) -> TreeDraft:
+        W, budget, width = win[0].shape[0], tree.num_nodes - 1, self.dynamic_width
+        tokens, parents, node_feats, score = [context_ids[-1]], [-1], [None], [0.0]
+        frontier = [0]
+        for _ in range(max(tree.depths)):
+            out = self._run(win, parents, tokens, node_feats)
+            rows = out[[W - 1 + p for p in frontier]]                      # (P, C)
+            logp, ids = self._children_logp(rows, width)                   # (P, width)
+            new = []
+            for a, p in enumerate(frontier):
+                for r in range(width):
+                    tokens.append(int(ids[a, r]))
+                    parents.append(p)
+                    node_feats.append(rows[a])
+                    score.append(score[p] + float(logp[a, r]))
+                    new.append(len(tokens) - 1)
+            frontier = sorted(new, key=lambda i: -score[i])[:width]
+        depth = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        keep = sorted(range(1, len(tokens)), key=lambda i: (-score[i], depth[i], i))[:budget]
+        keep = [0] + sorted(keep, key=lambda i: (depth[i], i))
+        where = {old: new for new, old in enumerate(keep)}
+        return TreeDraft(torch.tensor([tokens[i] for i in keep], device=self.model.device),
+                         [-1] + [where[parents[i]] for i in keep[1:]])
