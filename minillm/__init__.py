@@ -30,6 +30,7 @@ from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.engine.sequence import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from minillm.engine.structured import StructuredOutputsParams
+from minillm.spec.lookahead import LookaheadProposer
 from minillm.spec.loop import speculative_generate
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.rejection import greedy_verify, rejection_sample
@@ -50,4 +51,4 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "generate_naive", "KVCache", "default_device", "load_model", "tiny_model",
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
            "SamplingParams", "Logprob", "StructuredOutputsParams", "rejection_sample", "greedy_verify", "speculative_generate",
-           "DraftModelProposer", "NgramProposer", "quantize", "flash_attention"]
+           "DraftModelProposer", "NgramProposer", "LookaheadProposer", "quantize", "flash_attention"]
