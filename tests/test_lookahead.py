@@ -1,6 +1,8 @@
 """Lookahead (Jacobi) decoding: greedy decoding driven by `LookaheadProposer` equals plain greedy
 decoding, token for token, with every tree verified by a trusted reference (the model without a
 cache on context + each node's path); the pool lifts tokens per step above 1; bad arguments."""
+import doctest
+
 import pytest
 import torch
 
@@ -117,6 +119,12 @@ def test_observe_rejects_a_foreign_draft_or_wrong_logits():
         prop.observe(draft, torch.zeros(len(draft.tokens) + 1, 8), [0])
     with pytest.raises(ValueError, match="draft"):
         prop.observe(TreeDraft(torch.tensor([3]), [-1]), torch.zeros(1, 8), [0])
+
+
+def test_docstring_example():
+    import minillm.spec.lookahead as module
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.slow
