@@ -92,6 +92,24 @@ def test_chain_form_is_exact_in_the_batch1_loop(model, one_thread):
         assert speculative_generate(model, prop, prompt, 32, num_speculative_tokens=4) == reference
 
 
+def test_two_sequences_interleaved_keep_their_own_state(model, one_thread):
+    """An engine drafts for every sequence, verifies them together, then observes each: keyed
+    states and drafts observed out of order still give each sequence exactly its greedy output."""
+    prompts = {"a": [5, 17, 33, 2], "b": [7, 8, 9, 10] * 3}
+    outs = {k: [] for k in prompts}
+    prop = LookaheadProposer(4, 3, 3, seed=0)
+    with torch.inference_mode():
+        while min(map(len, outs.values())) < 24:
+            drafts = {k: prop.propose_tree(prompts[k] + outs[k], key=k) for k in prompts}
+            for k in ("b", "a"):
+                logits = node_logits(model, prompts[k] + outs[k], drafts[k])
+                accepted, bonus = greedy_accept(logits, drafts[k])
+                prop.observe(drafts[k], logits, accepted)
+                outs[k] += [int(drafts[k].tokens[i]) for i in accepted[1:]] + [bonus]
+    for k in prompts:
+        assert outs[k][:24] == generate(model, prompts[k], 24)
+
+
 def test_observe_chain_steps_the_guesses(model, one_thread):
     """After observe_chain, the first guess is the target's own next token (a Jacobi step)."""
     prop, context = LookaheadProposer(3, 2, 1, seed=0), [1, 2, 3, 4]

@@ -78,7 +78,7 @@ class LookaheadProposer:
 
     def reset(self) -> None:
         self._seqs: list[_Seq] = []                           # most recently used last
-        self._pending = None                                  # (draft, seq, lookahead nodes)
+        self._pending: dict[int, tuple] = {}        # id(draft) -> (draft, seq, lookahead nodes)
         self._gen = torch.Generator()
         self._gen.manual_seed(self.seed if self.seed is not None else torch.seed())
 
@@ -171,20 +171,22 @@ class LookaheadProposer:
                 order.append(child)
                 parents.append(new[node])
         draft = TreeDraft(torch.tensor([tokens[i] for i in order]), parents)   # (N,)
-        self._pending = (draft, s, [new[i] for i in chain])
+        self._pending[id(draft)] = (draft, s, [new[i] for i in chain])
+        while len(self._pending) > self.max_cached_seqs:     # drafts never observed are dropped
+            del self._pending[next(iter(self._pending))]
         return draft
 
     @torch.inference_mode()
     def observe(self, draft: TreeDraft, logits: torch.Tensor, accepted=None) -> None:
         """One Jacobi step from the verify pass of `draft`: logits (N, V), one row per node.
         `accepted` is not needed: the next context says how many tokens to shift past."""
-        if self._pending is None or self._pending[0] is not draft:
-            raise ValueError("observe: draft must be the last TreeDraft this proposer returned")
+        if self._pending.get(id(draft), (None,))[0] is not draft:
+            raise ValueError("observe: draft must be a TreeDraft this proposer returned and has "
+                             "not observed yet")
         if logits.dim() != 2 or logits.shape[0] != len(draft.tokens):
             raise ValueError(f"logits must be (N, V) with N = {len(draft.tokens)} nodes, got "
                              f"{tuple(logits.shape)}")
-        _, s, chain = self._pending
-        self._pending = None
+        _, s, chain = self._pending.pop(id(draft))
         best = logits[chain].argmax(-1).tolist()                                  # (W + 1,)
         self._jacobi_step(s, int(draft.tokens[0]), best)
 
