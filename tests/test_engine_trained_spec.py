@@ -227,8 +227,7 @@ BAD = [
     ({"speculative_token_tree": []}, "at least one path"),
     ({"method": "ngram", "speculative_token_tree": [(0,)]}, "needs a method in"),
     ({"model": None}, "use minillm.LLM"),
-    ({"model": "heads.pt"}, "need minillm.LLM"),
-    ({"model": 3}, "must be a proposer"),
+    ({"model": 3}, "must be a MedusaHeads, a path to one, None or a proposer"),
 ]
 
 

@@ -72,7 +72,7 @@ class LLMEngine:
                                     draft_model, mc.max_seq_len,
                                     ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
                                     max_num_seqs=cfg.max_num_seqs, drafter=drafter,
-                                    tree=cfg.speculative_token_tree)
+                                    tree=cfg.speculative_token_tree, target=model)
         self.needs_features = self.spec is not None and self.spec.needs_features
         param = next(model.parameters())
         num_blocks = pool_num_blocks(model, cfg, draft_model)

@@ -53,7 +53,7 @@ class SpecDecodingStats:
 class SpecDecoder:
     def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None,
                  ngram: tuple[int, int] = (1, 3), max_num_seqs: int = 32, drafter=None,
-                 tree=None):
+                 tree=None, target=None):
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_method must be one of {list(SPEC_METHODS)}, got {method!r}")
         if method == "draft" and draft_model is None:
@@ -64,7 +64,7 @@ class SpecDecoder:
         elif method == "draft":
             self.proposer = DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs)
         else:
-            self.proposer = make_proposer(method, drafter)
+            self.proposer = make_proposer(method, drafter, target, k, max_num_seqs)
         self.tree = check_tree(tree, k, getattr(self.proposer, "max_rank", None))
         self.needs_features = bool(getattr(self.proposer, "needs_features", False))
         self.feature_window = getattr(self.proposer, "feature_window", 1)

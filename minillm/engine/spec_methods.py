@@ -8,8 +8,10 @@ target's last hidden state), "eagle" (a one-layer drafter over the target's feat
 features=None) -> Proposal`, attributes `needs_features` (bool; then `features` is a list with one
 Tensor (w, C) | None per context: the target's hidden rows at the context's positions S-1-w..S-2,
 features.py) and optionally `feature_window` (W rows kept per sequence, default 1) and
-`max_rank` (how many top-k candidates it gives per node; None: unbounded). `make_proposer` takes
-the "model" of a `speculative_config`: such a proposer object as it is, or None for lookahead.
+`max_rank` (how many top-k candidates it gives per node; None: unbounded); one with
+`observe_chain` keeps state per sequence, gets `key=seq_id` and sees the verify logits.
+`make_proposer` takes the "model" of a `speculative_config`: heads or their file (built into
+`MedusaProposer` / `EagleProposer`), None for lookahead, or such a proposer object as it is.
 
 A token tree is a list of paths of top-k ranks, e.g. [(0,), (1,), (0, 0)] ("auto": sized for
 the machine). `check_tree` refuses paths that are not prefix-closed, deeper than K or with a rank
@@ -20,6 +22,10 @@ cannot), tree verification in the paged engine (trees are checked here; the engi
 chain of rank-0 candidates).
 """
 import os
+
+from minillm.spec.heads import EagleDrafter, MedusaHeads
+from minillm.spec.lookahead import LookaheadProposer
+from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
 
 SPEC_METHODS = ("ngram", "draft", "medusa", "eagle", "lookahead")
 TREE_METHODS = ("medusa", "eagle", "lookahead")        # drafters with top-k candidates per node
@@ -70,18 +76,38 @@ def is_proposer(obj) -> bool:
     return callable(getattr(obj, "propose", None))
 
 
-def make_proposer(method: str, drafter):
-    """The proposer a trained method drafts with, from a speculative_config's "model"."""
+def make_proposer(method: str, drafter, target=None, k: int = 1, max_num_seqs: int = 32):
+    """The proposer a trained method drafts with, from a speculative_config's "model": a
+    proposer object as it is; None for lookahead (a `LookaheadProposer` with state for every
+    running sequence); heads (`MedusaHeads`, `EagleDrafter`) or a path to their file, loaded
+    against `target` (heads made for another model, or a corrupt file: ValueError)."""
     if method not in TREE_METHODS:
         raise ValueError(f"make_proposer is for methods {list(TREE_METHODS)}, got {method!r}")
     if is_proposer(drafter):
         return drafter
-    if drafter is None and method in TRAINED_METHODS:
+    if method == "lookahead":
+        if drafter is not None:
+            raise TypeError(f"speculative_config['model'] for method 'lookahead' must be None or "
+                            f"a proposer, got {type(drafter).__name__}")
+        return LookaheadProposer(max_cached_seqs=2 * max_num_seqs)
+    if drafter is None:
         raise ValueError(f"speculative_config['model'] is None: method {method!r} needs trained "
                          f"heads; pass them (an object or a path), or use minillm.LLM, which "
                          f"trains (or loads the cached) heads for the model")
+    heads_cls = MedusaHeads if method == "medusa" else EagleDrafter
     if isinstance(drafter, (str, os.PathLike)):
-        raise ValueError(f"speculative_config['model']={str(drafter)!r}: heads given by path "
-                         f"need minillm.LLM here")
-    raise TypeError(f"speculative_config['model'] for method {method!r} must be a proposer "
-                    f"(an object with propose()), got {type(drafter).__name__}")
+        drafter = heads_cls.load(drafter, target)
+    if not isinstance(drafter, heads_cls):
+        raise TypeError(f"speculative_config['model'] for method {method!r} must be a "
+                        f"{heads_cls.__name__}, a path to one, None or a proposer, got "
+                        f"{type(drafter).__name__}")
+    if method == "medusa":
+        if k > drafter.num_heads:
+            raise ValueError(f"num_speculative_tokens={k} needs as many Medusa heads; these "
+                             f"have num_heads={drafter.num_heads}")
+        proposer = MedusaProposer(target, drafter)
+        proposer.feature_window = 1                  # Medusa reads the last feature only
+    else:
+        proposer = EagleProposer(target, drafter)
+        proposer.feature_window = proposer.window    # EAGLE's drafter reads a window of rows
+    return proposer
