@@ -67,3 +67,29 @@ def test_heads_from_a_file_and_the_files_errors(model, work, tmp_path):
     with pytest.raises(TypeError, match="must be a MedusaHeads"):
         LLMEngine(model, EngineConfig(num_blocks=16), speculative_config={
             "method": "medusa", "num_speculative_tokens": 3, "model": drafter_for(model, "eagle")})
+
+
+def test_llm_trains_heads_for_none_and_checks_the_dict_first(monkeypatch, tok):
+    """LLM(speculative_config={"model": None}) asks `train_medusa(model, tokenizer)` for the
+    heads (a stand-in here: the real training is chapter 10's, tested there); a bad dict is
+    refused before any training."""
+    from minillm import LLM
+    from minillm import llm as front_door
+    tiny = tiny_model(vocab_size=len(tok), seed=0, dtype=torch.float64)
+    calls = []
+
+    def fake_train(model, tokenizer, num_heads=4, **kw):
+        calls.append((model, tokenizer, num_heads))
+        return MedusaHeads(model.config, num_heads=num_heads, seed=0).to(torch.float64)
+    monkeypatch.setattr(front_door, "train_medusa", fake_train)
+    with pytest.raises(ValueError, match="not prefix-closed"):
+        LLM(tiny, tok, num_blocks=64, speculative_config={
+            "method": "medusa", "num_speculative_tokens": 3, "model": None,
+            "speculative_token_tree": [(0,), (1, 0)]})
+    assert calls == []
+    llm = LLM(tiny, tok, num_blocks=64, speculative_config={
+        "method": "medusa", "num_speculative_tokens": 5, "model": None})
+    assert calls == [(tiny, tok, 5)]
+    prompt = tok.encode("Once upon a time")
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == generate(tiny, prompt, 10)
