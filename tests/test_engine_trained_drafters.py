@@ -93,3 +93,36 @@ def test_llm_trains_heads_for_none_and_checks_the_dict_first(monkeypatch, tok):
     prompt = tok.encode("Once upon a time")
     out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == generate(tiny, prompt, 10)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "lookahead"])
+def test_sampling_runs_and_a_seeded_request_repeats(model, work, method):
+    """At temperature 0.8 the deterministic drafts go through the exact rule: every request
+    finishes with its max_tokens, and a seeded request gives the same tokens on a fresh engine."""
+    prompts, max_tokens, _ = work
+    params = [SamplingParams(temperature=0.8, max_tokens=k, seed=i) for i, k in enumerate(max_tokens)]
+    runs = []
+    for _ in range(2):
+        engine = LLMEngine(model, EngineConfig(**SETTINGS["prefix_cache_swap"]), speculative_config={
+            "method": method, "num_speculative_tokens": 3, "model": drafter_for(model, method)})
+        runs.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert runs[0] == runs[1] and [len(t) for t in runs[0]] == max_tokens
+
+
+def test_serve_json_lookahead_answers_as_plain_decoding(tok):
+    """The dict a server parses from --speculative-config (JSON: no objects) serves exactly."""
+    import json
+
+    import httpx
+    from minillm.serve import running
+    from serve_tiny import MODEL, completion, tiny_llm
+    spec = json.loads('{"method": "lookahead", "num_speculative_tokens": 3}')
+    body = completion("Once upon a time", max_tokens=12, ignore_eos=True)
+    want = tiny_llm(tok).generate(["Once upon a time"], SamplingParams(max_tokens=12, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].text
+    llm = tiny_llm(tok, speculative_config=spec)
+    with running(llm, served_model_name=MODEL) as srv:
+        r = httpx.post(srv.base_url + "/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    assert llm.llm_engine.spec_stats.num_draft_tokens > 0
