@@ -5,7 +5,7 @@ The folders are the architecture (each folder imports only lower floors; docs/la
 - `paging/`    chapter 3: block manager (no tensors), the paged KV cache and its int8 / fp8 storage
 - `engine/`    chapters 4-5: sequence, scheduler, model runner, sampler, LLMEngine, draft proposals
 - `attention/` chapters 3, 9: dense reference, FlashAttention tiles, paged attention math, flash-decoding
-- `spec/`      chapter 6: rejection sampling, proposers, the batch-1 speculative loop
+- `spec/`      chapters 6, 10: rejection sampling, proposers, the batch-1 speculative loop, token trees
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
 - `analysis/`  chapters 1, 2, 6, 7: roofline, KV-cache math, speculation theory, weight bytes (pure functions)
@@ -33,6 +33,9 @@ from minillm.engine.structured import StructuredOutputsParams
 from minillm.spec.loop import speculative_generate
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.rejection import greedy_verify, rejection_sample
+from minillm.spec.tree import TokenTree, TreeDraft
+from minillm.spec.tree_rejection import tree_accept
+from minillm.spec.tree_sizing import expected_tau, predicted_speedup, size_tree
 
 
 def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
@@ -50,4 +53,5 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "generate_naive", "KVCache", "default_device", "load_model", "tiny_model",
            "Transformer", "PagedKVCache", "logits_to_probs", "sample", "RequestOutput",
            "SamplingParams", "Logprob", "StructuredOutputsParams", "rejection_sample", "greedy_verify", "speculative_generate",
-           "DraftModelProposer", "NgramProposer", "quantize", "flash_attention"]
+           "DraftModelProposer", "NgramProposer", "quantize", "flash_attention",
+           "TokenTree", "TreeDraft", "tree_accept", "expected_tau", "predicted_speedup", "size_tree"]

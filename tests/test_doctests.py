@@ -10,7 +10,7 @@ import importlib
 import pytest
 
 CORE = ["minillm.paging.block_manager", "minillm.model.sampling", "minillm.spec.rejection",
-        "minillm._validate"]
+        "minillm.spec.tree", "minillm._validate"]
 
 
 @pytest.mark.parametrize("name", CORE)

@@ -1,5 +1,9 @@
 """Speculative decoding (chapter 6): `rejection` (the exact rejection-sampling rule and greedy
 verification), `exact_law` (the rule's law by enumeration), `proposers` (n-gram lookup, draft
 models, self-drafts of the target), `loop` (the batch-1 speculative loop and its statistics) and
-`adaptive` (choosing K while decoding). The formulas it is measured against are one floor down,
+`adaptive` (choosing K while decoding). Chapter 10's token trees: `tree` (the tree shape, a draft,
+the one-pass tree verify over the contiguous cache), `tree_rejection` (exact acceptance of a path,
+Medusa's typical acceptance), `tree_law` (its law by enumeration), `tree_loop` (the batch-1 tree
+loop behind `speculative_generate(..., tree=...)`) and `tree_sizing` (tau, speedup, the tree sized
+for this machine). The formulas it is measured against are one floor down,
 in `minillm.analysis.spec_theory`."""

@@ -14,6 +14,9 @@ The target cache always holds every token but the last emitted one, which is fed
 of the next verify step. Sampling parameters go through `logits_to_probs` for p exactly as the
 proposer applies them to q.
 
+With a tree proposer (one with `propose_tree`: Medusa, EAGLE, lookahead), each step verifies a
+token tree instead of a chain: `tree_loop.py` runs that loop, this function only routes to it.
+
 Left out on purpose: batches (see the engine), stop strings, logprobs.
 """
 import time
@@ -26,6 +29,7 @@ from minillm.model.generate import _check
 from minillm.model.kv_cache import KVCache
 from minillm.model.sampling import logits_to_probs, next_token
 from minillm.spec.rejection import greedy_verify, rejection_sample
+from minillm.spec.tree_loop import check_tree, tree_generate
 
 
 @dataclass
@@ -46,6 +50,9 @@ class SpecStats:
     num_accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # tree steps: per (depth, rank) of a draft node, steps where its parent was accepted / it was
+    node_tested: dict = field(default_factory=dict)
+    node_accepted: dict = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -66,6 +73,11 @@ class SpecStats:
     def tokens_per_step(self) -> float:
         return (sum(self.num_accepted) + self.num_steps) / max(1, self.num_steps)
 
+    def acceptance_by_position(self) -> dict:
+        """{(depth, rank): P(node accepted | its parent was)} measured over the tree steps, the
+        per-node acceptance `spec.tree_sizing` turns into a predicted tau and a tree."""
+        return {key: self.node_accepted.get(key, 0) / n for key, n in sorted(self.node_tested.items())}
+
 
 @torch.inference_mode()
 def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
@@ -73,13 +85,17 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
                          top_k: int | None = None, top_p: float | None = None,
                          generator: torch.Generator | None = None,
                          stop_token_ids: list[int] | None = None,
-                         stats: SpecStats | None = None, adaptive_k=None) -> list[int]:
+                         stats: SpecStats | None = None, adaptive_k=None, tree=None) -> list[int]:
     """Like `generate(target, ...)`, drafting `num_speculative_tokens` tokens per target pass.
 
     The output has exactly the law of `generate` (token for token at temperature 0). With
     `adaptive_k` (a policy with `.k` and `.update(num_accepted, num_proposed)`, e.g.
     `spec.adaptive.WindowedK`), each step asks for `adaptive_k.k` drafts instead of K; the output
     law is the same, only the number of target passes changes.
+
+    A proposer with `propose_tree` (Medusa, EAGLE, lookahead) drafts a token tree each step:
+    `tree` is a `TokenTree` or its list of paths (default: `TokenTree.chain(K)`), verified in one
+    pass (`tree_loop.py`), with the same law and the same statistics (drafted = nodes - 1).
     """
     prompt = _check(target, prompt_ids, max_new_tokens, temperature, top_k, top_p)
     K = num_speculative_tokens
@@ -94,6 +110,14 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
                         f"{type(adaptive_k).__name__}")
     stats = stats if stats is not None else SpecStats()
     stop, dev = set(stop_token_ids or []), target.device
+    if hasattr(proposer, "propose_tree") or tree is not None:
+        if not hasattr(proposer, "propose_tree"):
+            raise ValueError(f"tree= needs a tree proposer (one with propose_tree), got "
+                             f"{type(proposer).__name__}")
+        if adaptive_k is not None:
+            raise ValueError("adaptive_k applies to chain drafts; pass tree= or adaptive_k, not both")
+        return tree_generate(target, proposer, prompt, max_new_tokens, check_tree(tree, K),
+                             (temperature, top_k, top_p), generator, stop, stats)
     # k is capped below at max_new_tokens - len(out) - 1, so a verify never writes past position
     # len(prompt) + max_new_tokens - 2: the same room `generate` needs, within the context
     cache = KVCache(target.config, 1, len(prompt) + max_new_tokens, dev, target.dtype)
