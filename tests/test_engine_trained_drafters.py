@@ -82,7 +82,7 @@ def test_llm_trains_heads_for_none_and_checks_the_dict_first(monkeypatch, tok):
         calls.append((model, tokenizer, num_heads))
         return MedusaHeads(model.config, num_heads=num_heads, seed=0).to(torch.float64)
     monkeypatch.setattr(front_door, "train_medusa", fake_train)
-    with pytest.raises(ValueError, match="not prefix-closed"):
+    with pytest.raises(ValueError, match="prefix-closed"):
         LLM(tiny, tok, num_blocks=64, speculative_config={
             "method": "medusa", "num_speculative_tokens": 3, "model": None,
             "speculative_token_tree": [(0,), (1, 0)]})

@@ -26,6 +26,7 @@ import os
 from minillm.spec.heads import EagleDrafter, MedusaHeads
 from minillm.spec.lookahead import LookaheadProposer
 from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
+from minillm.spec.tree import TokenTree
 
 SPEC_METHODS = ("ngram", "draft", "medusa", "eagle", "lookahead")
 TREE_METHODS = ("medusa", "eagle", "lookahead")        # drafters with top-k candidates per node
@@ -33,42 +34,24 @@ TRAINED_METHODS = ("medusa", "eagle")                  # need heads trained for 
 
 
 def tree_paths(tree) -> tuple | str | None:
-    """A `speculative_token_tree` in one form: None, "auto", or a tuple of tuples of ints."""
+    """A `speculative_token_tree` in one form (None, "auto", or a tuple of tuples), unchecked:
+    `check_tree` checks it."""
     if tree is None or tree == "auto":
         return tree
     if isinstance(tree, str) or not isinstance(tree, (list, tuple)):
         raise TypeError(f"speculative_token_tree must be None, 'auto' or a list of paths of "
                         f"top-k ranks like [(0,), (1,), (0, 0)], got {tree!r}")
-    paths = []
-    for path in tree:
-        if (not isinstance(path, (list, tuple)) or not path
-                or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in path)):
-            raise ValueError(f"speculative_token_tree: each path must be a non-empty tuple of "
-                             f"ranks >= 0 like (0, 1), got {path!r}")
-        paths.append(tuple(path))
-    return tuple(paths)
+    return tuple(tuple(p) if isinstance(p, list) else p for p in tree)
 
 
 def check_tree(tree, k: int, max_rank: int | None) -> tuple | str | None:
-    """`tree_paths(tree)`, refused (ValueError naming speculative_token_tree) unless every path's
-    prefixes are paths too, no path is deeper than K = num_speculative_tokens, and no rank
-    reaches `max_rank`, the candidates per node the drafter produces."""
+    """`tree_paths(tree)`, refused by `TokenTree` (ValueError naming speculative_token_tree)
+    unless it is a non-empty, prefix-closed set of paths no deeper than K =
+    num_speculative_tokens with no rank reaching `max_rank`, the candidates per node the
+    drafter produces."""
     paths = tree_paths(tree)
-    if not isinstance(paths, tuple):
-        return paths
-    if not paths:
-        raise ValueError("speculative_token_tree must hold at least one path, got []")
-    known = set(paths)
-    for path in paths:
-        if len(path) > k:
-            raise ValueError(f"speculative_token_tree path {path} is {len(path)} deep; "
-                             f"num_speculative_tokens={k} allows depth <= {k}")
-        if path[:-1] and path[:-1] not in known:
-            raise ValueError(f"speculative_token_tree is not prefix-closed: {path} needs "
-                             f"{path[:-1]} too")
-        if max_rank is not None and max(path) >= max_rank:
-            raise ValueError(f"speculative_token_tree path {path} uses rank {max(path)}; the "
-                             f"drafter gives ranks 0..{max_rank - 1} (top-{max_rank})")
+    if isinstance(paths, tuple):
+        TokenTree(paths, max_depth=k, max_rank=max_rank)
     return paths
 
 
