@@ -31,6 +31,7 @@ from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.engine.sequence import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from minillm.engine.structured import StructuredOutputsParams
+from minillm.spec.lookahead import LookaheadProposer
 from minillm.spec.loop import speculative_generate
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.rejection import greedy_verify, rejection_sample
@@ -60,4 +61,4 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "DraftModelProposer", "NgramProposer", "quantize", "flash_attention",
            "TokenTree", "TreeDraft", "tree_accept", "expected_tau", "predicted_speedup", "size_tree",
            "MedusaHeads", "EagleDrafter", "MedusaProposer", "EagleProposer", "train_medusa",
-           "train_eagle"]
+           "train_eagle", "LookaheadProposer"]

@@ -10,7 +10,8 @@ vLLM's quickstart runs with only the import and the model name changed:
 
 `LLM(model, tokenizer=None, **options)`: options are `EngineConfig` fields (block_size,
 max_num_seqs, gpu_memory_utilization, ...) plus `dtype`, `device` (how a named model is loaded),
-`draft_model` and `speculative_config` (vLLM's dict; engine_args.py), and `quantization`
+`draft_model` and `speculative_config` (vLLM's dict; engine/args.py: "medusa" / "eagle" with
+"model": None use the cached trained heads, trained here on first use), and `quantization`
 ("int8", "int4" or "gguf": `minillm.quantize` applied to the model, in place, before the engine
 is built; gptq / awq need a calibration set: quantize the model first and pass it in).
 Prompts may be strings, token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts. A model without a
@@ -33,6 +34,8 @@ import os
 import torch
 
 from minillm.analysis.roofline import torch_dtype
+from minillm.drafting.train import train_eagle, train_medusa
+from minillm.engine.args import apply_speculative_config
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import RequestOutput, SamplingParams
 from minillm.kernels.cpu_kernels import ROUTES
@@ -126,10 +129,29 @@ class LLM:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         if isinstance(draft_model, (str, os.PathLike)):
             draft_model = self._load_draft(draft_model, model)
-        if isinstance(speculative_config, dict) and isinstance(speculative_config.get("model"), str):
-            speculative_config = {**speculative_config,
-                                  "model": self._load_draft(speculative_config["model"], model)}
+        if isinstance(speculative_config, dict):
+            speculative_config = self._resolve_drafter(speculative_config, config, model, tokenizer)
         self.llm_engine = LLMEngine(model, config, draft_model, tokenizer, speculative_config)
+
+    def _resolve_drafter(self, spec: dict, config: EngineConfig, model, tokenizer) -> dict:
+        """A copy of `spec` whose "model" the engine can take: a draft model given by name is
+        loaded; "medusa" / "eagle" heads given as None are the cached trained ones, trained on
+        first use (`train_medusa` / `train_eagle`); the rest goes on as it is (a path to heads
+        is loaded and checked by the engine). The dict is checked first, so a bad one trains
+        nothing."""
+        apply_speculative_config(config, {**spec, "model": None} if "model" in spec else spec)
+        method, drafter = spec.get("method", "draft_model"), spec.get("model")
+        if method in ("draft_model", "draft") and isinstance(drafter, str):
+            return {**spec, "model": self._load_draft(drafter, model)}
+        if method in ("medusa", "eagle") and drafter is None:
+            if tokenizer is None:
+                raise ValueError(f"speculative_config['model']=None trains {method} heads on the "
+                                 f"model's own answers, which needs a tokenizer; pass heads")
+            k = spec["num_speculative_tokens"]
+            heads = (train_medusa(model, tokenizer, num_heads=max(4, k)) if method == "medusa"
+                     else train_eagle(model, tokenizer))
+            return {**spec, "model": heads}
+        return dict(spec)
 
     @staticmethod
     def _load_draft(name, target: Transformer) -> Transformer:

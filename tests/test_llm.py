@@ -154,7 +154,7 @@ def test_speculative_config_maps_to_flat_fields(tiny):
 
 
 @pytest.mark.parametrize("spec, kw, match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "'ngram', 'draft_model'"),
+    ({"method": "eagle2", "num_speculative_tokens": 2}, {}, "'ngram', 'draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, {}, r"unknown keys \['k'\]"),
     ({"method": "ngram"}, {}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 3}, {"num_speculative_tokens": 2}, "one place"),

@@ -11,7 +11,7 @@ Bytes per block follow `kv_cache_dtype` (scales included): int8 or fp8 KV gets a
 or 4x (fp32) the blocks of the same memory.
 
 Left out on purpose: memory held by other processes (vLLM checks free memory at start-up),
-CUDA-graph memory, and vLLM's other speculative methods (eagle, medusa, mtp, suffix).
+CUDA-graph memory, and vLLM's other speculative methods (mtp, suffix).
 """
 import dataclasses
 import math
@@ -20,19 +20,25 @@ import warnings
 import torch
 
 from minillm.engine.logits_process import LogitsProcessors
+from minillm.engine.spec_methods import TREE_METHODS, check_tree
 from minillm.engine.structured import GrammarState
 from minillm.paging.paged_cache import PagedKVCache
 from minillm._validate import ArgumentTypeError, check_real
 
-SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
-SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}   # vLLM's -> ours
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+             "speculative_token_tree")
+SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "medusa": "medusa",
+                "eagle": "eagle", "lookahead": "lookahead"}   # vLLM's -> ours
 
 
 def apply_speculative_config(config, spec: dict, draft_model=None):
-    """(EngineConfig, vLLM speculative_config dict, draft_model) -> (EngineConfig, draft_model).
+    """(EngineConfig, vLLM speculative_config dict, draft_model) -> (EngineConfig, draft_model,
+    drafter).
 
     The dict fills the flat fields; a flat field already set to something else raises ValueError.
-    "model" is a Transformer here (`LLM` loads one given by name first).
+    "model" is a Transformer for "draft_model" (`LLM` loads one given by name first), and the
+    drafter for "medusa" / "eagle" / "lookahead" (a proposer, or None; spec_methods.py). The
+    dict is only read, and everything is checked before anything is made.
     """
     if not isinstance(spec, dict):
         raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
@@ -45,17 +51,30 @@ def apply_speculative_config(config, spec: dict, draft_model=None):
                          f"got {method!r}")
     if "num_speculative_tokens" not in spec:
         raise ValueError("speculative_config needs 'num_speculative_tokens'")
+    k = spec["num_speculative_tokens"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"speculative_config['num_speculative_tokens'] must be an int >= 1, "
+                         f"got {k!r}")
     fields = {"speculative_method": SPEC_METHODS[method]}
     fields.update({k: spec[k] for k in SPEC_KEYS[1:4] if k in spec})
+    if spec.get("speculative_token_tree") is not None:
+        if fields["speculative_method"] not in TREE_METHODS:
+            raise ValueError(f"speculative_config['speculative_token_tree'] needs a method in "
+                             f"{list(TREE_METHODS)}, got {method!r}")
+        fields["speculative_token_tree"] = check_tree(spec["speculative_token_tree"], k, None)
     defaults = type(config)()
     for name, value in fields.items():
         flat = getattr(config, name)
         if flat != getattr(defaults, name) and flat != value:
             raise ValueError(f"speculative_config sets {name}={value!r} but EngineConfig has "
                              f"{name}={flat!r}; set it in one place")
-    if "model" in spec:
+    drafter = None
+    if "model" in spec and fields["speculative_method"] in TREE_METHODS:
+        drafter = spec["model"]
+    elif "model" in spec:
         if fields["speculative_method"] != "draft":
-            raise ValueError("speculative_config['model'] needs method 'draft_model'")
+            raise ValueError("speculative_config['model'] needs method 'draft_model', 'medusa' "
+                             "or 'eagle'")
         draft = spec["model"]
         if isinstance(draft, str):
             raise ValueError("a draft model given by name needs LLM(...); LLMEngine takes a Transformer")
@@ -63,7 +82,7 @@ def apply_speculative_config(config, spec: dict, draft_model=None):
             raise ValueError("the draft model is given twice (draft_model= and speculative_config"
                              "['model']); set it in one place")
         draft_model = draft
-    return dataclasses.replace(config, **fields), draft_model
+    return dataclasses.replace(config, **fields), draft_model, drafter
 
 
 def num_blocks_for_memory(total_bytes: float, utilization: float, weight_bytes: float,

@@ -15,7 +15,9 @@ dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int
 store one byte per element (paging/kv_storage.py), so the same memory holds about 2x (bf16/fp16) or 4x
 (fp32) the blocks. Order across requests: `scheduling_policy` "fcfs" (arrival order) or "priority"
 (each request's int priority, lower first, with optional `priority_classes`: priority.py).
-Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
+Speculative decoding: `num_speculative_tokens` K > 0 with `speculative_method` "ngram", "draft",
+or a trained drafter "medusa" / "eagle" / "lookahead" (its proposer built by spec_methods.py),
+optionally with `speculative_token_tree` (checked against the drafter there). Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
 "flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
 minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from the step size where
 it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
@@ -25,6 +27,7 @@ from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
 from minillm.engine.scheduler import check_partial_prefills
+from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, tree_paths
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 
 
@@ -47,7 +50,8 @@ class EngineConfig:
     scheduling: str = "continuous"               # or "static" (the baseline)
     kv_cache_memory_bytes: int = 512 * 2**20
     num_speculative_tokens: int = 0
-    speculative_method: str | None = None
+    speculative_method: str | None = None         # see SPEC_METHODS (spec_methods.py)
+    speculative_token_tree: tuple | str | None = None   # paths of top-k ranks, "auto", None: chain
     prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
     prompt_lookup_max: int = 3
     seed: int = 0                                 # for requests without their own seed
@@ -83,9 +87,14 @@ class EngineConfig:
         if self.scheduling_policy == "priority" and self.scheduling == "static":
             raise ValueError("scheduling_policy='priority' needs scheduling='continuous' "
                              "(a static batch admits no one until it drains)")
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got "
-                             f"{self.speculative_method!r}")
+        if self.speculative_method not in (None,) + SPEC_METHODS:
+            raise ValueError(f"speculative_method must be None or one of {list(SPEC_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if isinstance(self.speculative_token_tree, list):   # one form: tuples (frozen dataclass)
+            object.__setattr__(self, "speculative_token_tree", tree_paths(self.speculative_token_tree))
+        if self.speculative_token_tree is not None and self.speculative_method not in TREE_METHODS:
+            raise ValueError(f"speculative_token_tree needs speculative_method in "
+                             f"{list(TREE_METHODS)}, got {self.speculative_method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")

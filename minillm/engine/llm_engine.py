@@ -12,8 +12,9 @@ n > 1 completions after the prompt's prefill, rolls rejected drafts back, append
 finished sequences at once (their blocks go back to the pool), and writes per-request metrics
 (TTFT, TPOT, end-to-end) and the per-step trace (`trace`, `export_trace`).
 
-With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup or a
-`draft_model`, spec_decoder.py) that one forward pass scores and the sampler verifies; vLLM's
+With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup, a
+`draft_model`, or a trained drafter that reads the target's features, kept per sequence here:
+spec_decoder.py, features.py) that one forward pass scores and the sampler verifies; vLLM's
 `speculative_config` dict and `gpu_memory_utilization` map onto these fields in args.py. With a tokenizer, each
 sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
 `llm.py` wraps the engine in vLLM's offline front door, `LLM`.
@@ -41,6 +42,7 @@ from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,
                                  pool_num_blocks, request_state)
 from minillm.engine.config import EngineConfig
+from minillm.engine.features import FeatureWindow
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.sampler import Sampled, SampleRow, Sampler
@@ -57,8 +59,10 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None,
                  speculative_config: dict | None = None):
         config = config or EngineConfig()
+        drafter = None                                # a trained method's proposer, or None
         if speculative_config is not None:            # vLLM's dict -> the flat fields
-            config, draft_model = apply_speculative_config(config, speculative_config, draft_model)
+            config, draft_model, drafter = apply_speculative_config(config, speculative_config,
+                                                                    draft_model)
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.draft_model = draft_model
         mc, cfg = model.config, self.config
@@ -67,7 +71,9 @@ class LLMEngine:
             self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
                                     draft_model, mc.max_seq_len,
                                     ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
-                                    max_num_seqs=cfg.max_num_seqs)
+                                    max_num_seqs=cfg.max_num_seqs, drafter=drafter,
+                                    tree=cfg.speculative_token_tree, target=model)
+        self.needs_features = self.spec is not None and self.spec.needs_features
         param = next(model.parameters())
         num_blocks = pool_num_blocks(model, cfg, draft_model)
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
@@ -165,15 +171,20 @@ class LLMEngine:
         self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
         try:
-            seqs, logits = self.runner.execute(out)
+            if self.needs_features:    # a trained drafter reads the target's hidden rows
+                seqs, logits, hidden = self.runner.execute_with_hidden(out)
+            else:
+                (seqs, logits), hidden = self.runner.execute(out), None
             rows = self._sample_rows(seqs)
             sampled = self.sampler.sample(rows, logits)     # tokens; drafts verified
+            if self.spec is not None:
+                self.spec.observe(rows, logits)             # lookahead learns from the verify pass
             prompt_lps = self.sampler.prompt_logprobs(prompt_rows(out), logits)
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
-        return [self._output(r) for r in timed_out] + self.update_from_output(out, rows, sampled,
-                                                                              t0, prompt_lps)
+        return [self._output(r) for r in timed_out] + self.update_from_output(
+            out, rows, sampled, t0, prompt_lps, hidden)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
                  sampling_params=None, priority=None) -> list[RequestOutput]:
@@ -234,12 +245,14 @@ class LLMEngine:
         return entries
 
     def update_from_output(self, out, rows: list[SampleRow], sampled: list[Sampled],
-                           t0: float, prompt_logprobs=()) -> list[RequestOutput]:
+                           t0: float, prompt_logprobs=(), hidden=None) -> list[RequestOutput]:
         """The one place a step's results land (vLLM's `Scheduler.update_from_output`): computed
-        counts move, prompt logprobs are stored, n > 1 requests fork, rejected drafts roll back,
-        tokens (and their logprobs) are appended, finished sequences stop, and metrics and the
-        trace are written. A row that could not be sampled (say, NaN logits) aborts its own
-        request and nobody else's."""
+        counts move, the target's features are kept (hidden (M, C), one row per scheduled token,
+        when a trained drafter reads them), prompt logprobs are stored, n > 1 requests fork,
+        rejected drafts roll back (their feature rows too), tokens (and their logprobs) are
+        appended, finished sequences stop, and metrics and the trace are written. A row that
+        could not be sampled (say, NaN logits) aborts its own request and nobody else's."""
+        self._keep_features(out, hidden, rows, sampled)
         num_decode, prefill_ids = self._advance(out, t0)
         for seq, first, entries in prompt_logprobs:     # a recomputed chunk writes the same again
             self.requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = \
@@ -257,6 +270,8 @@ class LLMEngine:
             advanced[seq.request_id] = self.requests[seq.request_id]
         for seq in out.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
+            if seq.features is not None and seq.num_computed_tokens == 0:
+                seq.features.clear()       # recomputed from scratch; a swapped KV keeps them
         self.trace.append(trace_row(self.step_count, out, t0, now, num_decode, prefill_ids,
                                     self.scheduler, self.block_manager))
         self.step_count += 1
@@ -284,6 +299,20 @@ class LLMEngine:
             if not seq.draft_token_ids:
                 self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
         return num_decode, prefill_ids
+
+    def _keep_features(self, out, hidden, rows: list[SampleRow], sampled: list[Sampled]) -> None:
+        """Each scheduled chunk's hidden rows join its sequence's window (features.py), but for
+        the rows of rejected drafts. Runs before the counts move (and before any fork)."""
+        if hidden is None:
+            return
+        rejected = {r.seq.seq_id: s.num_rejected for r, s in zip(rows, sampled) if r.num_drafts}
+        at = 0
+        for seq, n in out.scheduled:
+            if seq.features is None:
+                seq.features = FeatureWindow(self.spec.feature_window)
+            kept = n - rejected.get(seq.seq_id, 0)
+            seq.features.extend(seq.num_computed_tokens, hidden[at:at + kept])     # (kept, C)
+            at += n
 
     def _settle_drafts(self, seq: Sequence, s: Sampled) -> None:
         """K drafts were verified: the rejected ones' KV is void (num_computed_tokens -= rejected,
@@ -374,7 +403,8 @@ class LLMEngine:
                              req.params, parent.arrival_time, index=i,
                              num_computed_tokens=parent.num_computed_tokens, priority=parent.priority,
                              procs=parent.procs,
-                             grammar=parent.grammar.fork() if parent.grammar is not None else None)
+                             grammar=parent.grammar.fork() if parent.grammar is not None else None,
+                             features=parent.features.copy() if parent.features is not None else None)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             children.append(child)

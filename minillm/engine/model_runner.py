@@ -9,7 +9,8 @@ It only runs. Given a `SchedulerOutput` it
 3. runs `model(input_ids, positions, cache, logits_index)` with `logits_index` at the last token
    of each sequence whose chunk reaches its end (only those sample a new token), and at each
    speculative draft's position;
-and returns those sequences with their logits. Turning logits into tokens is the sampler's job
+and returns those sequences with their logits (`execute_with_hidden`: also the final norm's output
+at every scheduled token, the features trained drafters read). Turning logits into tokens is the sampler's job
 (sampler.py); applying them is the engine's.
 
 A request with `SamplingParams(prompt_logprobs=k)` also needs the logits at every prompt position
@@ -17,7 +18,7 @@ of each of its chunks (position i predicts prompt token i + 1). `prompt_rows` sa
 rows come after the sampling rows, in the order of `prompt_rows`, and only such requests pay for
 them. A chunk at most `max_num_batched_tokens` long bounds that memory (rows x V floats).
 
-Letters: M tokens in the flattened batch, K logits rows this step, V vocab.
+Letters: M tokens in the flattened batch, K logits rows this step, V vocab, C model width.
 Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work.
 """
 from dataclasses import dataclass
@@ -104,14 +105,26 @@ class ModelRunner:
             logits_index = long_tensor(last or [len(ids) - 1], self.device)    # (K,)
         return input_ids, positions, logits_index, sampling
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
         """Move blocks, run the forward pass; return the sequences that sample and their logits
         (one row each, K + 1 rows for a sequence with K speculative drafts; then any prompt rows)."""
+        seqs, logits, _ = self.execute_with_hidden(out, return_hidden=False)
+        return seqs, logits
+
+    @torch.inference_mode()
+    def execute_with_hidden(self, out: SchedulerOutput, return_hidden: bool = True):
+        """`execute`, plus the target's features: hidden (M, C), one row per scheduled token in
+        the order of `out.scheduled` (what trained drafters read; features.py), or None."""
         self.move_blocks(out)
         if out.is_empty:
-            return [], None
+            return [], None, None
         input_ids, positions, logits_index, sampling = self.prepare(out)
-        logits = self.model(input_ids, positions=positions, cache=self.cache,
-                            logits_index=logits_index)                      # (1, K, V)
-        return sampling, (logits[0] if sampling or prompt_rows(out) else None)
+        hidden = None
+        if return_hidden:
+            logits, hidden = self.model(input_ids, positions=positions, cache=self.cache,
+                                        logits_index=logits_index, return_hidden=True)
+            hidden = hidden[0]                                                     # (M, C)
+        else:
+            logits = self.model(input_ids, positions=positions, cache=self.cache,
+                                logits_index=logits_index)                        # (1, K, V)
+        return sampling, (logits[0] if sampling or prompt_rows(out) else None), hidden

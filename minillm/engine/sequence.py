@@ -138,6 +138,7 @@ class Sequence:
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
     draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
+    features: object = None              # FeatureWindow: the target's hidden rows (features.py)
     error: str | None = None             # why it was aborted, when a token could not be drawn
     detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
     priority: int = 0                    # lower = served first (scheduling_policy="priority")

@@ -4,8 +4,10 @@ Letters: K draft tokens of one sequence (K <= num_speculative_tokens), V vocab.
 
 One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=...)`:
 1. `SpecDecoder.propose`: every decoding sequence gets up to K draft tokens from an n-gram lookup
-   over its own tokens ("ngram") or from a draft model ("draft", batch-1 calls); the engine
-   writes them to `seq.draft_token_ids`;
+   over its own tokens ("ngram"), from a draft model ("draft", batch-1 calls), or from a trained
+   drafter ("medusa", "eagle": reading the target's features the engine keeps per sequence,
+   features.py) or lookahead's pool ("lookahead"; spec_methods.py builds these proposers); the
+   engine writes them to `seq.draft_token_ids`;
 2. the scheduler books blocks for the last token + the drafts and schedules K + 1 tokens for it;
    the runner asks for logits at all K + 1 positions (one ragged forward pass for the whole batch);
 3. the sampler (sampler.py) verifies them: `greedy_verify` (temperature 0) or `rejection_sample`
@@ -16,15 +18,19 @@ One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=
 A sequence whose drafts do not fit the step's token budget simply decodes one token. This module
 proposes, and defines the record of the run's counts; it changes no sequence, block or metric.
 
+The trained drafters' drafts are deterministic (q None), so the same exact rule verifies them.
+
 Left out on purpose: a batched/paged draft-model cache (the draft model runs batch 1, one
-sequence after another, each with its own contiguous cache keyed by seq_id), tree drafts,
-per-request K.
+sequence after another, each with its own contiguous cache keyed by seq_id), tree verification
+in the paged engine (a `speculative_token_tree` is checked, and the chain of its rank-0 drafts is
+verified), per-request K.
 """
 from dataclasses import dataclass
 
 import torch
 
 from minillm.engine.sequence import Sequence
+from minillm.engine.spec_methods import SPEC_METHODS, check_tree, make_proposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 
 
@@ -46,20 +52,32 @@ class SpecDecodingStats:
 
 class SpecDecoder:
     def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None,
-                 ngram: tuple[int, int] = (1, 3), max_num_seqs: int = 32):
-        if method not in ("ngram", "draft"):
-            raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {method!r}")
+                 ngram: tuple[int, int] = (1, 3), max_num_seqs: int = 32, drafter=None,
+                 tree=None, target=None):
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_method must be one of {list(SPEC_METHODS)}, got {method!r}")
         if method == "draft" and draft_model is None:
             raise ValueError("speculative_method='draft' needs LLMEngine(..., draft_model=...)")
         self.k, self.method, self.max_seq_len = k, method, max_seq_len
-        self.proposer = (NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1]) if method == "ngram"
-                         else DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs))
+        if method == "ngram":
+            self.proposer = NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1])
+        elif method == "draft":
+            self.proposer = DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs)
+        else:
+            self.proposer = make_proposer(method, drafter, target, k, max_num_seqs)
+        self.tree = check_tree(tree, k, getattr(self.proposer, "max_rank", None))
+        self.needs_features = bool(getattr(self.proposer, "needs_features", False))
+        self.feature_window = getattr(self.proposer, "feature_window", 1)
+        # a proposer with state per sequence (lookahead's guesses) is keyed by seq_id and sees
+        # the verify logits (`observe`)
+        self.keyed = method == "draft" or callable(getattr(self.proposer, "observe_chain", None))
 
     def propose(self, seqs: list[Sequence],
                 draft_generator) -> list[tuple[list[int], torch.Tensor | None]]:
         """Drafts for decoding sequences: one (draft token ids, q) per sequence, q (1, K, V) for a
         sampling draft model, else None; ([], None) where no draft fits. `draft_generator(seq)`
-        gives the generator to draft with (the seed rule's, `Sampler.draft_generator`)."""
+        gives the generator to draft with (the seed rule's, `Sampler.draft_generator`). A
+        drafter that reads features gets each sequence's tail (features.py; None if it has none)."""
         drafts = []
         for seq in seqs:
             p = seq.params
@@ -70,10 +88,28 @@ class SpecDecoder:
             if k < 1:
                 drafts.append(([], None))
                 continue
-            key = {"key": seq.seq_id} if self.method == "draft" else {}   # its own draft cache
+            extra = {}
+            if self.keyed:
+                extra["key"] = seq.seq_id                            # its own cache or state
+            if self.needs_features:
+                feats = seq.features.tail(seq.num_tokens) if seq.features is not None else None
+                extra["features"] = [feats]                          # (w, C) or None
             prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
-                                         generator=draft_generator(seq), **key)
+                                         generator=draft_generator(seq), **extra)
             n = k if prop.num_proposed is None else int(prop.num_proposed[0])
+            n = min(n, k, prop.token_ids.shape[1])
             probs = prop.probs[:, :n] if prop.probs is not None else None             # (1, K, V)
             drafts.append((prop.token_ids[0, :n].tolist(), probs))
         return drafts
+
+    def observe(self, rows, logits: torch.Tensor | None) -> None:
+        """Hand a keyed proposer the verify logits of its drafts (K + 1 rows at the last token
+        and the drafts), before the engine appends anything: lookahead's Jacobi step."""
+        observe = getattr(self.proposer, "observe_chain", None)
+        if observe is None or logits is None:
+            return
+        for r in rows:
+            if r.num_drafts:
+                seq = r.seq
+                observe(seq.token_ids, seq.draft_token_ids,
+                        logits[r.row:r.row + r.num_drafts + 1], key=seq.seq_id)       # (K+1, V)

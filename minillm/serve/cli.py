@@ -3,11 +3,13 @@
     python -m minillm serve                                  # smollm2-135m on 127.0.0.1:8000
     python -m minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching \\
         --scheduling-policy priority --api-key secret
+    python -m minillm serve --speculative-config '{"method": "eagle", "num_speculative_tokens": 4}'
 
 Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...), with the
 server's own defaults for the token budget and partial prefills (`SERVER_DEFAULTS`);
-`--num-gpu-blocks-override` is num_blocks; `--load-format dummy` serves SmolLM2-135M's shape with
-random weights (a GPU run without the model file; say so in any number it produces). The server
+`--num-gpu-blocks-override` is num_blocks; `--speculative-config` is vLLM's JSON dict, handed to
+`LLM(speculative_config=...)` (a bad one is one line and exit status 2, like any bad flag);
+`--load-format dummy` serves SmolLM2-135M's shape with random weights (a GPU run without the model file; say so in any number it produces). The server
 binds 127.0.0.1 unless `--host` says otherwise, and it binds its port before it loads anything:
 a port in use is one line on stderr and exit status 1, at once. CORS is off unless
 `--allowed-origins` lists the origins a browser page may call the server from (vLLM's flag: a
@@ -62,6 +64,18 @@ def origins(value: str) -> list[str]:
     return [o.strip() for o in value.split(",") if o.strip()]
 
 
+def json_object(value: str) -> dict:
+    """--speculative-config: a JSON object, as vLLM takes it, e.g.
+    '{"method": "eagle", "num_speculative_tokens": 4, "speculative_token_tree": [[0], [1], [0, 0]]}'."""
+    try:
+        out = json.loads(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(out, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object, got {type(out).__name__}")
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minillm serve",
                                 description="An OpenAI-compatible server over minillm's engine.")
@@ -82,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
                    help="requests waiting or running before new ones get 503")
     p.add_argument("--allowed-origins", type=origins, default=None,
                    help="origins allowed by CORS, e.g. '[\"http://localhost:3000\"]' (default: CORS off)")
+    p.add_argument("--speculative-config", type=json_object, default=None,
+                   help='speculative decoding, e.g. \'{"method": "medusa", "num_speculative_tokens": 3}\' '
+                        '(ngram, draft_model, medusa, eagle, lookahead; "model": a path or null)')
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     p.add_argument("--log-level", default="info")
     for flag, (_, typ) in ENGINE_FLAGS.items():
@@ -110,10 +127,12 @@ def build_llm(args):
     if args.load_format == "dummy":
         dtype = resolve_dtype(args.dtype) or torch.float32
         model = random_model(DEFAULT_MODEL, device=args.device or default_device(), dtype=dtype)
-        llm = LLM(model, load_tokenizer(), quantization=args.quantization, **opts)
+        llm = LLM(model, load_tokenizer(), quantization=args.quantization,
+                  speculative_config=args.speculative_config, **opts)
         llm.model_name = args.model
         return llm
-    return LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, **opts)
+    return LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+               speculative_config=args.speculative_config, **opts)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -4,8 +4,9 @@ Letters: S context length, C d_model, N tree nodes, K draft depth, V vocab.
 
 Both read the target's features: the final norm's output at context positions 0..S-2 (every
 token but the last, the root, which the target has not run yet), shape (S - 1, C). The loop or
-engine that verifies already has them from its last pass; given None, they are computed here by
-one forward pass over the context (`context_features`).
+engine that verifies already has them from its last pass (the engine hands over the tail it keeps:
+w <= S - 1 rows ending at position S-2); given None, they are computed here by one forward pass
+over the context (`context_features`).
 
 - `propose_tree(context_ids, features, tree) -> TreeDraft` fills a `TokenTree` of top-k ranks.
   Medusa: the node at path (i0, i1, ...) of depth d is head d-1's top-i_{d-1} token, read from
@@ -55,8 +56,9 @@ class _TrainedProposer:
     def _features(self, context_ids, features) -> torch.Tensor:
         if features is None:
             return context_features(self.model, context_ids)
-        if features.dim() != 2 or features.shape[0] != len(context_ids) - 1:
-            raise ValueError(f"features must be (S - 1, C) = ({len(context_ids) - 1}, C), got "
+        if features.dim() != 2 or not 1 <= features.shape[0] <= len(context_ids) - 1:
+            raise ValueError(f"features must be (w, C) with 1 <= w <= S - 1 = "
+                             f"{len(context_ids) - 1}: the rows of positions S-1-w..S-2, got "
                              f"{tuple(features.shape)}")
         return features.to(self.model.device, self.model.dtype)
 
@@ -139,12 +141,13 @@ class EagleProposer(_TrainedProposer):
         return self.drafter(feats[None], toks[None], self.model.embed, p, mask)[0]  # (W + n, C)
 
     def _window(self, context_ids, features):
-        feats = self._features(context_ids, features)                       # (S - 1, C)
+        feats = self._features(context_ids, features)                       # (w, C)
         S = len(context_ids)
-        lo = max(0, S - 1 - self.window)
+        feats = feats[-self.window:]                 # a tail: positions S-1-len..S-2
+        lo = S - 1 - len(feats)
         dev = feats.device
         toks = torch.tensor(context_ids[lo + 1:], dtype=torch.long, device=dev)   # (W,)
-        return feats[lo:], toks, torch.arange(lo + 1, S, device=dev)
+        return feats, toks, torch.arange(lo + 1, S, device=dev)
 
     def _children_logp(self, out: torch.Tensor, width: int):
         """out (M, C) predicted features -> (top log-probs, token ids), each (M, width)."""

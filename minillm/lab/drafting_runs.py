@@ -1,0 +1,84 @@
+"""Runs of chapter 10's drafters on held-out chat prompts: tokens per step (tau) and speedup over
+plain decoding, measured in one process (chapter 10 and `python -m benchmarks drafting`).
+
+Letters: K speculative tokens (the depth of a chain or tree), N nodes of a tree (root included).
+
+`time_methods` decodes every prompt with plain `generate` and with each method's proposer through
+`speculative_generate`, in interleaved rounds (the best round of each kept), checks greedy outputs
+against plain decoding, and returns per method: tau (tokens per target pass), the measured speedup,
+the per-(depth, rank) acceptance the run saw, and the step's verify size. `verify_costs` times one
+forward of n tokens after a cached context (chapter 1's `forward_cost`, the tuned route), the cost
+curve `spec.tree_sizing.size_tree` turns into a tree for this machine.
+
+Left out on purpose: the engine (batch > 1 lives in the benchmark), prefill-only timings.
+"""
+import time
+
+import torch
+
+from minillm.lab.forward_cost import forward_cost
+from minillm.model.generate import generate
+from minillm.spec.loop import SpecStats, speculative_generate
+
+VERIFY_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def verify_costs(model, sizes=VERIFY_SIZES, context: int = 128, rounds: int = 3) -> dict:
+    """{n: median ms of one forward of n new tokens after `context` cached}, this machine."""
+    cost = forward_cost(model, rows=tuple(sizes), context=context, rounds=rounds, routes=("auto",))
+    return {n: cost["auto"][str(n)] for n in sizes}
+
+
+def _run(model, prompt, proposer, tree, k, n, temperature, seed, stop):
+    gen = torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None
+    stats = SpecStats()
+    t0 = time.perf_counter()
+    if proposer is None:
+        out = generate(model, prompt, n, temperature, generator=gen, stop_token_ids=stop)
+    else:
+        if hasattr(proposer, "reset"):
+            proposer.reset()
+        out = speculative_generate(model, proposer, prompt, n, num_speculative_tokens=k,
+                                   temperature=temperature, generator=gen, stop_token_ids=stop,
+                                   stats=stats, tree=tree)
+    return out, time.perf_counter() - t0, stats
+
+
+@torch.inference_mode()
+def time_methods(model, prompts: list[list[int]], methods: dict, max_new_tokens: int = 64,
+                 temperature: float = 0.0, rounds: int = 2, seed: int = 0, stop=None) -> dict:
+    """methods: {name: (proposer, tree or None, K)}. Returns {"plain": {...}, name: {...}} with
+    seconds (sum over prompts of each prompt's best round), tokens, tau, speedup, same_as_plain
+    (greedy only), acceptance {(depth, rank): p}, and nodes (the verify size of a step)."""
+    cases = {"plain": (None, None, 1), **methods}
+    best = {name: [float("inf")] * len(prompts) for name in cases}
+    outs, stats = {}, {}
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            for name, (proposer, tree, k) in cases.items():
+                out, sec, st = _run(model, prompt, proposer, tree, k, max_new_tokens,
+                                    temperature, seed + i, stop)
+                best[name][i] = min(best[name][i], sec)
+                if r == 0:
+                    outs[(name, i)], stats[(name, i)] = out, st
+    plain_s = sum(best["plain"])
+    result = {}
+    for name in cases:
+        merged = SpecStats()
+        for i in range(len(prompts)):
+            st = stats[(name, i)]
+            merged.num_proposed += st.num_proposed
+            merged.num_accepted += st.num_accepted
+            for key, v in st.node_tested.items():
+                merged.node_tested[key] = merged.node_tested.get(key, 0) + v
+            for key, v in st.node_accepted.items():
+                merged.node_accepted[key] = merged.node_accepted.get(key, 0) + v
+        tokens = sum(len(outs[(name, i)]) for i in range(len(prompts)))
+        seconds = sum(best[name])
+        result[name] = {
+            "seconds": seconds, "tokens": tokens,
+            "tau": merged.tokens_per_step if name != "plain" else 1.0,
+            "steps": merged.num_steps, "speedup": plain_s / seconds,
+            "same_as_plain": all(outs[(name, i)] == outs[("plain", i)] for i in range(len(prompts))),
+            "acceptance": merged.acceptance_by_position() if name != "plain" else {}}
+    return result

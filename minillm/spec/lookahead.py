@@ -1,0 +1,222 @@
+"""Lookahead (Jacobi) decoding: the target's own guesses fill an n-gram pool; no draft model.
+
+Letters: W window (Jacobi guesses), N n-gram size, G verification candidates, K chain drafts,
+V vocab.
+
+Jacobi decoding guesses W future tokens at once and runs them through the target: the argmax
+at guess i is a better guess for the token after it, having seen the guesses before it. Iterated,
+the guesses settle on the greedy continuation (a fixed point), but rarely more than one new token
+per pass. Lookahead decoding (Fu et al., 2024) keeps iterating anyway and harvests the n-grams
+the guesses form into a pool; an n-gram whose first token is the current last token is a
+candidate continuation, checked in the same forward pass as the next Jacobi step. Both ride in one
+token tree, rooted at the last token (not yet run through the target):
+
+    root ── g1 ── g2 ── ... ── gW          the lookahead branch: the current Jacobi guesses
+       └─── a1 ── ... ── a(N-1)            up to G pool n-grams that followed the root,
+                                           merged into a trie (siblings carry distinct tokens)
+
+The verifier accepts whichever path the target agrees with (the lookahead branch included), and
+`observe` does one Jacobi step from the same logits: the guess for depth i + 1 becomes the argmax
+at the branch's depth-i node (i = 0..W), and every N-gram of [root, new guesses] enters the pool.
+The next call shifts the guesses past the tokens accepted and refills the end by following the
+pool from the last guess (its newest n-gram), else with seeded picks from the context. Exact at any temperature: the proposer only chooses what to verify.
+
+The chain form `propose(contexts, k)` (for `speculative_generate` and the engine) drafts the
+newest pool n-gram after the last token, continued by the guesses, else the guesses. There the
+proposer never sees the verify logits, so no Jacobi step happens unless the caller passes them to
+`observe_chain`; the pool is then fed from the accepted output instead (`learn_from_output`), which
+makes it prompt lookup over what was generated.
+
+Left out on purpose: the paper's 2-D window (N - 1 past levels of guesses in the tree with a mask
+of their own, and n-grams read along its diagonals): one level of guesses is what a plain token
+tree carries. Sampling the guesses instead of taking the argmax.
+"""
+import torch
+
+from minillm.spec.proposers import Proposal, _check_k, _contexts
+from minillm.spec.tree import TreeDraft
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+class _Seq:
+    """One sequence's lookahead state: the context it last saw, its guesses and n-gram pool."""
+
+    def __init__(self, context: list[int], key):
+        self.context, self.key = list(context), key
+        self.base = len(context)            # guesses[0] is the guess for position `base`
+        self.known = len(context)           # context tokens already read into the pool
+        self.guesses: list[int] = []
+        self.pool: dict[int, list[tuple[int, ...]]] = {}   # token -> (N-1)-grams, newest last
+
+
+class LookaheadProposer:
+    """Lookahead decoding's drafts: W Jacobi guesses plus up to G n-grams from the pool.
+
+    >>> p = LookaheadProposer(window=3, ngram=2, max_candidates=2, seed=0)
+    >>> d = p.propose_tree([5, 6, 7, 5, 6])
+    >>> d.tokens[0].item(), d.parents[:2], len(d.tokens)     # the root, then the W guesses
+    (6, [-1, 0], 4)
+    """
+    needs_features = False
+
+    def __init__(self, window: int = 4, ngram: int = 3, max_candidates: int = 4,
+                 seed: int | None = 0, learn_from_output: bool = True, max_cached_seqs: int = 8):
+        _check_int("window", window, 1)
+        _check_int("ngram", ngram, 2)          # an n-gram after the root holds N - 1 >= 1 tokens
+        _check_int("max_candidates", max_candidates, 1)
+        _check_int("max_cached_seqs", max_cached_seqs, 1)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.window, self.ngram, self.max_candidates = window, ngram, max_candidates
+        self.seed, self.learn_from_output, self.max_cached_seqs = seed, learn_from_output, max_cached_seqs
+        self.pool_size = max(8, 2 * max_candidates)           # n-grams kept per first token
+        self.reset()
+
+    def reset(self) -> None:
+        self._seqs: list[_Seq] = []                           # most recently used last
+        self._pending: dict[int, tuple] = {}        # id(draft) -> (draft, seq, lookahead nodes)
+        self._gen = torch.Generator()
+        self._gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+
+    # --- state -------------------------------------------------------------------------------
+    def _seq_for(self, context: list[int], key=None) -> _Seq:
+        """The state of this sequence (by key, else the one whose context this one extends),
+        brought up to date: guesses shifted past the new tokens and refilled to W."""
+        def extends(s):
+            return len(s.context) <= len(context) and context[:len(s.context)] == s.context
+        s = next((s for s in reversed(self._seqs)
+                  if (s.key == key if key is not None else s.key is None) and extends(s)), None)
+        if s is None:
+            if key is not None:                                # a key names one sequence
+                self._seqs = [t for t in self._seqs if t.key != key]
+            s = _Seq(context, key)
+            if len(self._seqs) >= self.max_cached_seqs:
+                self._seqs.pop(0)                             # the least recently used
+        else:
+            self._seqs.remove(s)
+        self._seqs.append(s)
+        shift = len(context) - s.base                         # tokens appended since the guesses
+        s.guesses = s.guesses[shift:][:self.window]
+        s.base, s.context = len(context), list(context)
+        if self.learn_from_output:
+            N = self.ngram
+            for end in range(max(s.known, N - 1), len(context)):
+                self._remember(s, context[end - N + 1:end + 1])
+        s.known = len(context)
+        while len(s.guesses) < self.window:                   # refill: the pool, else the context
+            grams = s.pool.get(s.guesses[-1] if s.guesses else context[-1])
+            if grams:
+                s.guesses += list(grams[-1])
+            else:
+                i = int(torch.randint(len(context), (1,), generator=self._gen))
+                s.guesses.append(context[i])
+        del s.guesses[self.window:]
+        return s
+
+    def _remember(self, s: _Seq, gram: list[int]) -> None:
+        """Put an N-gram into the pool under its first token (newest last, at most pool_size)."""
+        grams = s.pool.setdefault(gram[0], [])
+        rest = tuple(gram[1:])
+        if rest in grams:
+            grams.remove(rest)
+        grams.append(rest)
+        del grams[:-self.pool_size]
+
+    def _jacobi_step(self, s: _Seq, root: int, best: list[int]) -> None:
+        """best[i] = the argmax at the chain node of depth i: the new guess for depth i + 1."""
+        s.guesses = best + s.guesses[len(best):]
+        chain, N = [root] + best, self.ngram
+        for i in range(len(chain) - N + 1):
+            self._remember(s, chain[i:i + N])
+
+    def candidates(self, s: _Seq, root: int) -> list[tuple[int, ...]]:
+        """Up to G pool n-grams that followed `root`, newest first."""
+        return s.pool.get(root, [])[::-1][:self.max_candidates]
+
+    # --- the tree form -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_tree(self, context_ids, features=None, tree=None, key=None) -> TreeDraft:
+        """context (S,) -> a TreeDraft of at most 1 + W + G (N - 1) nodes, in breadth-first order.
+        `features` is not read (needs_features is False) and `tree` is ignored: lookahead builds
+        its own shape (the parents say it)."""
+        ids = context_ids if isinstance(context_ids, torch.Tensor) else [list(context_ids)]
+        context = _contexts(ids)[0]
+        s = self._seq_for(context, key)
+        root = context[-1]
+        children: list[dict[int, int]] = [{}]                # trie: node -> {token: child}
+        tokens = [root]
+
+        def insert(path) -> list[int]:
+            node, nodes = 0, []
+            for t in path:
+                if t not in children[node]:
+                    children[node][t] = len(tokens)
+                    tokens.append(t)
+                    children.append({})
+                node = children[node][t]
+                nodes.append(node)
+            return nodes
+
+        chain = [0] + insert(s.guesses)
+        for gram in self.candidates(s, root):
+            insert(gram)
+        order, parents, new = [0], [-1], {0: 0}              # renumber breadth first
+        for node in order:
+            for child in children[node].values():
+                new[child] = len(order)
+                order.append(child)
+                parents.append(new[node])
+        draft = TreeDraft(torch.tensor([tokens[i] for i in order]), parents)   # (N,)
+        self._pending[id(draft)] = (draft, s, [new[i] for i in chain])
+        while len(self._pending) > self.max_cached_seqs:     # drafts never observed are dropped
+            del self._pending[next(iter(self._pending))]
+        return draft
+
+    @torch.inference_mode()
+    def observe(self, draft: TreeDraft, logits: torch.Tensor, accepted=None) -> None:
+        """One Jacobi step from the verify pass of `draft`: logits (N, V), one row per node.
+        `accepted` is not needed: the next context says how many tokens to shift past."""
+        if self._pending.get(id(draft), (None,))[0] is not draft:
+            raise ValueError("observe: draft must be a TreeDraft this proposer returned and has "
+                             "not observed yet")
+        if logits.dim() != 2 or logits.shape[0] != len(draft.tokens):
+            raise ValueError(f"logits must be (N, V) with N = {len(draft.tokens)} nodes, got "
+                             f"{tuple(logits.shape)}")
+        _, s, chain = self._pending.pop(id(draft))
+        best = logits[chain].argmax(-1).tolist()                                  # (W + 1,)
+        self._jacobi_step(s, int(draft.tokens[0]), best)
+
+    # --- the chain form ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, contexts, k: int, temperature: float = 0.0, top_k=None, top_p=None,
+                generator=None, key=None) -> Proposal:
+        """(B,) contexts -> Proposal with token_ids (B, k), probs None (one-hot drafts, exact at
+        any temperature): the newest pool n-gram after the last token continued by the guesses,
+        else the guesses; num_proposed = min(k, what that gives), the rest padding."""
+        contexts, _ = _contexts(contexts), _check_k(k)
+        rows, counts = [], []
+        for ctx in contexts:
+            s = self._seq_for(ctx, key)
+            cands = self.candidates(s, ctx[-1])
+            drafts = list(cands[0]) + s.guesses[len(cands[0]):] if cands else list(s.guesses)
+            drafts = drafts[:k]
+            counts.append(len(drafts))
+            rows.append(drafts + [drafts[-1]] * (k - len(drafts)))
+        return Proposal(torch.tensor(rows), None, torch.tensor(counts))
+
+    @torch.inference_mode()
+    def observe_chain(self, context_ids, draft_ids, logits: torch.Tensor, key=None) -> None:
+        """The Jacobi step for the chain form, when the caller has the verify logits: context
+        (S,) as passed to `propose`, its drafts (k,), logits (k + 1, V) at [last token, drafts]."""
+        context, drafts = list(context_ids), [int(t) for t in draft_ids]
+        if logits.dim() != 2 or logits.shape[0] != len(drafts) + 1:
+            raise ValueError(f"logits must be (k + 1, V) with k = {len(drafts)}, got "
+                             f"{tuple(logits.shape)}")
+        s = next((s for s in self._seqs if s.key == key and s.context == context), None)
+        if s is None:
+            raise ValueError("observe_chain: context must be one this proposer drafted for last")
+        self._jacobi_step(s, context[-1], logits.argmax(-1).tolist())
