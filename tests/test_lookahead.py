@@ -41,12 +41,15 @@ def greedy_accept(logits: torch.Tensor, draft: TreeDraft) -> tuple[list[int], in
 
 
 @torch.inference_mode()
-def lookahead_greedy(model, proposer, prompt: list[int], n: int) -> tuple[list[int], int]:
-    """(output tokens, verify steps) of greedy tree decoding with the reference verify."""
+def lookahead_greedy(model, proposer, prompt: list[int], n: int, cut=None) -> tuple[list[int], int]:
+    """(output tokens, verify steps) of greedy tree decoding with the reference verify; `cut`
+    keeps only a draft's first nodes (as a loop does to fit a budget)."""
     out, steps = [], 0
     while len(out) < n:
         context = prompt + out
         draft = proposer.propose_tree(context)
+        if cut is not None:
+            draft = TreeDraft(draft.tokens[:cut], draft.parents[:cut])
         assert draft.parents[0] == -1 and all(p < i for i, p in enumerate(draft.parents) if i)
         for node in range(len(draft.tokens)):            # siblings carry distinct tokens
             kids = [int(draft.tokens[c]) for c, p in enumerate(draft.parents) if p == node]
@@ -70,6 +73,12 @@ def test_tree_greedy_equals_plain_greedy(model, one_thread, W, N, G):
         reference = generate(model, prompt, 40)
         got, steps = lookahead_greedy(model, LookaheadProposer(W, N, G, seed=1), prompt, 40)
         assert got == reference and steps <= 40
+
+
+def test_a_cut_draft_is_still_observed(model, one_thread):
+    prompt = [7, 8, 9, 10] * 6
+    got, steps = lookahead_greedy(model, LookaheadProposer(5, 4, 4, seed=0), prompt, 40, cut=4)
+    assert got == generate(model, prompt, 40) and steps < 40
 
 
 def test_jacobi_pool_gives_more_than_one_token_per_step(one_thread):
@@ -139,7 +148,7 @@ def test_observe_rejects_a_foreign_draft_or_wrong_logits():
     with pytest.raises(ValueError, match="logits"):
         prop.observe(draft, torch.zeros(len(draft.tokens) + 1, 8), [0])
     with pytest.raises(ValueError, match="draft"):
-        prop.observe(TreeDraft(torch.tensor([3]), [-1]), torch.zeros(1, 8), [0])
+        prop.observe(TreeDraft(torch.tensor([9]), [-1]), torch.zeros(1, 8), [0])   # another root
 
 
 def test_docstring_example():

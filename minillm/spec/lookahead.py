@@ -161,20 +161,14 @@ class LookaheadProposer:
         children: list[dict[int, int]] = [{}]                # trie: node -> {token: child}
         tokens = [root]
 
-        def insert(path) -> list[int]:
-            node, nodes = 0, []
+        for path in [s.guesses, *self.candidates(s, root)]:
+            node = 0
             for t in path:
                 if t not in children[node]:
                     children[node][t] = len(tokens)
                     tokens.append(t)
                     children.append({})
                 node = children[node][t]
-                nodes.append(node)
-            return nodes
-
-        chain = [0] + insert(s.guesses)
-        for gram in self.candidates(s, root):
-            insert(gram)
         order, parents, new = [0], [-1], {0: 0}              # renumber breadth first
         for node in order:
             for child in children[node].values():
@@ -182,7 +176,7 @@ class LookaheadProposer:
                 order.append(child)
                 parents.append(new[node])
         draft = TreeDraft(torch.tensor([tokens[i] for i in order]), parents)   # (N,)
-        self._pending[id(draft)] = (draft, s, [new[i] for i in chain])
+        self._pending[id(draft)] = (draft, s)
         while len(self._pending) > self.max_cached_seqs:     # drafts never observed are dropped
             del self._pending[next(iter(self._pending))]
         return draft
@@ -190,14 +184,28 @@ class LookaheadProposer:
     @torch.inference_mode()
     def observe(self, draft: TreeDraft, logits: torch.Tensor, accepted=None) -> None:
         """One Jacobi step from the verify pass of `draft`: logits (N, V), one row per node.
-        `accepted` is not needed: the next context says how many tokens to shift past."""
-        if self._pending.get(id(draft), (None,))[0] is not draft:
-            raise ValueError("observe: draft must be a TreeDraft this proposer returned and has "
-                             "not observed yet")
+        `draft` is one this proposer returned, or a cut of it (a loop may prune a tree to its
+        budget: the newest pending draft with the same root stands for it); the guess chain is
+        found by its tokens, and a cut chain steps only the guesses it still holds. `accepted`
+        is not needed: the next context says how many tokens to shift past."""
         if logits.dim() != 2 or logits.shape[0] != len(draft.tokens):
             raise ValueError(f"logits must be (N, V) with N = {len(draft.tokens)} nodes, got "
                              f"{tuple(logits.shape)}")
-        _, s, chain = self._pending.pop(id(draft))
+        key = id(draft) if self._pending.get(id(draft), (None,))[0] is draft else next(
+            (k for k, (d, _) in reversed(self._pending.items()) if d.tokens[0] == draft.tokens[0]),
+            None)
+        if key is None:
+            raise ValueError("observe: draft must be a TreeDraft this proposer returned (or a cut "
+                             "of one) and has not observed yet")
+        _, s = self._pending.pop(key)
+        tokens = draft.tokens.tolist()
+        chain = [0]                                          # the guesses' path, found by token
+        for g in s.guesses:
+            child = next((c for c in range(chain[-1] + 1, len(tokens))
+                          if draft.parents[c] == chain[-1] and tokens[c] == g), None)
+            if child is None:
+                break
+            chain.append(child)
         best = logits[chain].argmax(-1).tolist()                                  # (W + 1,)
         root = tuple(s.context[-(self.ngram - 1):])          # real tokens: the root's own lineage
         self._jacobi_step(s, [root] + s.lineage[:len(chain) - 1], best)
