@@ -186,7 +186,8 @@ class LookaheadProposer:
         """One Jacobi step from the verify pass of `draft`: logits (N, V), one row per node.
         `draft` is one this proposer returned, or a cut of it (a loop may prune a tree to its
         budget: the newest pending draft with the same root stands for it); the guess chain is
-        found by its tokens, and a cut chain steps only the guesses it still holds. `accepted`
+        found by its tokens, and a cut chain steps only the guesses it still holds. A draft it
+        never made (a loop verifying the root alone) teaches nothing and is ignored. `accepted`
         is not needed: the next context says how many tokens to shift past."""
         if logits.dim() != 2 or logits.shape[0] != len(draft.tokens):
             raise ValueError(f"logits must be (N, V) with N = {len(draft.tokens)} nodes, got "
@@ -194,9 +195,8 @@ class LookaheadProposer:
         key = id(draft) if self._pending.get(id(draft), (None,))[0] is draft else next(
             (k for k, (d, _) in reversed(self._pending.items()) if d.tokens[0] == draft.tokens[0]),
             None)
-        if key is None:
-            raise ValueError("observe: draft must be a TreeDraft this proposer returned (or a cut "
-                             "of one) and has not observed yet")
+        if key is None:               # not drafted here (a loop's root-only last step): no guesses
+            return
         _, s = self._pending.pop(key)
         tokens = draft.tokens.tolist()
         chain = [0]                                          # the guesses' path, found by token
