@@ -22,9 +22,10 @@ along the diagonal of the iterations (the guess at depth i one step ago, at dept
 ago, ...: each the argmax after the one before it); a lineage of N tokens enters the pool as an
 n-gram. (The n-grams of one step's guesses read across are worse: a guess's neighbour changed
 since it was computed. On SmolLM2 with W=4, N=3, G=4, greedy open chat, pool from the guesses
-alone: 1.25 tokens per verify with diagonals, 1.12 across.)
-The next call shifts the guesses past the tokens accepted and refills the end by following the
-pool from the last guess (its newest n-gram), else with seeded picks from the context. Exact at any temperature: the proposer only chooses what to verify.
+alone: 1.25 tokens per verify with diagonals, 1.12 across.) The next call shifts the guesses
+past the tokens accepted and refills the end by following the pool from the last guess (its
+newest n-gram), else with seeded picks from the context. Exact at any temperature: the proposer
+only chooses what to verify; the verifier's rule decides what is kept.
 
 The chain form `propose(contexts, k)` (for `speculative_generate` and the engine) drafts the
 newest pool n-gram after the last token, continued by the guesses, else the guesses. There the
