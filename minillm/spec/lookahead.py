@@ -79,7 +79,8 @@ class LookaheadProposer:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.window, self.ngram, self.max_candidates = window, ngram, max_candidates
-        self.seed, self.learn_from_output, self.max_cached_seqs = seed, learn_from_output, max_cached_seqs
+        self.seed, self.learn_from_output = seed, learn_from_output
+        self.max_cached_seqs = max_cached_seqs
         self.pool_size = max(8, 2 * max_candidates)           # n-grams kept per first token
         self.reset()
 
