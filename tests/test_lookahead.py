@@ -12,20 +12,24 @@ from minillm.spec.tree import TreeDraft
 
 def node_logits(model, context: list[int], draft: TreeDraft) -> torch.Tensor:
     """(N, V): node i's next-token logits after context + the path root -> i, from a plain forward
-    (no cache, no tree mask) over every path at once, right-padded (a causal model never reads
-    the padding at the positions it reports)."""
-    paths = []
-    for i in range(len(draft.tokens)):
-        path, node = [], i
-        while node > 0:
-            path.append(int(draft.tokens[node]))
-            node = draft.parents[node]
+    (no cache, no tree mask) over every root-to-leaf path at once, right-padded (a causal model
+    never reads the padding at the positions it reports); a node's row comes from any leaf below it."""
+    parents, N = draft.parents, len(draft.tokens)
+    leaves = [i for i in range(N) if i not in parents]
+    paths = []                                                  # node ids, root first
+    for leaf in leaves:
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
         paths.append(path[::-1])
-    width = len(context) + max(map(len, paths))
-    rows = [context + p + [0] * (width - len(context) - len(p)) for p in paths]
-    logits = model(torch.tensor(rows))                                     # (N, width, V)
-    last = torch.tensor([len(context) - 1 + len(p) for p in paths])
-    return logits[torch.arange(len(paths)), last]                          # (N, V)
+    width = len(context) - 1 + max(map(len, paths))
+    rows = [context[:-1] + draft.tokens[p].tolist() for p in paths]
+    logits = model(torch.tensor([r + [0] * (width - len(r)) for r in rows]))   # (L, width, V)
+    out = torch.empty(N, logits.shape[-1])
+    for row, path in enumerate(paths):
+        out[path] = logits[row, len(context) - 1:len(context) - 1 + len(path)]
+    return out                                                                 # (N, V)
 
 
 def greedy_accept(logits: torch.Tensor, draft: TreeDraft) -> tuple[list[int], int]:
@@ -165,5 +169,5 @@ def test_real_model_tree_greedy_equals_plain_greedy():
     model, tok = load_model(device="cpu")
     prompt = encode_chat(tok, "Name three colors.")
     reference = generate(model, prompt, 16)
-    got, steps = lookahead_greedy(model, LookaheadProposer(4, 3, 3, seed=0), prompt, 16)
+    got, steps = lookahead_greedy(model, LookaheadProposer(3, 3, 2, seed=0), prompt, 16)
     assert got == reference and steps <= 16
