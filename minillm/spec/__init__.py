@@ -4,6 +4,8 @@ models, self-drafts of the target), `loop` (the batch-1 speculative loop and its
 `adaptive` (choosing K while decoding). Chapter 10's token trees: `tree` (the tree shape, a draft,
 the one-pass tree verify over the contiguous cache), `tree_rejection` (exact acceptance of a path,
 Medusa's typical acceptance), `tree_law` (its law by enumeration), `tree_loop` (the batch-1 tree
-loop behind `speculative_generate(..., tree=...)`) and `tree_sizing` (tau, speedup, the tree sized
-for this machine). The formulas it is measured against are one floor down,
-in `minillm.analysis.spec_theory`."""
+loop behind `speculative_generate(..., tree=...)`), `tree_sizing` (tau, speedup, the tree sized
+for this machine), and the drafters that need no copy of the model: `heads` (Medusa heads, the
+EAGLE drafter), `trained_proposers` (their proposers) and `lookahead` (Jacobi guesses and an
+n-gram pool in one token tree). The formulas it is measured against are one floor down, in
+`minillm.analysis.spec_theory`; training the drafters is one floor up, in `minillm.drafting`."""
