@@ -1,8 +1,8 @@
 """Tuning never blocks a user, and a table timed under noise never sticks (minillm.kernels).
 
 A first start with no table takes a quick probe (or F.linear on a busy machine) and says so in
-one line; the full tuning runs only when asked, records the load it ran under, and a busy or
-unsettled one is saved marked and not used. Bad cache input (corrupt, foreign, malformed, an
+one line; the full tuning runs only when asked (and not at all on a machine already busy), records
+the load it ran under, and one that turned busy or unsettled is saved marked and not used. Bad cache input (corrupt, foreign, malformed, an
 unwritable folder) is one line, never a traceback, never a wrong result. The load average, the
 route timings and the clock are faked: no assertion here depends on how fast anything ran.
 """
@@ -86,7 +86,7 @@ def test_a_busy_machine_times_nothing_at_first_start(tmp_path, monkeypatch, capl
 
 
 def test_a_quiet_full_tuning_records_its_load_and_is_used(tmp_path, monkeypatch):
-    loads = iter([(0.3, 64), (1.4, 64)])                     # before and after the timing
+    loads = iter([(0.3, 64), (0.3, 64), (1.4, 64)])          # accelerate's check, before, after
     monkeypatch.setattr(ct, "machine_load", lambda: next(loads))
     model = ct.accelerate(minillm.tiny_model(), cache_dir=tmp_path, tune=True)
     data = json.loads(ct.cache_path(tmp_path).read_text())
@@ -96,19 +96,49 @@ def test_a_quiet_full_tuning_records_its_load_and_is_used(tmp_path, monkeypatch)
     _agrees_with_plain(model)
 
 
-@pytest.mark.parametrize("load,cores,bad,reason", [(2.6, 2, 0, "load 2.6 before and 2.6 after"),
+def test_a_machine_busy_before_a_full_tuning_times_nothing(tmp_path, monkeypatch, caplog):
+    """Its table would be saved marked busy and never used: minutes for nothing. A quiet table
+    already cached stays (retune included), and the first quiet tuning times everything."""
+    monkeypatch.setattr(ct, "machine_load", lambda: (2.5, 2))   # + a timing thread > 2 cores + 1
+    monkeypatch.setattr(ct, "_time_shape", lambda *a, **k: pytest.fail("timed on a busy machine"))
+    monkeypatch.setattr(ct, "race", lambda *a, **k: pytest.fail("timed on a busy machine"))
+    caplog.set_level(logging.INFO, logger="minillm.kernels")
+    for retune in (False, True):
+        model = ct.accelerate(minillm.tiny_model(), cache_dir=tmp_path, tune=True, retune=retune)
+        assert not list(tmp_path.rglob("*.json"))                 # nothing timed, nothing saved
+        assert all(set(p["routes"].values()) == {"F.linear"} for p in model.linear_plan.values())
+        _agrees_with_plain(model)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("not timing" in line and "load 2.5 on 2 cores" in line for line in lines) == 2
+    table = {"F.linear": {str(b): 9.0 for b in ct.BUCKETS}, "x@W": {str(b): 1.0 for b in ct.BUCKETS}}
+    monkeypatch.setattr(ct, "machine_load", lambda: (0.2, 2))
+    monkeypatch.setattr(ct, "_time_shape", lambda *a, **k: (table, 0, 4))
+    model = ct.accelerate(minillm.tiny_model(), cache_dir=tmp_path, tune=True)
+    assert model.linear_plan_source == "tuned"
+    monkeypatch.setattr(ct, "machine_load", lambda: (2.5, 2))
+    model = ct.accelerate(minillm.tiny_model(), cache_dir=tmp_path, retune=True)   # kept, not overwritten
+    assert model.linear_plan_source == "tuned"
+    assert json.loads(ct.cache_path(tmp_path).read_text())["busy"] is None
+
+
+@pytest.mark.parametrize("load,cores,bad,reason", [(3.5, 2, 0, "load 0.3 before and 3.5 after"),
                                                    (0.1, 64, 3, "12 of 16 winning times never settled")])
 def test_a_noisy_full_tuning_is_saved_marked_and_not_used(tmp_path, monkeypatch, caplog, load, cores,
                                                           bad, reason):
-    monkeypatch.setattr(ct, "machine_load", lambda: (load, cores))
+    now = {"load": 0.3 if load > cores else load}         # busy only once the timing has begun
+    monkeypatch.setattr(ct, "machine_load", lambda: (now["load"], cores))
     monkeypatch.setattr(ct, "UNSETTLED_OK", 0.25)
     table = {"F.linear": {str(b): 9.0 for b in ct.BUCKETS}, "x@W": {str(b): 1.0 for b in ct.BUCKETS}}
-    monkeypatch.setattr(ct, "_time_shape", lambda *a, **k: (table, bad, 4))
+
+    def timed_under_load(*a, **k):
+        now["load"] = load
+        return table, bad, 4
+    monkeypatch.setattr(ct, "_time_shape", timed_under_load)
     monkeypatch.setattr(ct, "race", lambda *a, **k: ({"F.linear": {1: 1.0}}, set()))
     caplog.set_level(logging.INFO, logger="minillm.kernels")
     model = ct.accelerate(minillm.tiny_model(), cache_dir=tmp_path, tune=True)
     data = json.loads(ct.cache_path(tmp_path).read_text())
-    assert reason in data["busy"] and data["load"]["before"] == load
+    assert reason in data["busy"] and data["load"]["after"] == load
     assert model.linear_plan_source.startswith("quick: the tuned table was timed on a busy machine")
     assert all(p["routes"][2] == "F.linear" for p in model.linear_plan.values())   # not x@W
     assert any("busy" in r.getMessage() and "not used" in r.getMessage() for r in caplog.records)

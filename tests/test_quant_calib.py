@@ -281,10 +281,10 @@ def test_text_ids_shape_and_errors():
 
 @pytest.mark.slow
 def test_gptq_and_awq_beat_rtn_on_the_real_model():
-    """Calibration 8 x 128 tokens of module docstrings; eval 2 x 256 tokens of the reference
-    manual. Group 64: the largest group <= 128 that divides both 576 and 1536."""
+    """Chapter 7's sizes: calibration 4 x 128 tokens of module docstrings; eval 1 x 256 tokens of
+    the reference manual. Group 64: the largest group <= 128 that divides both 576 and 1536."""
     model, tok = minillm.load_model(device="cpu")
-    cal, ev = quality.calibration_ids(tok, 8, 128), quality.eval_ids(tok, 2, 256)
+    cal, ev = quality.calibration_ids(tok, 4, 128), quality.eval_ids(tok, 1, 256)
     ppl = lambda w, p=None: quality.perplexity(quality.dequantized_model(model, w, p), ev)
     rtn = ppl(quality.rtn_weights(model, 4, 64))
     assert ppl(gptq.gptq_weights(model, cal, 64)) < rtn

@@ -4,8 +4,9 @@ matmul routes for the real model, with a progress bar, and print the table.
 Every route is timed for each weight shape and row bucket (minutes on a 2-core machine) and the
 table is cached under $MINILLM_CACHE/kernels/ with the load it was timed under; `LLM(...)`,
 `minillm.load_model()`, `make demo` and `python -m minillm serve` then use it. A table already
-cached is read back, not timed again (--retune times again). On a busy machine the table is
-saved marked busy and not used: the run says so; run it again when the machine is quiet.
+cached is read back, not timed again (--retune times again). On a machine busy before the timing
+starts nothing is timed; one that turns busy while timing saves the table marked busy and not
+used. The run says so; run it again when the machine is quiet.
 (`python -m minillm.kernels.cpu_tuning` is the earlier spelling of the same command.)
 """
 import argparse

@@ -17,7 +17,8 @@ process only) and one line saying so and how to tune. `plain(model)` undoes it.
 A measurement taken under noise is not a measurement. A tuning during which the load average
 (with its own threads) was above the core count (`tuning_cache.is_busy`), or where more than UNSETTLED_OK of the winning times never settled, is
 saved marked "busy" and not used: `accelerate` keeps the quick choice (F.linear on a busy machine)
-and says so, and the next tuning times everything again. A corrupt, foreign or malformed cache
+and says so, and the next tuning times everything again. `accelerate(tune=True)` on a machine
+already busy before the timing starts times nothing: its table could only be saved marked busy. A corrupt, foreign or malformed cache
 file is ignored with one line; a folder that cannot be written keeps the table in memory for this
 process. Every candidate is checked against float64 before it is timed, so a route that is
 missing or wrong on this platform is dropped, never chosen; and every route computes x @ W^T, so
@@ -221,7 +222,10 @@ def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False
     route="auto": this machine's tuned table when a quiet one is cached; otherwise `quick_plan`
     (a few seconds) and one line saying what it chose and how to tune. tune=True first times
     every route missing from the cache (minutes, a progress bar; what `python -m minillm.kernels`
-    does); retune=True times them all again. Any other route pins that route everywhere."""
+    does); retune=True times them all again. Neither times anything on a machine already busy
+    (`is_busy` with the timing threads): that table would be saved marked busy and never used, so
+    one line says so and a quiet table already cached stays. Any other route pins that route
+    everywhere."""
     check_route(route)
     groups = linears(model)
     if not groups:
@@ -230,7 +234,13 @@ def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False
         plan, source = {g: _pinned(route) for g in groups}, f"pinned {route}"
     else:
         if tune or retune:
-            _full_tuning(model, cache_dir, retune)
+            load, cores = machine_load()
+            if is_busy(load, cores, torch.get_num_threads()):   # its table would be marked busy
+                notice(f"not timing the matmul routes: other work keeps the cores busy (load {load:.1f} "
+                       f"on {cores} cores, {torch.get_num_threads()} threads to time with), so a table "
+                       f"timed now would be marked busy and not used; tune again on a quiet machine")
+            else:
+                _full_tuning(model, cache_dir, retune)
         times, why = read_table(model, cache_dir)
         if times is not None:
             plan, source = {g: decide(times[g], allow_copies) for g in groups}, "tuned"
