@@ -46,6 +46,11 @@ class Recipe:
     eagle_cls_weight: float = 0.1     # EAGLE: weight of the token loss beside the feature loss
 
 
+# The draft vocabulary: the training answers' most frequent tokens. A head pass over 8,192 rows of
+# the lm_head instead of 49,152 is about 6x cheaper on a CPU and, measured on held-out chat, no less
+# accurate (a target token outside it is simply never drafted); None: the full lm_head.
+DRAFT_VOCAB = 8192
+
 RECIPES = {
     "small": Recipe(n_chat=24, n_humaneval=8, n_stdlib=8, max_tokens=96, steps=80,
                     batch_rows=128),
@@ -136,7 +141,7 @@ def _finish(drafter, model, recipe, losses, path, cache: bool):
 
 
 def train_medusa(model, tokenizer, num_heads: int = 4, recipe="full", seed: int = 0,
-                 draft_vocab_size: int | None = None, cache: bool = True, retrain: bool = False,
+                 draft_vocab_size: int | None = DRAFT_VOCAB, cache: bool = True, retrain: bool = False,
                  progress: bool = True, samples=None) -> MedusaHeads:
     """Medusa heads for `model`, trained by self-distillation (or loaded from the cache).
     `samples`: distilled `Sample`s to train on instead of the recipe's prompts (tests)."""
@@ -173,7 +178,7 @@ def train_medusa(model, tokenizer, num_heads: int = 4, recipe="full", seed: int 
 
 
 def train_eagle(model, tokenizer, recipe="full", seed: int = 0,
-                draft_vocab_size: int | None = None, cache: bool = True, retrain: bool = False,
+                draft_vocab_size: int | None = DRAFT_VOCAB, cache: bool = True, retrain: bool = False,
                 progress: bool = True, samples=None) -> EagleDrafter:
     """An EAGLE drafter for `model`, trained by self-distillation (or loaded from the cache)."""
     recipe, path = _prepare(model, recipe, "eagle", None, seed, draft_vocab_size)
