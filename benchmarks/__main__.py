@@ -22,6 +22,7 @@ BENCHMARKS = {
     "serving": "benchmarks.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
     "lockout": "benchmarks.lockout",     # ch 5: short requests behind a long prefill, knobs off / on
     "spec": "benchmarks.spec",           # ch 6: speculative decoding speedups vs theory
+    "drafting": "benchmarks.drafting",   # ch 10: Medusa, EAGLE, lookahead vs n-gram, trees sized here
     "spec_replay": "benchmarks.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "benchmarks.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
     "overhead": "benchmarks.overhead",   # ch 4: the engine's own cost per decode step

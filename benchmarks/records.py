@@ -54,6 +54,7 @@ def machine_info(device=None) -> dict:
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "git_commit": git_commit(),
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

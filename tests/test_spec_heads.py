@@ -215,3 +215,12 @@ def test_distilled_answers_are_plain_greedy_decoding(tok, one_thread):
     with torch.inference_mode():
         _, h = m(s.ids[None], return_hidden=True)
     torch.testing.assert_close(s.hidden, h[0].float())
+
+
+def test_shared_word_runs_counts_what_the_inline_check_finds():
+    """The chapter's count against this file's own n-gram check, on sets that do share runs."""
+    from minillm.drafting.prompts import shared_word_runs
+    a = ["one two three four five six seven eight nine", "Alpha beta"]
+    b = ["x ONE two three four five six seven eight, nine!", "nothing shared here at all"]
+    assert shared_word_runs(a, b) == 2 and shared_word_runs(a, b, n=9) == 1
+    assert shared_word_runs(CHAT_TRAIN_PROMPTS, EVAL_CHAT_PROMPTS) == 0

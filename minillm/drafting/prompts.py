@@ -13,6 +13,7 @@ Left out on purpose: multi-turn conversations, prompts fetched from the network.
 """
 import gzip
 import importlib
+import re
 import importlib.resources
 import inspect
 import json
@@ -176,3 +177,17 @@ def training_prompts(n_chat: int | None = None, n_humaneval: int = 64,
     for i in range(max(len(g) for g in groups)):
         out.extend(g[i] for g in groups if i < len(g))
     return out
+
+
+def word_runs(texts: list[str], n: int = 8) -> set[tuple[str, ...]]:
+    """Every run of n consecutive words (lower case, letters, digits and apostrophes) in texts."""
+    out = set()
+    for text in texts:
+        words = re.findall(r"[a-z0-9']+", text.lower())
+        out |= {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return out
+
+
+def shared_word_runs(train: list[str], held_out: list[str], n: int = 8) -> int:
+    """How many runs of n words the two prompt sets share (0: the held-out set is held out)."""
+    return len(word_runs(train, n) & word_runs(held_out, n))

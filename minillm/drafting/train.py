@@ -52,7 +52,7 @@ class Recipe:
 DRAFT_VOCAB = 8192
 
 RECIPES = {
-    "small": Recipe(n_chat=24, n_humaneval=8, n_stdlib=8, max_tokens=96, steps=80,
+    "small": Recipe(n_chat=24, n_humaneval=8, n_stdlib=8, steps=80,
                     batch_rows=128),
     "full": Recipe(n_stdlib=24),
 }
@@ -70,23 +70,35 @@ def _key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+_FEATURES: dict = {}      # (fingerprint, max_tokens, prompt) -> Sample, for this process
+
+
 def distilled(model, tokenizer, recipe: Recipe, cache: bool = True, progress: bool = True):
-    """The recipe's training samples: answers cached as token ids, features recomputed."""
+    """The recipe's training samples. Answers are cached as token ids per prompt (one file per
+    target and answer length), so a recipe whose prompts another recipe already answered (the
+    small one is a subset of the full one) generates only the missing ones; features are kept
+    in memory for the process, so Medusa and EAGLE trained one after the other record them once."""
     prompts = training_prompts(recipe.n_chat, recipe.n_humaneval, recipe.n_stdlib)
     fp = weights_fingerprint(model)
-    path = cache_dir() / "drafters" / f"answers-{fp[:16]}-{_key([prompts, recipe.max_tokens])}.json"
-    seqs = None
+    path = cache_dir() / "drafters" / f"answers-{fp[:16]}-{recipe.max_tokens}.json"
+    answers = {}
     if cache and path.is_file():
         try:
-            seqs = [(list(s), int(st)) for s, st in json.loads(path.read_text())]
-        except (ValueError, TypeError) as err:
+            answers = {p: (list(s), int(st)) for p, (s, st) in json.loads(path.read_text()).items()}
+        except (ValueError, TypeError, AttributeError) as err:
             warnings.warn(f"{path} is corrupt ({err}); generating the answers again")
-    if seqs is None:
-        seqs = generate_answers(model, tokenizer, prompts, recipe.max_tokens, progress=progress)
+    missing = [p for p in prompts if p not in answers]
+    if missing:
+        answers.update(zip(missing, generate_answers(model, tokenizer, missing, recipe.max_tokens,
+                                                     progress=progress)))
         if cache:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(seqs))
-    return record_features(model, seqs, progress=progress)
+            path.write_text(json.dumps(answers))
+    keys = [(fp, recipe.max_tokens, p) for p in prompts]
+    todo = [k for k in keys if k not in _FEATURES]
+    for k, sample in zip(todo, record_features(model, [answers[k[2]] for k in todo], progress)):
+        _FEATURES[k] = sample
+    return [_FEATURES[k] for k in keys]
 
 
 def _cached(cls, model, path, retrain: bool):
@@ -150,7 +162,7 @@ def train_medusa(model, tokenizer, num_heads: int = 4, recipe="full", seed: int 
     found = _cached(MedusaHeads, model, path, retrain) if cache else None
     if found is not None:
         return found
-    samples = samples if samples is not None else distilled(model, tokenizer, recipe, cache, progress)
+    samples = samples if samples is not None else distilled(model, tokenizer, recipe, not retrain, progress)
     vocab = _vocab(samples, model, draft_vocab_size)
     heads = MedusaHeads(model.config, num_heads, seed=seed, draft_vocab=vocab).to(model.device).float()
     feats, tgts = [], []
@@ -186,7 +198,7 @@ def train_eagle(model, tokenizer, recipe="full", seed: int = 0,
     found = _cached(EagleDrafter, model, path, retrain) if cache else None
     if found is not None:
         return found
-    samples = samples if samples is not None else distilled(model, tokenizer, recipe, cache, progress)
+    samples = samples if samples is not None else distilled(model, tokenizer, recipe, not retrain, progress)
     samples = [s for s in samples if s.ids.numel() >= 3]
     if not samples:
         raise ValueError("no training rows: the distilled answers are empty")
