@@ -15,6 +15,7 @@ use, minutes). Measure on a quiet machine; `--threads=N` pins torch's thread cou
 
     python -m benchmarks drafting [--quick]
 """
+import json
 import time
 
 import torch
@@ -37,7 +38,12 @@ from minillm.spec.tree_sizing import expected_tau, roofline_costs, size_tree
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 WIDE = [(r,) for r in range(4)] + [(0, r) for r in range(4)] + [(0, 0, r) for r in range(4)]
-SETTINGS = {False: dict(prompts=4, max_new_tokens=64, rounds=2, batch=4),
+UNITS = {"seconds": "s, sum over the prompts (best round)", "tau": "tokens per target pass",
+         "speedup": "plain time / method time, same run", "tokens_per_s": "output tokens per second",
+         "verify_costs_ms": "ms, one forward of n tokens after 128 cached",
+         "acceptance": "P(node at (depth, rank) accepted | its parent was)"}
+SAMPLED_TEMPERATURE = 0.7
+SETTINGS = {False: dict(prompts=4, max_new_tokens=64, rounds=1, batch=4),
             True: dict(prompts=2, max_new_tokens=32, rounds=1, batch=2)}
 
 
@@ -92,11 +98,12 @@ def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None 
     stop = [tok.eos_token_id]
     prompts = [encode_chat(tok, p) for p in EVAL_CHAT_PROMPTS[:s["prompts"]]]
     tree = TokenTree(TREE)
-    result = {"settings": {**s, "tree": TREE, "wide_tree": WIDE}, "batch1": {}}
-    for temp in (0.0, 0.7):
+    result = {"units": UNITS, "settings": {**s, "tree": TREE, "wide_tree": WIDE,
+                           "sampled_temperature": SAMPLED_TEMPERATURE}, "batch1": {}}
+    for label, temp in (("greedy", 0.0), ("sampled", SAMPLED_TEMPERATURE)):
         runs = time_methods(model, prompts, _methods(model, heads, drafter, tree), s["max_new_tokens"],
                             temperature=temp, rounds=s["rounds"], stop=stop)
-        result["batch1"][str(temp)] = {k: {**v, "acceptance": {str(a): p for a, p in v["acceptance"].items()}}
+        result["batch1"][label] = {k: {**v, "acceptance": {str(a): p for a, p in v["acceptance"].items()}}
                                        for k, v in runs.items()}
     wide = time_methods(model, prompts, {"wide": (MedusaProposer(model, heads), TokenTree(WIDE), 3)},
                         s["max_new_tokens"], rounds=1, stop=stop)["wide"]
@@ -119,15 +126,14 @@ def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None 
     result["batch_engine"] = batch_engine(model, heads, drafter, prompts * 2, s["batch"],
                                           s["max_new_tokens"], stop, s["rounds"])
     path = write_result("drafting", result, device, out_dir)
-    result["path"] = str(path)
-    return result
+    return {**json.loads(path.read_text()), "path": str(path)}
 
 
 def report(r: dict) -> str:
-    lines = [f"{r['machine'].get('cpu', r['machine'].get('device_name', '?'))}, "
+    lines = [f"{r['machine'].get('device_name', '?')}, "
              f"{r['machine'].get('torch_threads', '?')} threads, load {(r['machine'].get('load_average') or ['?'])[0]}"]
-    for temp, runs in r["batch1"].items():
-        lines.append(f"batch 1, temperature {temp}:   tau   speedup  same as plain")
+    for label, runs in r["batch1"].items():
+        lines.append(f"batch 1, {label}:   tau   speedup  same as plain")
         for name, v in runs.items():
             lines.append(f"  {name:16} {v['tau']:.2f}  {v['speedup']:.2f}x    {v['same_as_plain']}")
     t = r["tree_sizing"]
