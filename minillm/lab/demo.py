@@ -1,9 +1,10 @@
 """`make demo`'s serving part: a mixed workload through `LLMEngine` on the real model, then a
 summary table (per-request TTFT / TPOT / end-to-end, and throughput), static vs continuous; then
 input-grounded prompts with and without n-gram speculative decoding (chapter 6); then the chat
-questions again with the weights in the shipped file's own Q4_1 blocks (chapter 7).
+questions again with the weights in the shipped file's own Q4_1 blocks (chapter 7); then held-out
+chat questions with lookahead drafting, which needs no trained drafter (chapter 10).
 
-    from minillm.lab.demo import run_demo, run_spec_demo, run_quant_demo
+    from minillm.lab.demo import run_demo, run_spec_demo, run_quant_demo, run_drafting_demo
     run_demo(model, tokenizer); run_spec_demo(model, tokenizer); run_quant_demo(model, tokenizer)
 """
 import numpy as np
@@ -97,4 +98,34 @@ def run_quant_demo(model, tokenizer, max_tokens: int = 32) -> dict:
     print(f"int4 / fp32 throughput: {result['fp32']['seconds'] / result['gguf Q4_1']['seconds']:.2f}x "
           f"({path} path; the int4 kernel takes bf16 activations, so a near tie may flip a token: "
           f"{same} of {len(prompts)} answers identical)")
+    return result
+
+
+def run_drafting_demo(model, tokenizer, max_tokens: int = 48, k: int = 4) -> dict:
+    """Chapter 10 in the engine: four held-out open chat questions served together, plain and with
+    lookahead drafting (`speculative_config={"method": "lookahead"}`: Jacobi guesses and an n-gram
+    pool, no trained drafter), greedy, so the answers must be identical; prints a table. Medusa
+    and EAGLE need drafters trained on this machine first (chapter 10 trains them)."""
+    import time
+    from minillm.drafting.prompts import EVAL_CHAT_PROMPTS
+    prompts = [encode_chat(tokenizer, q) for q in EVAL_CHAT_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    print(f"\n{'drafting':<11} {'tokens':>7} {'tok/s':>9} {'tokens/step':>12}")
+    result = {}
+    for name, spec in (("plain", None),
+                       ("lookahead", {"method": "lookahead", "num_speculative_tokens": k})):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts)), speculative_config=spec)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        m = [o.metrics for o in outs]
+        steps = sum(x.num_spec_steps for x in m)
+        tau = (sum(x.num_accepted_tokens for x in m) + steps) / steps if steps else 1.0
+        tokens = sum(len(o.token_ids) for o in outs)
+        print(f"{name:<11} {tokens:>7} {tokens / seconds:>9.1f} {tau:>12.2f}")
+        result[name] = {"seconds": seconds, "tokens": tokens, "tau": tau,
+                        "outputs": [o.token_ids for o in outs]}
+    same = result["plain"]["outputs"] == result["lookahead"]["outputs"]
+    print(f"lookahead / plain throughput: {result['plain']['seconds'] / result['lookahead']['seconds']:.2f}x, "
+          f"identical outputs: {same}")
     return result
