@@ -91,7 +91,8 @@ class _Drafter(nn.Module):
         return idx if self.draft_vocab is None else self.draft_vocab.to(idx.device)[idx]
 
     def config_dict(self) -> dict:
-        raise NotImplementedError
+        """The constructor arguments a file must record beyond the target's sizes (none here)."""
+        return {}
 
     def save(self, path, model=None) -> None:
         """Write the drafter; `model` (else the one it was trained for) is fingerprinted."""
