@@ -21,6 +21,7 @@ FLOORS = [
     {"attention"},
     {"paging"},
     {"spec", "quant"},
+    {"distributed"},
     {"engine"},
     {"drafting"},
     {"llm"},
