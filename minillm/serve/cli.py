@@ -4,6 +4,7 @@
     python -m minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching \\
         --scheduling-policy priority --api-key secret
     python -m minillm serve --speculative-config '{"method": "eagle", "num_speculative_tokens": 4}'
+    python -m minillm serve --disaggregated --threads-per-engine 1   # prefill + decode processes
 
 Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...), with the
 server's own defaults for the token budget and partial prefills (`SERVER_DEFAULTS`);
@@ -17,7 +18,13 @@ JSON list, or here also comma-separated). Loading goes through the front
 door (`LLM`), so the CPU matmul routes are this machine's tuned table, or a quick probe while it
 has none (its one line appears here; `python -m minillm.kernels` tunes).
 
-Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
+`--disaggregated` (chapter 11) serves through a router in this process in front of a prefill
+process and a decode process, each with its own engine and `--threads-per-engine` torch threads,
+the prompt's KV moving between them over torch.distributed (minillm/serve/disaggregated.py). It
+loads the model with the plain loader (no CPU matmul routes) and takes no speculative decoding.
+
+Left out on purpose: the disaggregated pieces in separate terminals (vLLM's `--kv-transfer-config`
+per role), vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
 """
 import argparse
 import json
@@ -99,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='speculative decoding, e.g. \'{"method": "medusa", "num_speculative_tokens": 3}\' '
                         '(ngram, draft_model, medusa, eagle, lookahead; "model": a path or null)')
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill and decode in two processes behind this server (chapter 11)")
+    p.add_argument("--threads-per-engine", type=int, default=1,
+                   help="torch threads of each engine process with --disaggregated (default 1)")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     p.add_argument("--log-level", default="info")
     for flag, (_, typ) in ENGINE_FLAGS.items():
@@ -166,10 +177,16 @@ def main(argv=None) -> None:
         parser().error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_pending_requests < 1:
         parser().error(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    if args.threads_per_engine < 1:
+        parser().error(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
+    if args.disaggregated and args.speculative_config is not None:
+        parser().error("--disaggregated takes no --speculative-config")
     sock = bind(args.host, args.port)                  # first: a clash costs no model load
     from minillm.serve.app import build_app
     from minillm.serve.server import serve
     _show_notices()
+    if args.disaggregated:
+        return serve_disaggregated(args, sock)
     try:
         llm = build_llm(args)
     except (TypeError, ValueError) as err:            # a bad engine option: say which
@@ -181,6 +198,43 @@ def main(argv=None) -> None:
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
     serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+
+
+def serve_disaggregated(args, sock) -> None:
+    """`--disaggregated`: the model loaded here, handed to a prefill and a decode process."""
+    import torch
+
+    from minillm.engine.config import EngineConfig
+    from minillm.llm import resolve_dtype
+    from minillm.model.loading import default_device, load_model, load_tokenizer, random_model
+    from minillm.serve.app import build_app
+    from minillm.serve.router import DisaggregatedEngine
+    from minillm.serve.server import serve
+    dtype = resolve_dtype(args.dtype) or torch.float32
+    device = args.device or default_device()
+    if args.load_format == "dummy":
+        model, tok = random_model(DEFAULT_MODEL, device=device, dtype=dtype), load_tokenizer()
+    else:
+        model, tok = load_model(args.model, device=device, dtype=dtype)
+    try:
+        engine = DisaggregatedEngine(model, tok, EngineConfig(**engine_options(args)),
+                                     args.threads_per_engine)
+    except (TypeError, ValueError) as err:
+        sock.close()
+        parser().error(str(err))
+    if 2 * args.threads_per_engine > (os.cpu_count() or 1):
+        print(f"minillm: warning: 2 engines x {args.threads_per_engine} threads > "
+              f"{os.cpu_count()} cores: the engines will slow each other down", file=sys.stderr)
+    name = args.served_model_name or args.model
+    try:
+        app = build_app(engine, name, args.api_key, args.max_pending_requests,
+                        allowed_origins=args.allowed_origins)
+        print(f"minillm: {name!r} disaggregated: prefill pid {engine.pids['prefill']}, decode pid "
+              f"{engine.pids['decode']}, {engine.num_blocks} KV blocks of "
+              f"{engine.config.block_size} tokens each", flush=True)
+        serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    finally:
+        engine.shutdown()
 
 
 if __name__ == "__main__":
