@@ -214,7 +214,7 @@ class DisaggregatedEngine:
             if w.gone is None:
                 w.inbox.put(("abort", rid))
 
-    def step(self, timeout_s: float = 0.05) -> list[RequestOutput]:
+    def step(self, timeout_s: float = 0.01) -> list[RequestOutput]:
         """What the workers sent since the last call (waiting up to `timeout_s` for something),
         as RequestOutputs; a worker found dead fails its requests here."""
         outputs: dict[str, RequestOutput] = {o.request_id: o for o in self._failed}
