@@ -18,6 +18,12 @@ end-of-file, never a half-written message in a shared queue. Workers die with th
 (PR_SET_PDEATHSIG, distributed/group.py) and leave with `os._exit` so that no thread blocked in
 gloo can hold the process open.
 
+`run_remote` is the same worker started by hand in a terminal of its own
+(`python -m minillm serve --disaggregated --role prefill`): it dials the router's control
+address (`multiprocessing.connection`, one duplex connection for the inbox and the outbox),
+says its role, gets the KV link's rendezvous port back, and runs the same loop. Its messages are
+pickles: the control address is for trusted processes on this machine only (loopback, a key).
+
 Left out on purpose: several prefill or decode workers, and overlapping the send with the next
 prefill (the prefill loop waits for the link; the decode side receives while it steps).
 """
@@ -26,6 +32,7 @@ import queue
 import threading
 import traceback
 from collections import OrderedDict, deque
+from multiprocessing.connection import Client
 
 import torch
 
@@ -52,6 +59,30 @@ def _drain(q) -> list:
             items.append(q.get_nowait())
         except queue.Empty:
             return items
+        except (EOFError, OSError):                   # the router went away: stop
+            return items + [("stop",)]
+
+
+def _next(inbox) -> tuple:
+    try:
+        return inbox.get()
+    except (EOFError, OSError):
+        return ("stop",)
+
+
+class ConnInbox:
+    """A duplex Connection read like the mp.Queue inbox (`get`, `get_nowait`)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def get(self):
+        return self.conn.recv()
+
+    def get_nowait(self):
+        if self.conn.poll():
+            return self.conn.recv()
+        raise queue.Empty
 
 
 def _run(role: str, outbox, body) -> None:
@@ -77,7 +108,7 @@ def prefill_main(port: int, inbox, outbox, spec: dict) -> None:
         outbox.send(("ready", "prefill", os.getpid(), engine.num_blocks))
         try:
             while True:
-                msgs = [] if engine.has_unfinished_requests() else [inbox.get()]
+                msgs = [] if engine.has_unfinished_requests() else [_next(inbox)]
                 msgs += _drain(inbox)
                 if any(m[0] == "stop" for m in msgs):
                     return
@@ -174,7 +205,7 @@ def _abort(engine, pending: deque, aborted: OrderedDict, rid: str) -> None:
 
 def _pump_inbox(inbox, events: queue.Queue) -> None:
     while True:
-        msg = inbox.get()
+        msg = _next(inbox)
         events.put(("ctl", msg))
         if msg[0] == "stop":
             return
@@ -187,3 +218,17 @@ def _pump_link(link: KVLink, events: queue.Queue) -> None:
             events.put(("kv", h))
     except Exception as err:                          # noqa: BLE001 (gloo: the peer is gone)
         events.put(("link_down", str(err)))
+
+
+def run_remote(role: str, address: tuple[str, int], spec: dict, authkey: bytes) -> None:
+    """A worker started by hand: dial the router at `address`, then run `role`'s loop (never
+    returns). `spec`: {"model", "tokenizer", "config", "threads"}."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    conn = Client(address, authkey=authkey)
+    conn.send(("hello", role, os.getpid()))
+    reply = conn.recv()
+    if reply[0] != "link":
+        raise RuntimeError(f"the router at {address[0]}:{address[1]} refused this {role} worker: {reply[-1]}")
+    main = prefill_main if role == "prefill" else decode_main
+    main(reply[1], ConnInbox(conn), conn, spec)

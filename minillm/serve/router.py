@@ -12,6 +12,9 @@ send back is turned into this router's own `RequestOutput`s: snapshots whose `me
 router's clock (TTFT, inter-token times as a client sees them). `transfers[request_id]` holds
 each request's KV transfer: {bytes, blocks, header_bytes, seconds}.
 
+The workers are this process's children (`spawn_workers`), or processes started by hand in
+other terminals that dial in (`listen=`, disagg_launch.py; `--role` in the CLI).
+
 A dead worker (killed, crashed: its pipe ends or its process exits) fails the requests it holds
 with an error that starts "worker unavailable" and names it (`WorkerUnavailable`; the app answers
 503 "worker_unavailable"): the decode worker holds every request; the prefill worker those not yet
@@ -28,29 +31,12 @@ import weakref
 from collections import OrderedDict
 from multiprocessing.connection import wait
 
-import torch.multiprocessing as mp
-
-from minillm.distributed.group import _stop
 from minillm.engine.args import check_prompt, pool_num_blocks, request_state
 from minillm.engine.config import EngineConfig
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
-from minillm.serve.disagg_worker import decode_main, prefill_main
-from minillm.serve.errors import WorkerUnavailable
+from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
 from minillm.serve.kv_link import link_store
-
-ROLES = ("prefill", "decode")
 _MAX_TRANSFERS = 4096
-
-
-@dataclasses.dataclass
-class _Worker:
-    role: str
-    process: object
-    inbox: object
-    outbox: object                      # the router's (reading) end of the worker's pipe
-    num_blocks: int = 0
-    used_blocks: int = 0
-    gone: str | None = None             # why it is unavailable, once it is
 
 
 @dataclasses.dataclass
@@ -81,7 +67,7 @@ class _Queues:
 class _Pool:
     """What the gauges read as `engine.block_manager`: the decode worker's pool."""
 
-    def __init__(self, worker: _Worker):
+    def __init__(self, worker: Worker):
         self.worker = worker
 
     @property
@@ -97,7 +83,12 @@ class DisaggregatedEngine:
     """A prefill worker and a decode worker behind `LLMEngine`'s serving interface."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None,
-                 threads_per_engine: int = 1, start_timeout_s: float = 120.0):
+                 threads_per_engine: int = 1, start_timeout_s: float | None = 120.0,
+                 listen: tuple[str, int] | None = None, authkey: bytes = b"minillm",
+                 on_listen=None):
+        """Spawn both workers, or with `listen=(host, port)` wait there for a prefill and a decode
+        worker started by hand (`disagg_worker.run_remote`, same `authkey`); `on_listen(address)`
+        is called once the address is bound. `start_timeout_s`: for their "ready" (None: no limit)."""
         if isinstance(threads_per_engine, bool) or not isinstance(threads_per_engine, int) \
                 or threads_per_engine < 1:
             raise ValueError(f"threads_per_engine must be an int >= 1, got {threads_per_engine!r}")
@@ -118,47 +109,15 @@ class DisaggregatedEngine:
         self.closed = False
         self._pool_blocks = pool_num_blocks(model, config)
         self._store = link_store()
-        self.workers = self._spawn({"model": model, "tokenizer": tokenizer, "config": config,
-                                    "threads": threads_per_engine}, start_timeout_s)
+        if listen is None:
+            self.workers = spawn_workers({"model": model, "tokenizer": tokenizer, "config": config,
+                                          "threads": threads_per_engine}, self._store.port,
+                                         start_timeout_s)
+        else:
+            self.workers = accept_workers(listen, authkey, self._store.port, start_timeout_s, on_listen)
         self.scheduler, self.block_manager = _Queues(self), _Pool(self.workers["decode"])
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().shutdown(timeout_s=2))
-
-    def _spawn(self, spec: dict, timeout_s: float) -> dict[str, _Worker]:
-        ctx, workers = mp.get_context("spawn"), {}
-        try:
-            for role, target in zip(ROLES, (prefill_main, decode_main)):
-                inbox, (reader, writer) = ctx.Queue(), ctx.Pipe(duplex=False)
-                p = ctx.Process(target=target, args=(self._store.port, inbox, writer, spec),
-                                daemon=True, name=f"minillm-{role}")
-                p.start()
-                writer.close()                        # the worker holds the only writing end
-                workers[role] = _Worker(role, p, inbox, reader)
-            deadline = time.monotonic() + timeout_s
-            while any(w.num_blocks == 0 for w in workers.values()):
-                for w in workers.values():
-                    if w.num_blocks == 0:
-                        self._await_ready(w, deadline)
-        except BaseException:
-            _stop([w.process for w in workers.values()], 2.0)
-            raise
-        return workers
-
-    @staticmethod
-    def _await_ready(w: _Worker, deadline: float) -> None:
-        while not w.outbox.poll(0.05):
-            if not w.process.is_alive():
-                raise WorkerUnavailable(f"the {w.role} worker (pid {w.process.pid}) exited with "
-                                        f"code {w.process.exitcode} while starting")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {w.role} worker did not start in time")
-        try:
-            msg = w.outbox.recv()
-        except (EOFError, OSError):
-            msg = ("gone", None, f"its pipe closed (exit code {w.process.exitcode})")
-        if msg[0] != "ready":
-            raise WorkerUnavailable(f"the {w.role} worker failed while starting: {msg[-1]}")
-        w.num_blocks = msg[3]
 
     # ---- the engine interface the server uses ---------------------------------------------------
     @property
@@ -237,17 +196,10 @@ class DisaggregatedEngine:
         if self.closed:
             return
         self.closed = True
-        for w in self.workers.values():
-            if w.gone is None and w.process.is_alive():
-                w.inbox.put(("stop",))
-        _stop([w.process for w in self.workers.values()], timeout_s)
-        for w in self.workers.values():
-            w.outbox.close()
-            w.inbox.close()
-            w.inbox.cancel_join_thread()
+        stop_workers(self.workers, timeout_s)
 
     # ---- internals --------------------------------------------------------------------------------
-    def _on_message(self, w: _Worker, msg: tuple, outputs: dict) -> None:
+    def _on_message(self, w: Worker, msg: tuple, outputs: dict) -> None:
         kind, rid = msg[0], msg[1]
         if kind == "fatal":
             w.gone = f"worker unavailable: the {w.role} worker (pid {w.process.pid}) failed: {msg[2]}"
@@ -283,12 +235,13 @@ class DisaggregatedEngine:
             del self._flights[rid]
         outputs[rid] = dataclasses.replace(out, metrics=m, prompt=f.prompt)
 
-    def _gone(self, w: _Worker, outputs: dict) -> None:
+    def _gone(self, w: Worker, outputs: dict) -> None:
         """Worker `w` is unavailable: fail what it holds (decode: everything; prefill: the
         requests it has not handed over)."""
+        if isinstance(w.process, Remote):
+            w.process.alive = False
         w.process.join(0.5)
-        w.gone = w.gone or (f"worker unavailable: the {w.role} worker (pid {w.process.pid}) "
-                            f"exited with code {w.process.exitcode}")
+        w.gone = w.gone or w.describe_exit()
         for rid, f in list(self._flights.items()):
             if w.role == "decode" or f.stage != "decode":
                 outputs[rid] = self._fail(rid, w.gone, queue=False)
