@@ -6,7 +6,8 @@ disagg_worker,router,disaggregated}.py), against a single engine as the referenc
 - through the two worker processes, concurrent prompts (one longer than a block) get a single
   LLMEngine's greedy tokens, and each request's transfer is kv_cache_bytes(cfg, S, "fp32");
 - over HTTP, a streamed answer is the single engine's text;
-- a killed prefill worker fails only new requests (a decoding one finishes); a killed decode worker
+- workers started apart that dial the router (`--role`) serve too; a killed prefill worker fails
+  only new requests (a decoding one finishes); a killed decode worker
   ends its stream with a 503 "worker_unavailable" naming it; no process is left after stop();
 - bad input: n > 1, threads_per_engine < 1, a port in use (a ValueError naming port).
 
@@ -30,6 +31,7 @@ from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.model.config import get_config
 from minillm.model.loading import tiny_model
+from minillm.serve.disagg_worker import run_remote
 from minillm.serve.disaggregated import check_port, running
 from minillm.serve.router import DisaggregatedEngine
 from serve_tiny import tokenizer
@@ -131,9 +133,25 @@ def test_port_in_use_is_named():
         check_port("127.0.0.1", 70000)
 
 
-def test_killed_prefill_worker_fails_new_requests_only(model):
-    engine = DisaggregatedEngine(model, None, EngineConfig(num_blocks=64))
+def _remote_worker(role: str, port: int, model) -> None:
+    """A worker started apart from the router (what `serve --role prefill` runs), dialing in."""
+    run_remote(role, ("127.0.0.1", port), {"model": model, "tokenizer": None,
+                                           "config": EngineConfig(num_blocks=64), "threads": 1},
+               b"test")
+
+
+def test_remote_workers_and_a_killed_prefill_worker_fails_new_requests_only(model):
+    ctx, procs = torch.multiprocessing.get_context("spawn"), []
+
+    def launch(address):
+        for role in ("decode", "prefill"):
+            procs.append(ctx.Process(target=_remote_worker, args=(role, address[1], model),
+                                     daemon=True))
+            procs[-1].start()
+    engine = DisaggregatedEngine(model, None, EngineConfig(num_blocks=64), listen=("127.0.0.1", 0),
+                                 authkey=b"test", on_listen=launch)
     try:
+        assert sorted(engine.pids.values()) == sorted(p.pid for p in procs)
         long = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400,
                                                              ignore_eos=True))
         outs = {}
@@ -147,7 +165,9 @@ def test_killed_prefill_worker_fails_new_requests_only(model):
         assert outs[late].error.startswith("worker unavailable") and "prefill worker" in outs[late].error
     finally:
         engine.shutdown()
-    assert not any(_alive(pid) for pid in engine.pids.values())
+        for p in procs:
+            p.join(10)
+    assert not any(p.is_alive() for p in procs)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +186,7 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
     want = LLMEngine(m, EngineConfig(num_blocks=64), tokenizer=tok).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    with running(m, tok, num_blocks=64, max_num_batched_tokens=256) as srv:
+    with running(m, tok, num_blocks=64, max_num_batched_tokens=256, graceful_s=0.5) as srv:
         pids = srv.pids
         url = srv.base_url + "/completions"
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:

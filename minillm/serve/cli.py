@@ -5,6 +5,9 @@
         --scheduling-policy priority --api-key secret
     python -m minillm serve --speculative-config '{"method": "eagle", "num_speculative_tokens": 4}'
     python -m minillm serve --disaggregated --threads-per-engine 1   # prefill + decode processes
+    python -m minillm serve --disaggregated --role router    # the same in three terminals: the
+    python -m minillm serve --disaggregated --role prefill   # router first (HTTP on --port, workers
+    python -m minillm serve --disaggregated --role decode    # dial --router-address), then each worker
 
 Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...), with the
 server's own defaults for the token budget and partial prefills (`SERVER_DEFAULTS`);
@@ -22,9 +25,12 @@ has none (its one line appears here; `python -m minillm.kernels` tunes).
 process and a decode process, each with its own engine and `--threads-per-engine` torch threads,
 the prompt's KV moving between them over torch.distributed (minillm/serve/disaggregated.py). It
 loads the model with the plain loader (no CPU matmul routes) and takes no speculative decoding.
+With `--role` the pieces run in terminals of their own (vLLM runs one `vllm serve` per role with
+a `--kv-transfer-config`): give every role the same model and engine flags; the control address
+carries pickles, so it is for this machine's trusted processes (loopback, the key in
+$MINILLM_DISAGG_KEY).
 
-Left out on purpose: the disaggregated pieces in separate terminals (vLLM's `--kv-transfer-config`
-per role), vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
+Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
 """
 import argparse
 import json
@@ -71,6 +77,14 @@ def origins(value: str) -> list[str]:
     return [o.strip() for o in value.split(",") if o.strip()]
 
 
+def address(value: str) -> tuple[str, int]:
+    """--router-address: HOST:PORT."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"HOST:PORT with a port in [1, 65535], got {value!r}")
+    return host.strip("[]"), int(port)
+
+
 def json_object(value: str) -> dict:
     """--speculative-config: a JSON object, as vLLM takes it, e.g.
     '{"method": "eagle", "num_speculative_tokens": 4, "speculative_token_tree": [[0], [1], [0, 0]]}'."""
@@ -110,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill and decode in two processes behind this server (chapter 11)")
     p.add_argument("--threads-per-engine", type=int, default=1,
                    help="torch threads of each engine process with --disaggregated (default 1)")
+    p.add_argument("--role", default="all", choices=["all", "router", "prefill", "decode"],
+                   help="with --disaggregated: run one piece only, in a terminal of its own")
+    p.add_argument("--router-address", type=address, default=("127.0.0.1", 8100),
+                   help="HOST:PORT where the router waits for its workers (default 127.0.0.1:8100)")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     p.add_argument("--log-level", default="info")
     for flag, (_, typ) in ENGINE_FLAGS.items():
@@ -181,6 +199,10 @@ def main(argv=None) -> None:
         parser().error(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
     if args.disaggregated and args.speculative_config is not None:
         parser().error("--disaggregated takes no --speculative-config")
+    if args.role != "all" and not args.disaggregated:
+        parser().error(f"--role {args.role} needs --disaggregated")
+    if args.role in ("prefill", "decode"):
+        return run_worker_role(args)                   # no HTTP port: it dials the router
     sock = bind(args.host, args.port)                  # first: a clash costs no model load
     from minillm.serve.app import build_app
     from minillm.serve.server import serve
@@ -200,25 +222,61 @@ def main(argv=None) -> None:
     serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
 
 
-def serve_disaggregated(args, sock) -> None:
-    """`--disaggregated`: the model loaded here, handed to a prefill and a decode process."""
+def _load_plain(args):
+    """(model, tokenizer) by the plain loader, or SmolLM2's shape at random (`--load-format dummy`)."""
     import torch
 
-    from minillm.engine.config import EngineConfig
     from minillm.llm import resolve_dtype
     from minillm.model.loading import default_device, load_model, load_tokenizer, random_model
-    from minillm.serve.app import build_app
-    from minillm.serve.router import DisaggregatedEngine
-    from minillm.serve.server import serve
     dtype = resolve_dtype(args.dtype) or torch.float32
     device = args.device or default_device()
     if args.load_format == "dummy":
-        model, tok = random_model(DEFAULT_MODEL, device=device, dtype=dtype), load_tokenizer()
-    else:
-        model, tok = load_model(args.model, device=device, dtype=dtype)
+        return random_model(DEFAULT_MODEL, device=device, dtype=dtype), load_tokenizer()
+    return load_model(args.model, device=device, dtype=dtype)
+
+
+def _authkey() -> bytes:
+    return os.environ.get("MINILLM_DISAGG_KEY", "minillm").encode()
+
+
+def run_worker_role(args) -> None:
+    """`--role prefill|decode`: load the model, dial the router, serve its requests until it stops."""
+    from minillm.engine.config import EngineConfig
+    from minillm.serve.disagg_worker import run_remote
+    _show_notices()
+    model, tok = _load_plain(args)
+    try:
+        config = EngineConfig(**engine_options(args))
+    except (TypeError, ValueError) as err:
+        parser().error(str(err))
+    host, port = args.router_address
+    print(f"minillm: {args.role} worker (pid {os.getpid()}) dialing the router at {host}:{port}",
+          flush=True)
+    try:
+        run_remote(args.role, args.router_address, {"model": model, "tokenizer": tok,
+                                                    "config": config,
+                                                    "threads": args.threads_per_engine}, _authkey())
+    except (ConnectionError, OSError) as err:
+        sys.exit(f"minillm serve --role {args.role}: cannot reach the router at {host}:{port}: {err}")
+
+
+def serve_disaggregated(args, sock) -> None:
+    """`--disaggregated`: the model loaded here, handed to a prefill and a decode process (or,
+    with `--role router`, to the two workers that dial in)."""
+    from minillm.engine.config import EngineConfig
+    from minillm.serve.app import build_app
+    from minillm.serve.router import DisaggregatedEngine
+    from minillm.serve.server import serve
+    model, tok = _load_plain(args)
+    remote = {}
+    if args.role == "router":
+        host, port = args.router_address
+        remote = dict(listen=args.router_address, authkey=_authkey(), start_timeout_s=None,
+                      on_listen=lambda a: print(f"minillm: waiting for a prefill and a decode "
+                                                f"worker at {host}:{port}", flush=True))
     try:
         engine = DisaggregatedEngine(model, tok, EngineConfig(**engine_options(args)),
-                                     args.threads_per_engine)
+                                     args.threads_per_engine, **remote)
     except (TypeError, ValueError) as err:
         sock.close()
         parser().error(str(err))

@@ -31,7 +31,7 @@ import weakref
 from collections import OrderedDict
 from multiprocessing.connection import wait
 
-from minillm.engine.args import check_prompt, pool_num_blocks, request_state
+from minillm.engine.args import check_prompt, request_state
 from minillm.engine.config import EngineConfig
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
@@ -107,7 +107,6 @@ class DisaggregatedEngine:
         self._failed: list[RequestOutput] = []
         self._next_id = 0
         self.closed = False
-        self._pool_blocks = pool_num_blocks(model, config)
         self._store = link_store()
         if listen is None:
             self.workers = spawn_workers({"model": model, "tokenizer": tokenizer, "config": config,
@@ -115,6 +114,7 @@ class DisaggregatedEngine:
                                          start_timeout_s)
         else:
             self.workers = accept_workers(listen, authkey, self._store.port, start_timeout_s, on_listen)
+        self._pool_blocks = min(w.num_blocks for w in self.workers.values())   # what both hold
         self.scheduler, self.block_manager = _Queues(self), _Pool(self.workers["decode"])
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().shutdown(timeout_s=2))
