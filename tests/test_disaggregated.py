@@ -34,7 +34,8 @@ from minillm.model.loading import tiny_model
 from minillm.serve.disagg_worker import run_remote
 from minillm.serve.disaggregated import check_port, running
 from minillm.serve.router import DisaggregatedEngine
-from serve_tiny import tokenizer
+from minillm.serve import cli
+from serve_tiny import assert_settled, tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 17, [3]]      # 40 tokens: three blocks of 16
@@ -90,6 +91,25 @@ def test_handoff_between_two_engines_in_one_process(model, reference):
     assert dec.num_free_blocks == dec.num_blocks
 
 
+def test_a_seeded_request_with_logprobs_moves_too(model):
+    sp = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
+    want = LLMEngine(model, EngineConfig(num_blocks=64)).generate([PROMPTS[1]], sp)[0]
+    pre, dec = LLMEngine(model, EngineConfig(num_blocks=64)), LLMEngine(model, EngineConfig(num_blocks=64, seed=5))
+    rid = pre.add_request(PROMPTS[1], sp)
+    pre.step()
+    import_prefilled(dec, export_prompt_kv(pre, rid))
+    got = _drive(dec, [rid])[rid]
+    assert got.token_ids == want.token_ids                  # the seed rule, not the engine's seed
+    assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob)
+    assert len(got.outputs[0].logprobs) == 12
+    with pytest.raises(ValueError, match="already in use"):
+        rid2 = pre.add_request(PROMPTS[0], sp)
+        pre.step()
+        h = export_prompt_kv(pre, rid2)
+        h.request_id = rid
+        import_prefilled(dec, h)
+
+
 @pytest.fixture(scope="module")
 def disagg(model):
     engine = DisaggregatedEngine(model, None, EngineConfig(num_blocks=64))
@@ -120,6 +140,15 @@ def test_bad_input_is_refused_at_the_router(disagg, model):
     with pytest.raises(ValueError, match="threads_per_engine"):
         DisaggregatedEngine(model, None, threads_per_engine=0)
     assert not disagg.has_unfinished_requests()
+
+
+def test_cli_flags_are_checked(capsys):
+    for argv, said in ((["--role", "prefill"], "needs --disaggregated"),
+                       (["--disaggregated", "--threads-per-engine", "0"], "--threads-per-engine must be >= 1"),
+                       (["--disaggregated", "--router-address", "nohost"], "HOST:PORT")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert said in capsys.readouterr().err
 
 
 def test_port_in_use_is_named():
@@ -194,6 +223,7 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
             chunks = _sse(r)
         assert "".join(c["choices"][0]["text"] for c in chunks) == want
         assert httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"] == want
+        assert_settled(srv.url)                      # 0 running, 0 waiting, 0 decode blocks in use
         with httpx.stream("POST", url, json={**body, "max_tokens": 500, "stream": True},
                           timeout=60) as r:
             lines = r.iter_lines()
