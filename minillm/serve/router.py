@@ -36,6 +36,7 @@ from minillm.engine.config import EngineConfig
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
 from minillm.serve.kv_link import link_store
+
 _MAX_TRANSFERS = 4096
 
 
