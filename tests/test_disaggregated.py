@@ -183,8 +183,8 @@ def test_remote_workers_and_a_killed_prefill_worker_fails_new_requests_only(mode
         assert sorted(engine.pids.values()) == sorted(p.pid for p in procs)
         long = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400,
                                                              ignore_eos=True))
-        outs = {}
-        while long not in engine.transfers:          # handed over: it decodes now
+        outs, deadline = {}, time.monotonic() + 60
+        while long not in engine.transfers and time.monotonic() < deadline:   # then it decodes
             outs.update({o.request_id: o for o in engine.step()})
         os.kill(engine.pids["prefill"], signal.SIGKILL)
         late = engine.add_request(PROMPTS[1], GREEDY)
