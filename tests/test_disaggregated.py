@@ -91,6 +91,26 @@ def test_handoff_between_two_engines_in_one_process(model, reference):
     assert dec.num_free_blocks == dec.num_blocks
 
 
+def test_chunked_prefill_and_prefix_caching_on_both_sides(model):
+    """A 40-token prompt prefilled in chunks of 16; the second prompt shares 32 tokens, which the
+    decode side's prefix cache already holds: they are reused, not written again."""
+    prompts = [list(range(10, 50)), list(range(10, 45)) + [99, 98]]
+    want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=64)).generate(prompts, GREEDY)]
+    pre = LLMEngine(model, EngineConfig(num_blocks=64, max_num_batched_tokens=16,
+                                        enable_prefix_caching=True))
+    dec = LLMEngine(model, EngineConfig(num_blocks=64, enable_prefix_caching=True))
+    got = []
+    for p in prompts:
+        rid = pre.add_request(p, GREEDY)
+        while not pre.step():                        # chunks of 16 until the first token
+            pass
+        import_prefilled(dec, export_prompt_kv(pre, rid))
+        pre.abort_request(rid)
+        got.append(_drive(dec, [rid])[rid])
+    assert [o.token_ids for o in got] == want
+    assert [o.metrics.num_cached_tokens for o in got] == [0, 32]
+
+
 def test_a_seeded_request_with_logprobs_moves_too(model):
     sp = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
     want = LLMEngine(model, EngineConfig(num_blocks=64)).generate([PROMPTS[1]], sp)[0]
