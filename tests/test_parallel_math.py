@@ -97,3 +97,25 @@ def test_bad_arguments_name_themselves(call, name):
 def test_cfg_must_be_a_model_config():
     with pytest.raises(TypeError, match="cfg"):
         tp_collectives("smollm2-135m", 3, 1, 1)
+
+
+def test_figures_draw_from_numbers():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minillm.distributed.collectives import CollectiveTiming, fit_alpha_beta
+    from minillm.distributed.pipeline_stage import PipelineTimeline
+    from minillm.viz.parallel import (plot_collective_timings, plot_pipeline_timeline,
+                                      plot_tp_decode_split)
+    tl = PipelineTimeline(2, 2, {(0, 0): (0, 1), (0, 1): (1, 2), (1, 0): (1, 2), (1, 1): (2, 3)})
+    assert tl.bubble_fraction() == pytest.approx(1 / 3) == tl.expected_bubble()  # equal stages
+    assert tl.stage_idle() == [pytest.approx(1 / 3)] * 2
+    rows = [tp_decode_split(L70, tp, 1, link) for link in ("nvlink4", "10gbe") for tp in (4, 8)]
+    timings = [CollectiveTiming("all_reduce", n, 2, 1e-4 + n * 1e-9, 1e-4, 3) for n in (64, 4096)]
+    for fig in (plot_pipeline_timeline(tl), plot_tp_decode_split(rows),
+                plot_collective_timings(timings, fit_alpha_beta(timings))):
+        assert fig.axes
+        plt.close(fig)
+    with pytest.raises(ValueError, match="rows"):
+        plot_tp_decode_split([])
