@@ -124,8 +124,15 @@ def test_bad_num_microbatches(pipe, ids):
         pipe.forward(ids, num_microbatches=5)
 
 
-def test_a_killed_worker_is_named_and_nothing_is_left(model, ids, one_thread):
-    pp = PipelineParallel(model, pipeline_parallel_size=3, threads=1)
+def test_a_model_off_the_cpu_is_refused():
+    with pytest.raises(ValueError, match="CPU"):
+        PipelineParallel(tiny_model().to("meta"), pipeline_parallel_size=2)
+
+
+def test_a_killed_worker_is_named_and_nothing_is_left(model, ids, one_thread, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.warns(UserWarning, match="3 stages x 1 thread"):
+        pp = PipelineParallel(model, pipeline_parallel_size=3, threads=1)
     pids = pp.pids
     try:
         logits, timeline = pp.forward(ids, num_microbatches=2)

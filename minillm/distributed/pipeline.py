@@ -21,7 +21,9 @@ pipeline over the whole context); it is the reference the single model's `genera
 checked against, not a fast path. Left out on purpose: KV caches per stage, the backward pass
 and 1F1B, interleaved stages, pipelining across decode steps of different requests.
 """
+import os
 import time
+import warnings
 
 import torch
 
@@ -71,6 +73,13 @@ class PipelineParallel:
         cfg = model.config
         self.ranges = split_layers(cfg.n_layer, pipeline_parallel_size, partition)
         check_int("threads", threads, low=1)
+        if model.device.type != "cpu":
+            raise ValueError(f"model must be on the CPU (stages talk over gloo), got {model.device}")
+        cores = os.cpu_count() or 1
+        if pipeline_parallel_size * threads > cores:
+            warnings.warn(f"pipeline_parallel_size={pipeline_parallel_size} stages x {threads} "
+                          f"thread(s) > {cores} cores: stages will take turns on the cores, and "
+                          f"the timeline's bubble will include that waiting", stacklevel=2)
         self.config, self.pipeline_parallel_size = cfg, pipeline_parallel_size
         state = model.state_dict()
         self.stage = PipelineStage(cfg, self.ranges[0], first=True,
@@ -87,7 +96,8 @@ class PipelineParallel:
 
     @property
     def pids(self) -> list[int]:
-        return [] if self.group is None else self.group.pids
+        """The worker processes' pids (stages 1..p-1)."""
+        return self.group.pids
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, num_microbatches: int = 1, last_only: bool = False):
@@ -97,7 +107,7 @@ class PipelineParallel:
             raise ValueError("input_ids must be a (B, T) tensor of token ids")
         B = input_ids.shape[0]
         m = check_int("num_microbatches", num_microbatches, low=1, high=B)
-        if self.group is None or self.group.closed:
+        if self.group.closed:
             raise RuntimeError("this PipelineParallel was shut down")
         self.group.check_alive()
         comm, p = self.group.comm, self.pipeline_parallel_size
@@ -144,7 +154,7 @@ class PipelineParallel:
 
     def shutdown(self) -> None:
         """Tell the workers to stop, then make sure they are gone. Idempotent."""
-        if self.group is None or self.group.closed:
+        if self.group.closed:
             return
         healthy = all(p.is_alive() for p in self.group.processes)
         try:
