@@ -64,7 +64,7 @@ def _tp_step_seconds(ops: list[OpCost], cfg: ModelConfig, chip: Hardware, tp: in
 
 def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link: Link = NVLINK_H100,
                         dtype="bf16", efficiency: float = 1.0) -> StepCosts:
-    """StepCosts of a tp-chip instance, fitted to roofline step times over prompts of 128..8192
+    """StepCosts of a tp-chip instance, fitted to roofline step times over prompts of 256..8192
     tokens and decode batches of 1..256 at contexts of 256..8192."""
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
@@ -73,7 +73,7 @@ def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link: Lin
     check_int("tp", tp, 1)
     check_real("efficiency", efficiency, 0, 1, low_open=True)
     pre = [([n], _tp_step_seconds(prefill_costs(cfg, n, 1, dtype), cfg, chip, tp, n, link, dtype,
-                                  efficiency)) for n in (128, 512, 1024, 2048, 4096, 8192)]
+                                  efficiency)) for n in (256, 512, 1024, 2048, 4096, 8192)]
     dec = [([s] * b, _tp_step_seconds(decode_costs(cfg, b, s, dtype), cfg, chip, tp, b, link, dtype,
                                       efficiency))
            for b in (1, 8, 32, 128, 256) for s in (256, 2048, 8192)]

@@ -255,7 +255,8 @@ def _transfer_fn(transfer_s):
     return lambda prompt_tokens: float(transfer_s)
 
 
-def _simulate(requests, front: list[_Engine], back: list[_Engine], transfer, blocking: bool):
+def _simulate(requests, front: list[_Engine], back: list[_Engine], transfer, blocking: bool,
+              trace: list | None):
     """Run the events to the end; `back` empty: colocated. -> results in request order."""
     results = [SimResult(r) for r in requests]
     heap, order = [], 0
@@ -288,38 +289,46 @@ def _simulate(requests, front: list[_Engine], back: list[_Engine], transfer, blo
                     start = max(now, link_free[id(data)])
                     link_free[id(data)] = start + transfer(s.req.prompt_tokens)
                     push(link_free[id(data)], "kv", s)
-                if blocking and link_free[id(data)] > now:
+                if blocking and data.role == "prefill" and link_free[id(data)] > now:
                     data.busy = True                # the engine sends the KV itself
                     push(link_free[id(data)], "free", data)
-        for eng in (*front, *back):
+        for k, eng in enumerate((*front, *back)):
             if not eng.busy:
                 chunks, decodes = eng.schedule()
                 if chunks or decodes:
                     eng.busy, eng.step_plan = True, (chunks, decodes)
-                    push(now + eng.seconds(chunks, decodes), "step", eng)
+                    end = now + eng.seconds(chunks, decodes)
+                    push(end, "step", eng)
+                    if trace is not None:
+                        trace.append({"engine": k, "role": eng.role, "t_start": now, "t_end": end,
+                                      "num_prefill_tokens": sum(n for _, n in chunks),
+                                      "num_decode_tokens": decodes})
     return results
 
 
 def simulate_colocated(requests, costs: StepCosts, config: SimConfig | None = None,
-                       instances: int = 1) -> list[SimResult]:
+                       instances: int = 1, trace: list | None = None) -> list[SimResult]:
     """Each of `instances` engines prefills and decodes its requests; -> one SimResult per
-    request, in the order given."""
+    request, in the order given. `trace`: a list that gets one row per step (engine index,
+    role, t_start, t_end, num_prefill_tokens, num_decode_tokens: the engine trace's names)."""
     requests = _check_requests(requests)
     _check_costs("costs", costs)
     check_int("instances", instances, 1)
     config = config or SimConfig()
     return _simulate(requests, [_Engine(costs, config, "colocated") for _ in range(instances)],
-                     [], None, False)
+                     [], None, False, trace)
 
 
 def simulate_disaggregated(requests, prefill_costs: StepCosts, decode_costs: StepCosts,
                            transfer_s=0.0, config: SimConfig | None = None,
                            decode_config: SimConfig | None = None, prefill_instances: int = 1,
                            decode_instances: int = 1,
-                           transfer_blocks_prefill: bool = False) -> list[SimResult]:
+                           transfer_blocks_prefill: bool = False,
+                           trace: list | None = None) -> list[SimResult]:
     """Prefill engines, a KV transfer of `transfer_s` seconds (a number, or a function of the
     prompt's tokens, e.g. `lambda L: kv_transfer_time(cfg, L, link)`), decode engines.
-    `config`: the prefill engines' knobs; `decode_config`: the decode engines' (default: config)."""
+    `config`: the prefill engines' knobs; `decode_config`: the decode engines' (default: config);
+    `trace` as in `simulate_colocated` (engines 0.. are the prefill ones, then the decode ones)."""
     requests = _check_requests(requests)
     _check_costs("prefill_costs", prefill_costs)
     _check_costs("decode_costs", decode_costs)
@@ -330,4 +339,4 @@ def simulate_disaggregated(requests, prefill_costs: StepCosts, decode_costs: Ste
     config = config or SimConfig()
     front = [_Engine(prefill_costs, config, "prefill") for _ in range(prefill_instances)]
     back = [_Engine(decode_costs, decode_config or config, "decode") for _ in range(decode_instances)]
-    return _simulate(requests, front, back, _transfer_fn(transfer_s), transfer_blocks_prefill)
+    return _simulate(requests, front, back, _transfer_fn(transfer_s), transfer_blocks_prefill, trace)
