@@ -106,7 +106,12 @@ def test_pipeline_logits_equal_the_single_model(pipe, model, ids, m):
 
 
 def test_the_driver_sends_and_receives_the_formula_bytes(pipe, model, ids):
-    pipe.forward(ids, num_microbatches=2)
+    torch.set_num_threads(2)
+    try:
+        pipe.forward(ids, num_microbatches=2)                # stage 0 runs on pipe.threads (1)
+        assert torch.get_num_threads() == 2                  # and the driver's setting comes back
+    finally:
+        torch.set_num_threads(1)
     B, T = ids.shape
     want = pp_p2p_bytes(model.config, B * T, 2, num_logit_rows=B * T)
     s = pipe.last_stats

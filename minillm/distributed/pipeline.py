@@ -66,7 +66,11 @@ def _stage_worker(rank, world_size, comm, cfg, layers, state):
 
 class PipelineParallel:
     """`model`'s layers over `pipeline_parallel_size` processes: stage 0 in this process, the
-    others in workers. `forward(input_ids, num_microbatches)` -> (logits, timeline)."""
+    others in workers. `forward(input_ids, num_microbatches)` -> (logits, timeline).
+
+    Every stage computes with `threads` torch threads, stage 0 too (for the length of a forward:
+    the driver's own setting comes back after it). Stages that oversubscribe the cores slow each
+    other down far more than their share: OpenMP threads spin waiting for a descheduled sibling."""
 
     def __init__(self, model, pipeline_parallel_size: int = 2, partition: list[int] | None = None,
                  threads: int = 1, timeout_s: float = 120.0):
@@ -80,7 +84,7 @@ class PipelineParallel:
             warnings.warn(f"pipeline_parallel_size={pipeline_parallel_size} stages x {threads} "
                           f"thread(s) > {cores} cores: stages will take turns on the cores, and "
                           f"the timeline's bubble will include that waiting", stacklevel=2)
-        self.config, self.pipeline_parallel_size = cfg, pipeline_parallel_size
+        self.config, self.pipeline_parallel_size, self.threads = cfg, pipeline_parallel_size, threads
         state = model.state_dict()
         self.stage = PipelineStage(cfg, self.ranges[0], first=True,
                                    last=pipeline_parallel_size == 1, state=state)
@@ -110,6 +114,14 @@ class PipelineParallel:
         if self.group.closed:
             raise RuntimeError("this PipelineParallel was shut down")
         self.group.check_alive()
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)         # stage 0 gets what every other stage gets
+        try:
+            return self._forward(input_ids, m, last_only)
+        finally:
+            torch.set_num_threads(before)
+
+    def _forward(self, input_ids, m: int, last_only: bool):
         comm, p = self.group.comm, self.pipeline_parallel_size
         comm.reset_stats()
         chunks = torch.tensor_split(input_ids, m, dim=0)                # m x (b, T)
