@@ -157,6 +157,19 @@ def test_a_killed_worker_is_named_and_nothing_is_left(model, ids, one_thread, mo
         pp.forward(ids)
 
 
+def test_a_forward_that_fails_midway_shuts_the_pipeline_down(model, ids, one_thread):
+    pp = PipelineParallel(model, pipeline_parallel_size=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stage 0 broke")
+    pp.stage = broken                                    # fails after the plan went out
+    with pytest.raises(RuntimeError, match="stage 0 broke"):
+        pp.forward(ids)
+    assert _gone(pp.pids)                                # the workers did not wait for ever
+    with pytest.raises(RuntimeError, match="shut down"):
+        pp.forward(ids)
+
+
 @pytest.mark.slow
 def test_real_smollm2_over_two_processes(one_thread):
     from minillm.model.loading import load_model

@@ -118,6 +118,9 @@ class PipelineParallel:
         torch.set_num_threads(self.threads)         # stage 0 gets what every other stage gets
         try:
             return self._forward(input_ids, m, last_only)
+        except BaseException:      # the stages are out of step now: no later forward can run
+            self.group.shutdown(timeout_s=0)
+            raise
         finally:
             torch.set_num_threads(before)
 
