@@ -119,9 +119,19 @@ def test_the_driver_sends_and_receives_the_formula_bytes(pipe, model, ids):
     assert (s["recv"]["calls"], s["recv"]["bytes"]) == (2, want["logits"])
 
 
-def test_pipeline_greedy_equals_the_single_model(pipe, model, ids):
-    got = pipe.generate(ids[:2], max_new_tokens=4, num_microbatches=2)
-    assert got == [generate_naive(model, row.tolist(), 4) for row in ids[:2]]
+@pytest.mark.parametrize("m, use_cache", [(1, True), (2, True), (2, False)])
+def test_pipeline_greedy_equals_the_single_model(pipe, model, ids, m, use_cache):
+    got = pipe.generate(ids[:2], max_new_tokens=5, num_microbatches=m, use_cache=use_cache)
+    assert got == [generate_naive(model, row.tolist(), 5) for row in ids[:2]]
+    assert pipe.last_timeline.num_microbatches == m
+    logits, _ = pipe.forward(ids)                        # the caches are gone: a plain forward
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
+
+
+def test_start_needs_caches(pipe, ids):
+    with pytest.raises(ValueError, match="start"):
+        pipe.forward(ids, start=3)
 
 
 def test_bad_num_microbatches(pipe, ids):
@@ -179,6 +189,17 @@ def test_real_smollm2_over_two_processes(one_thread):
         logits, _ = pp.forward(x, num_microbatches=2)
         with torch.inference_mode():
             torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-3)  # fp32 sums
-        assert pp.generate(x[:1], max_new_tokens=3) == [generate_naive(model, x[0].tolist(), 3)]
+        want = generate_naive(model, x[0].tolist(), 6)
+        assert pp.generate(x[:1], max_new_tokens=6) == [want]              # KV-cached stages
         pids = pp.pids
     assert _gone(pids)
+
+
+def test_one_stage_is_the_model_itself(model, ids, one_thread):
+    with PipelineParallel(model, pipeline_parallel_size=1) as pp:
+        assert pp.pids == []
+        logits, timeline = pp.forward(ids, num_microbatches=2)
+        assert pp.generate(ids[:1], 3) == [generate_naive(model, ids[0].tolist(), 3)]
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
+    assert timeline.expected_bubble() == 0 and len(timeline.intervals) == 2
