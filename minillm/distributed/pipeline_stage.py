@@ -11,14 +11,15 @@ also pays for lm_head, which in SmolLM2-135M weighs as much as ~8 decoder layers
 split leaves it the slowest). `PipelineStage` is built from the full model's state dict and keeps
 only its own weights, under the model's own names, so a worker process holds 1/p of the model.
 Each stage runs the same `Block` modules as the single-process model, with dense causal
-attention over the tokens passed in (no KV cache).
+attention over the tokens passed in, or with a contiguous KV cache of its own layers
+(`new_cache`) when generating.
 
 `PipelineTimeline` records when each stage worked on each micro-batch (`time.perf_counter`,
 the system-wide monotonic clock on Linux, so intervals from different processes line up) and
 compares the measured bubble, 1 - busy / (p x span), with GPipe's (p-1)/(m+p-1).
 
-Left out on purpose: a KV cache per stage (generation recomputes the context), the backward
-pass and 1F1B schedules, interleaved (virtual) stages.
+Left out on purpose: the backward pass and 1F1B schedules, interleaved (virtual) stages, paged
+KV caches.
 """
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ import torch.nn as nn
 from minillm._validate import check_int
 from minillm.analysis.parallel_math import bubble_fraction
 from minillm.model.config import ModelConfig
+from minillm.model.kv_cache import KVCache
 from minillm.model.llama import Block, DenseCausalAttention, RMSNorm, rope_cos_sin
 
 
@@ -81,19 +83,27 @@ class PipelineStage(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+        """A contiguous KV cache for this stage's layers only (indexed 0..len(layers)-1)."""
+        cfg = self.config.with_(n_layer=len(self.layers))
+        return KVCache(cfg, batch_size, max_seq_len, dtype=self.dtype)
+
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, last_only: bool = False, cache: KVCache | None = None,
+                start: int = 0) -> torch.Tensor:
         """ids (B, T) on the first stage, hidden (B, T, C) elsewhere -> hidden (B, T, C), or on
-        the last stage logits (B, T, V) ((B, 1, V) with `last_only`)."""
+        the last stage logits (B, T, V) ((B, 1, V) with `last_only`). With `cache`, the T tokens
+        sit at positions start..start+T-1 after the ones cached; without, attention is dense
+        causal over exactly these T tokens (start must be 0)."""
         if self.first:
             x = self.embed(x)                                        # (B, T, C)
         T = x.shape[1]
-        positions = torch.arange(T, device=x.device)[None]          # (1, T)
+        positions = torch.arange(start, start + T, device=x.device)[None]   # (1, T)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                        # (1, 1, T, D)
-        attn = DenseCausalAttention()
-        for i, layer in self.layers.items():
-            x = layer(x, cos, sin, attn, int(i), positions)          # (B, T, C)
+        attn = cache if cache is not None else DenseCausalAttention()
+        for j, layer in enumerate(self.layers.values()):
+            x = layer(x, cos, sin, attn, j, positions)               # (B, T, C)
         if not self.last:
             return x
         if last_only:
