@@ -17,7 +17,10 @@ JSON list, or here also comma-separated). Loading goes through the front
 door (`LLM`), so the CPU matmul routes are this machine's tuned table, or a quick probe while it
 has none (its one line appears here; `python -m minillm.kernels` tunes).
 
-Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
+`--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
+the server.
+
+Left out on purpose: vLLM's other flags (pipeline parallelism, LoRA, tool parsers, ...).
 """
 import argparse
 import json
@@ -40,6 +43,7 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--max-num-partial-prefills": ("max_num_partial_prefills", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
+    "--tensor-parallel-size": ("tensor_parallel_size", int),   # ranks, as worker processes
 }
 # The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
@@ -180,7 +184,10 @@ def main(argv=None) -> None:
                     allowed_origins=args.allowed_origins)
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
-    serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    try:
+        serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    finally:                                           # tensor parallel: the workers stop too
+        llm.shutdown()
 
 
 if __name__ == "__main__":
