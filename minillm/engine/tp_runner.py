@@ -22,6 +22,7 @@ ValueError), pipeline parallelism, several engines sharing workers.
 """
 import multiprocessing.connection
 import os
+import time
 import warnings
 
 import torch
@@ -119,7 +120,10 @@ class TensorParallelRunner(ModelRunner):
     def execute_with_hidden(self, out, return_hidden: bool = True):
         if self.closed:
             raise RuntimeError("this tensor-parallel runner was shut down")
-        self.group.check_alive()
+        try:
+            self.group.check_alive()
+        except WorkerDied as died:
+            self._name_the_dead(died)
         plan, sampling = self._plan(out, return_hidden)
         if not plan.has_forward and not (plan.swap_out or plan.copies or plan.swap_in):
             return [], None, None
@@ -134,14 +138,26 @@ class TensorParallelRunner(ModelRunner):
         rows = logits[0] if sampling or prompt_rows(out) else None
         return sampling, rows, (hidden[0] if hidden is not None else None)
 
-    def _name_the_dead(self, error: Exception) -> None:
-        for _ in range(50):                              # a killed peer may take a moment to reap
-            try:
-                self.group.check_alive()
-            except WorkerDied as died:
-                raise died from error
-            multiprocessing.connection.wait([p.sentinel for p in self.group.processes],
-                                                  timeout=0.02)
+    def _name_the_dead(self, error: Exception, wait_s: float = 5.0) -> None:
+        """Raise `WorkerDied` naming every rank that has exited (one death can take another
+        down with it: a rank left mid-collective reads garbage), or return if none has within
+        `wait_s` (a killed process with many threads takes a moment to be reaped)."""
+        procs, deadline = self.group.processes, time.monotonic() + wait_s
+        while True:
+            dead = [(r, p) for r, p in enumerate(procs, start=1) if not p.is_alive()]
+            if dead and (len(dead) == len(procs) or self._settled(procs)):
+                raise WorkerDied("; ".join(f"worker rank {r} (pid {p.pid}) exited with code "
+                                           f"{p.exitcode}" for r, p in dead)
+                                 + "; this tensor-parallel group can no longer run steps") from error
+            if time.monotonic() > deadline:
+                return
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.05)
+
+    @staticmethod
+    def _settled(procs) -> bool:
+        """True once no other rank exits within 0.2 s."""
+        alive = [p for p in procs if p.is_alive()]
+        return not multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.2)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Send the stop plan (if every worker still listens), then stop the workers. Idempotent."""
