@@ -31,7 +31,10 @@ a `--kv-transfer-config`): give every role the same model and engine flags; the 
 carries pickles, so it is for this machine's trusted processes (loopback, the key in
 $MINILLM_DISAGG_KEY).
 
-Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
+`--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
+the server.
+
+Left out on purpose: vLLM's other flags (pipeline parallelism, LoRA, tool parsers, ...).
 """
 import argparse
 import json
@@ -54,6 +57,7 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--max-num-partial-prefills": ("max_num_partial_prefills", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
+    "--tensor-parallel-size": ("tensor_parallel_size", int),   # ranks, as worker processes
 }
 # The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
@@ -200,6 +204,8 @@ def main(argv=None) -> None:
         parser().error(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
     if args.disaggregated and (args.speculative_config is not None or args.quantization):
         parser().error("--disaggregated takes no --speculative-config and no --quantization")
+    if args.disaggregated and engine_options(args).get("tensor_parallel_size", 1) != 1:
+        parser().error("--disaggregated takes no --tensor-parallel-size (each engine is one process)")
     if args.role != "all" and not args.disaggregated:
         parser().error(f"--role {args.role} needs --disaggregated")
     if args.role in ("prefill", "decode"):
@@ -220,7 +226,10 @@ def main(argv=None) -> None:
                     allowed_origins=args.allowed_origins)
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
-    serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    try:
+        serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    finally:                                           # tensor parallel: the workers stop too
+        llm.shutdown()
 
 
 def _load(args):
