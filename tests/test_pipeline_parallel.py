@@ -134,9 +134,16 @@ def test_start_needs_caches(pipe, ids):
         pipe.forward(ids, start=3)
 
 
-def test_bad_num_microbatches(pipe, ids):
+def test_bad_inputs_are_refused_and_the_pipeline_still_works(pipe, model, ids):
     with pytest.raises(ValueError, match=r"num_microbatches must be an int in \[1, 4\]"):
         pipe.forward(ids, num_microbatches=5)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 256\)"):
+        pipe.forward(ids + 256)
+    with pytest.raises(ValueError, match="input_ids"):
+        pipe.forward(ids[0])
+    logits, _ = pipe.forward(ids, num_microbatches=2)
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
 
 
 def test_a_model_off_the_cpu_is_refused():
