@@ -1,0 +1,168 @@
+"""Chapter 11: the simulator carried to a 70B model on H100s, with step costs from the roofline.
+
+`roofline_step_costs(cfg, chip, tp)` times prefill and decode steps of one instance (a tensor-
+parallel group of `tp` chips) with chapter 1's roofline: each op's FLOPs and bytes split over the
+tp chips, each op at max(FLOPs / peak, bytes / bandwidth) divided by `efficiency`, plus Megatron's
+two all-reduces per layer over the chips' link (ring: 2 (n-1) latencies + 2 (n-1)/n of the bytes
+over the bandwidth). The step times are then fitted by DistServe's formulas (step_fit.py), the
+same path as the costs measured on this machine, so the simulator cannot tell them apart.
+
+`max_rate(run, ...)` is DistServe's goodput: the largest Poisson request rate at which at least
+`attainment` (90%) of requests meet the SLO, found by doubling then bisection. `best_split`
+tries every prefill:decode split of `instances` instances against the same number of colocated
+ones. `scaling_book_ratio` is the scaling book's back-of-envelope for the same question
+(*How to Scale Your Model*, serving LLaMA-3-70B: a 910 ms prefill, a 19 ms decode step at batch
+32 and 512 output tokens need about 3 prefill servers per decode server).
+
+Left out on purpose: pipeline parallelism and different tp for the two phases (DistServe
+searches those too), MoE, and memory limits beyond `max_num_seqs`.
+"""
+from dataclasses import dataclass
+
+from minillm._validate import check_int, check_real
+from minillm.analysis.disagg_sim import (SimConfig, SimRequest, kv_transfer_time, poisson_arrivals,
+                                         simulate_colocated, simulate_disaggregated)
+from minillm.analysis.roofline import Hardware, OpCost, decode_costs, prefill_costs
+from minillm.analysis.slo import slo_attainment
+from minillm.analysis.step_fit import StepCosts, fit_step_costs
+from minillm.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between chips or hosts: bytes/s one way and seconds per message."""
+
+    name: str
+    bandwidth_Bps: float
+    latency_s: float
+
+
+# NVLink 4 on an H100 SXM: 900 GB/s both ways, 450 GB/s each way; 400 GbE (one NIC per GPU
+# in a DGX H100): 50 GB/s. Latencies are typical orders, not datasheet numbers.
+NVLINK_H100 = Link("nvlink4", 450e9, 3e-6)
+ETHERNET_400G = Link("400gbe", 50e9, 10e-6)
+
+# The 70B instance's engine: a prompt prefills whole (vLLM-like budget), up to 256 in a batch.
+LARGE_CONFIG = SimConfig(max_num_batched_tokens=8192, max_num_seqs=256,
+                         long_prefill_token_threshold=0, max_num_partial_prefills=1)
+
+
+def allreduce_seconds(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of nbytes over n chips: 2 (n-1) steps of latency, 2 (n-1)/n of the bytes."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_Bps
+
+
+def _tp_step_seconds(ops: list[OpCost], cfg: ModelConfig, chip: Hardware, tp: int, tokens: int,
+                     link: Link, dtype, efficiency: float) -> float:
+    compute = sum(max(c.flops / tp / chip.peak(dtype), c.bytes / tp / chip.mem_bandwidth)
+                  for c in ops) / efficiency
+    act = tokens * cfg.d_model * 2                     # (tokens, d) bf16 into each all-reduce
+    return compute + 2 * cfg.n_layer * allreduce_seconds(act, tp, link)
+
+
+def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link: Link = NVLINK_H100,
+                        dtype="bf16", efficiency: float = 1.0) -> StepCosts:
+    """StepCosts of a tp-chip instance, fitted to roofline step times over prompts of 256..8192
+    tokens and decode batches of 1..256 at contexts of 256..8192."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(chip, Hardware):
+        raise TypeError(f"chip must be a Hardware (roofline.get_hardware), got {type(chip).__name__}")
+    check_int("tp", tp, 1)
+    check_real("efficiency", efficiency, 0, 1, low_open=True)
+    pre = [([n], _tp_step_seconds(prefill_costs(cfg, n, 1, dtype), cfg, chip, tp, n, link, dtype,
+                                  efficiency)) for n in (256, 512, 1024, 2048, 4096, 8192)]
+    dec = [([s] * b, _tp_step_seconds(decode_costs(cfg, b, s, dtype), cfg, chip, tp, b, link, dtype,
+                                      efficiency))
+           for b in (1, 8, 32, 128, 256) for s in (256, 2048, 8192)]
+    return fit_step_costs(pre, dec)
+
+
+def fixed_requests(rate: float, n: int, prompt_tokens: int, output_tokens: int, seed: int = 0,
+                   spread: float = 0.25) -> list[SimRequest]:
+    """n Poisson arrivals with prompt and output lengths uniform within +-spread of the given."""
+    import random
+    check_real("spread", spread, 0, 1, high_open=True)
+    rng = random.Random(seed + 1)
+
+    def draw(mean: int) -> int:
+        return max(1, round(mean * (1 + spread * (2 * rng.random() - 1))))
+    return [SimRequest(t, draw(prompt_tokens), draw(output_tokens))
+            for t in poisson_arrivals(rate, n, seed)]
+
+
+def max_rate(run, ttft_s: float, itl_s: float, attainment: float = 0.9, start: float = 1.0,
+             rel_tol: float = 0.03, max_steps: int = 40) -> float:
+    """Largest rate with slo_attainment(run(rate), ttft_s, itl_s) >= attainment: double from
+    `start` until it fails, then bisect to `rel_tol`. `run(rate)` -> results. 0.0 if even
+    start / 2**10 fails."""
+    check_real("attainment", attainment, 0, 1, low_open=True)
+    check_real("start", start, 0, low_open=True)
+    check_real("rel_tol", rel_tol, 0, low_open=True)
+    ok = lambda r: slo_attainment(run(r), ttft_s, itl_s) >= attainment  # noqa: E731
+    lo, hi = 0.0, start
+    for _ in range(max_steps):
+        if not ok(hi):
+            break
+        lo, hi = hi, 2 * hi
+    else:
+        return lo
+    if lo == 0.0:                                   # the start already fails: halve down
+        for _ in range(10):
+            hi /= 2
+            if ok(hi):
+                lo, hi = hi, 2 * hi
+                break
+        else:
+            return 0.0
+    while hi - lo > rel_tol * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def best_split(cfg: ModelConfig, chip: Hardware, instances: int = 8, tp: int = 8,
+               prompt_tokens: int = 2048, output_tokens: int = 256, ttft_s: float = 0.4,
+               itl_s: float = 0.025, attainment: float = 0.9, duration_s: float = 20.0,
+               config: SimConfig = LARGE_CONFIG, kv_link: Link = ETHERNET_400G,
+               efficiency: float = 1.0, seed: int = 0) -> dict:
+    """Max rate (req/s, all instances together) at the SLO for every split P:D of `instances`
+    tp-chip instances, and for `instances` colocated ones; each run offers `duration_s` seconds
+    of Poisson arrivals (at least 50 requests). -> {"splits": [{prefill, decode, max_rate}],
+    "best": the best split, "colocated": max rate, "costs": the StepCosts}."""
+    check_int("instances", instances, 2)
+    check_real("duration_s", duration_s, 0, low_open=True)
+    costs = roofline_step_costs(cfg, chip, tp, efficiency=efficiency)
+
+    def reqs(rate: float) -> list[SimRequest]:
+        n = max(50, round(rate * duration_s))
+        return fixed_requests(rate, n, prompt_tokens, output_tokens, seed)
+    transfer = lambda n: kv_transfer_time(cfg, n, kv_link)                             # noqa: E731
+    start = 1.0
+    splits = []
+    for p in range(1, instances):
+        run = lambda r, p=p: simulate_disaggregated(                                    # noqa: E731
+            reqs(r), costs, costs, transfer, config, prefill_instances=p,
+            decode_instances=instances - p)
+        rate = max_rate(run, ttft_s, itl_s, attainment, start=start)
+        splits.append({"prefill": p, "decode": instances - p, "max_rate": round(rate, 3)})
+        start = max(rate, 0.5)
+    colo = max_rate(lambda r: simulate_colocated(reqs(r), costs, config, instances),
+                    ttft_s, itl_s, attainment, start=start)
+    return {"splits": splits, "best": max(splits, key=lambda s: s["max_rate"]),
+            "colocated": round(colo, 3), "costs": costs}
+
+
+def scaling_book_ratio(prefill_s: float = 0.91, decode_step_s: float = 0.019, batch: int = 32,
+                       output_tokens: int = 512) -> float:
+    """Prefill servers per decode server so that neither side waits: a decode server finishes
+    `batch` requests every output_tokens * decode_step_s seconds, a prefill server one request
+    every prefill_s seconds. Defaults: the scaling book's LLaMA-3-70B example (P ~ 3 G)."""
+    check_real("prefill_s", prefill_s, 0, low_open=True)
+    check_real("decode_step_s", decode_step_s, 0, low_open=True)
+    check_int("batch", batch, 1)
+    check_int("output_tokens", output_tokens, 1)
+    decode_rate = batch / (output_tokens * decode_step_s)     # requests/s one decode server ends
+    return decode_rate * prefill_s                             # / (1 / prefill_s) per prefill server
