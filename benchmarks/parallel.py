@@ -7,7 +7,7 @@ Three parts, one record (benchmarks/results/parallel_cpu.json):
 - `pipeline`: the real SmolLM2-135M split over 2 processes (`PipelineParallel`), 8 prompts of 32
   tokens, the bubble measured at m = 1, 2, 4, 8 micro-batches (median of the rounds) beside
   GPipe's (p-1)/(m+p-1), with each stage's busy seconds (unequal stages make the formula a
-  floor: the last stage carries lm_head), the one-process forward of the same batch, and greedy
+  floor: the last stage carries lm_head), the same with `balanced_partition`'s cut, the one-process forward of the same batch, and greedy
   decode ms per token (KV-cached, batch 4) for one process against the pipeline at m = 1 and 2:
   on one CPU a pipeline adds hops and buys nothing per token;
 - `predicted`: the measured all-reduce line as a `Link`, so `tp_comm_time` predicts a TP=3
@@ -28,6 +28,7 @@ from benchmarks.records import write_result
 from minillm.analysis.parallel_math import tp_comm_time, tp_decode_split
 from minillm.distributed.collectives import fit_alpha_beta, measure_collectives
 from minillm.distributed.pipeline import PipelineParallel
+from minillm.distributed.pipeline_stage import balanced_partition
 from minillm.model.config import get_config
 from minillm.model.generate import generate_batch
 from minillm.model.loading import load_model
@@ -78,11 +79,23 @@ def _pipeline(model, rounds: int, batch: int, tokens: int) -> dict:
                     fn()
                     decode[name].append((time.perf_counter() - t0) / DECODE_TOKENS)
             single_forward = _median_time(lambda: model(ids), rounds)
+        partition = balanced_partition(model.config, 2)
+        balanced = {m: [] for m in MICROBATCHES}
+        with PipelineParallel(model, 2, partition=partition, threads=1) as pp_balanced:
+            pp_balanced.forward(ids[:1, :8])
+            for _ in range(rounds):
+                for m in MICROBATCHES:
+                    _, tl = pp_balanced.forward(ids, num_microbatches=m)
+                    balanced[m].append((tl.bubble_fraction(), tl.busy(0), tl.busy(1)))
     finally:
         torch.set_num_threads(before)
     return {"pipeline_parallel_size": 2, "batch": batch, "tokens": tokens, "rounds": rounds,
             "layers": [[r.start, r.stop] for r in pp.ranges],
             "single_process_forward_s": single_forward,
+            "balanced": {"partition": partition, "by_microbatches": {str(m): {
+                "bubble_measured": statistics.median(r[0] for r in rs),
+                "busy_s": [statistics.median(r[1] for r in rs), statistics.median(r[2] for r in rs)]}
+                for m, rs in balanced.items()}},
             "decode_ms_per_token": {k: statistics.median(v) * 1e3 for k, v in decode.items()},
             "decode_setup": {"batch": len(prompts), "prompt_tokens": len(prompts[0]),
                              "new_tokens": DECODE_TOKENS, "threads_per_stage": 1},
@@ -133,6 +146,9 @@ def report(record: dict) -> str:
     for m, r in record["pipeline"]["by_microbatches"].items():
         lines.append(f"  m={m}: {r['bubble_measured']:.2f} vs {r['bubble_formula']:.2f} "
                      f"(busy {r['busy_s'][0]:.2f} / {r['busy_s'][1]:.2f} s)")
+    bal = record["pipeline"]["balanced"]
+    lines.append(f"balanced partition {bal['partition']}: " + ", ".join(
+        f"m={m} {r['bubble_measured']:.2f}" for m, r in bal["by_microbatches"].items()))
     d = record["pipeline"]["decode_ms_per_token"]
     lines.append(f"one-process forward {record['pipeline']['single_process_forward_s']:.2f} s; decode "
                  f"ms/token: one process {d['single']:.0f}, p=2 m=1 {d['p2_m1']:.0f}, "
