@@ -5,11 +5,12 @@ Three parts, one record (benchmarks/results/parallel_cpu.json):
 - `collectives`: gloo all-reduce, all-gather and send between 2 processes at 4 payload sizes
   (medians), and the alpha-beta line fitted to each kind (`fit_alpha_beta`);
 - `pipeline`: the real SmolLM2-135M split over 2 processes (`PipelineParallel`), 8 prompts of 32
-  tokens, the bubble measured at m = 1, 2, 4, 8 micro-batches (median of the rounds) beside
-  GPipe's (p-1)/(m+p-1), with each stage's busy seconds (unequal stages make the formula a
-  floor: the last stage carries lm_head), the same with `balanced_partition`'s cut, the one-process forward of the same batch, and greedy
-  decode ms per token (KV-cached, batch 4) for one process against the pipeline at m = 1 and 2:
-  on one CPU a pipeline adds hops and buys nothing per token;
+  tokens, the bubble measured at m = 1, 2, 4, 8 micro-batches (median of the rounds) beside GPipe's
+  (p-1)/(m+p-1), with each stage's busy seconds (the last stage carries lm_head, so an even split
+  leaves the stages unequal and the formula low), the same with `balanced_partition`'s cut, the
+  one-process forward of the same batch, and greedy decode ms per token (KV-cached, batch 4) for
+  one process against the pipeline at m = 1 and 2: on one CPU a pipeline adds hops and buys nothing
+  per token;
 - `predicted`: the measured all-reduce line as a `Link`, so `tp_comm_time` predicts a TP=3
   decode step's collectives for SmolLM2 on this machine; and `tp_decode_split` for Llama-2-70B
   at TP 1/4/8 over NVLink, PCIe, 100 GbE and 10 GbE.

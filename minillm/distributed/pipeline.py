@@ -8,13 +8,13 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
       send(h, to 1)                      send(h, to s+1)   |  keep logits_i
     recv(logits_i from p-1) for all i                      |  send(logits_i, to 0) for all i
 
-This is GPipe's forward (fill, steady state, drain): while stage 1 works on micro-batch i, stage
-0 works on i+1. Each step starts with the driver broadcasting a small plan (the micro-batch
-shapes; or "caches" to make or drop KV caches; or "stop"); activations travel with point-to-point `send`/`recv` over the group's
-`Comm` (gloo on CPU). The last stage keeps its logits until the last micro-batch and then sends
-them to the driver: a send completes only when its receiver has posted the matching recv, and
-the driver is still busy sending micro-batches until then. After the logits, every worker
-broadcasts its busy intervals, which the driver assembles into a `PipelineTimeline`.
+This is GPipe's forward (fill, steady state, drain): while stage 1 works on micro-batch i, stage 0
+works on i+1. Each step starts with the driver broadcasting a small plan (the micro-batch shapes;
+or "caches" to make or drop KV caches; or "stop"); activations travel with point-to-point
+`send`/`recv` over the group's `Comm` (gloo on CPU). The last stage keeps its logits until the last
+micro-batch and then sends them to the driver: a send completes only when its receiver has posted
+the matching recv, and the driver is still busy sending micro-batches until then. After the logits,
+every worker broadcasts its busy intervals, which the driver assembles into a `PipelineTimeline`.
 
 `PipelineParallel.generate` is greedy decoding: every stage keeps a contiguous KV cache of its
 own layers for each micro-batch, so a step passes one token per sequence through the pipeline

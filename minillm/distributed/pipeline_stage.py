@@ -8,11 +8,11 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
 
 `split_layers` decides the cut (even by default, or a `partition` of layer counts). The last stage
 also pays for lm_head, which in SmolLM2-135M weighs as much as 8 decoder layers, so an even split
-leaves it the slowest; `balanced_partition` counts it and gives the last stage fewer layers. `PipelineStage` is built from the full model's state dict and keeps
-only its own weights, under the model's own names, so a worker process holds 1/p of the model.
-Each stage runs the same `Block` modules as the single-process model, with dense causal
-attention over the tokens passed in, or with a contiguous KV cache of its own layers
-(`new_cache`) when generating.
+leaves it the slowest; `balanced_partition` counts it and gives the last stage fewer layers.
+`PipelineStage` is built from the full model's state dict and keeps only its own weights, under the
+model's own names, so a worker process holds 1/p of the model. Each stage runs the same `Block`
+modules as the single-process model, with dense causal attention over the tokens passed in, or with
+a contiguous KV cache of its own layers (`new_cache`) when generating.
 
 `PipelineTimeline` records when each stage worked on each micro-batch (`time.perf_counter`,
 the system-wide monotonic clock on Linux, so intervals from different processes line up) and
