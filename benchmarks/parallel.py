@@ -5,9 +5,12 @@ Three parts, one record (benchmarks/results/parallel_cpu.json):
 - `collectives`: gloo all-reduce, all-gather and send between 2 processes at 4 payload sizes
   (medians), and the alpha-beta line fitted to each kind (`fit_alpha_beta`);
 - `pipeline`: the real SmolLM2-135M split over 2 processes (`PipelineParallel`), 8 prompts of 32
-  tokens, the bubble measured at m = 1, 2, 4, 8 micro-batches (median of the rounds) beside
-  GPipe's (p-1)/(m+p-1), with each stage's busy seconds (unequal stages make the formula a
-  floor: the last stage carries lm_head);
+  tokens, the bubble measured at m = 1, 2, 4, 8 micro-batches (median of the rounds) beside GPipe's
+  (p-1)/(m+p-1), with each stage's busy seconds (the last stage carries lm_head, so an even split
+  leaves the stages unequal and the formula low), the same with `balanced_partition`'s cut, the
+  one-process forward of the same batch, and greedy decode ms per token (KV-cached, batch 4) for
+  one process against the pipeline at m = 1 and 2: on one CPU a pipeline adds hops and buys nothing
+  per token;
 - `predicted`: the measured all-reduce line as a `Link`, so `tp_comm_time` predicts a TP=3
   decode step's collectives for SmolLM2 on this machine; and `tp_decode_split` for Llama-2-70B
   at TP 1/4/8 over NVLink, PCIe, 100 GbE and 10 GbE.
@@ -18,6 +21,7 @@ those), GPUs (gloo between CPU processes only).
 """
 import os
 import statistics
+import time
 
 import torch
 
@@ -25,10 +29,23 @@ from benchmarks.records import write_result
 from minillm.analysis.parallel_math import tp_comm_time, tp_decode_split
 from minillm.distributed.collectives import fit_alpha_beta, measure_collectives
 from minillm.distributed.pipeline import PipelineParallel
+from minillm.distributed.pipeline_stage import balanced_partition
 from minillm.model.config import get_config
+from minillm.model.generate import generate_batch
 from minillm.model.loading import load_model
 
 MICROBATCHES = (1, 2, 4, 8)
+DECODE_TOKENS = 16
+
+
+def _median_time(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _collectives(repeats: int) -> dict:
@@ -44,15 +61,45 @@ def _collectives(repeats: int) -> dict:
 def _pipeline(model, rounds: int, batch: int, tokens: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens),
                         generator=torch.Generator().manual_seed(0))              # (B, T)
+    prompts = ids[:4, :16].tolist()                                              # decode: B=4
     rows = {m: [] for m in MICROBATCHES}
-    with PipelineParallel(model, pipeline_parallel_size=2, threads=1) as pp:
-        pp.forward(ids[:1, :8])                                                  # warm-up
-        for _ in range(rounds):
-            for m in MICROBATCHES:                                               # in turn
-                _, tl = pp.forward(ids, num_microbatches=m)
-                rows[m].append((tl.bubble_fraction(), tl.span(), tl.busy(0), tl.busy(1)))
+    decode = {"single": [], "p2_m1": [], "p2_m2": []}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)                      # the one-process reference gets one core too
+    try:
+        with PipelineParallel(model, pipeline_parallel_size=2, threads=1) as pp:
+            pp.forward(ids[:1, :8])                                              # warm-up
+            for _ in range(rounds):
+                for m in MICROBATCHES:                                           # in turn
+                    _, tl = pp.forward(ids, num_microbatches=m)
+                    rows[m].append((tl.bubble_fraction(), tl.span(), tl.busy(0), tl.busy(1)))
+                for name, fn in (("single", lambda: generate_batch(model, prompts, DECODE_TOKENS)),
+                                 ("p2_m1", lambda: pp.generate(prompts, DECODE_TOKENS, 1)),
+                                 ("p2_m2", lambda: pp.generate(prompts, DECODE_TOKENS, 2))):
+                    t0 = time.perf_counter()
+                    fn()
+                    decode[name].append((time.perf_counter() - t0) / DECODE_TOKENS)
+            single_forward = _median_time(lambda: model(ids), rounds)
+        partition = balanced_partition(model.config, 2)
+        balanced = {m: [] for m in MICROBATCHES}
+        with PipelineParallel(model, 2, partition=partition, threads=1) as pp_balanced:
+            pp_balanced.forward(ids[:1, :8])
+            for _ in range(rounds):
+                for m in MICROBATCHES:
+                    _, tl = pp_balanced.forward(ids, num_microbatches=m)
+                    balanced[m].append((tl.bubble_fraction(), tl.busy(0), tl.busy(1)))
+    finally:
+        torch.set_num_threads(before)
     return {"pipeline_parallel_size": 2, "batch": batch, "tokens": tokens, "rounds": rounds,
             "layers": [[r.start, r.stop] for r in pp.ranges],
+            "single_process_forward_s": single_forward,
+            "balanced": {"partition": partition, "by_microbatches": {str(m): {
+                "bubble_measured": statistics.median(r[0] for r in rs),
+                "busy_s": [statistics.median(r[1] for r in rs), statistics.median(r[2] for r in rs)]}
+                for m, rs in balanced.items()}},
+            "decode_ms_per_token": {k: statistics.median(v) * 1e3 for k, v in decode.items()},
+            "decode_setup": {"batch": len(prompts), "prompt_tokens": len(prompts[0]),
+                             "new_tokens": DECODE_TOKENS, "threads_per_stage": 1},
             "by_microbatches": {str(m): {
                 "bubble_measured": statistics.median(r[0] for r in rs),
                 "bubble_formula": 1 / (m + 1),
@@ -100,6 +147,13 @@ def report(record: dict) -> str:
     for m, r in record["pipeline"]["by_microbatches"].items():
         lines.append(f"  m={m}: {r['bubble_measured']:.2f} vs {r['bubble_formula']:.2f} "
                      f"(busy {r['busy_s'][0]:.2f} / {r['busy_s'][1]:.2f} s)")
+    bal = record["pipeline"]["balanced"]
+    lines.append(f"balanced partition {bal['partition']}: " + ", ".join(
+        f"m={m} {r['bubble_measured']:.2f}" for m, r in bal["by_microbatches"].items()))
+    d = record["pipeline"]["decode_ms_per_token"]
+    lines.append(f"one-process forward {record['pipeline']['single_process_forward_s']:.2f} s; decode "
+                 f"ms/token: one process {d['single']:.0f}, p=2 m=1 {d['p2_m1']:.0f}, "
+                 f"m=2 {d['p2_m2']:.0f}")
     p = record["predicted"]
     lines.append(f"SmolLM2 TP=3 decode collectives here: {p['smollm2_tp3_decode_comm_ms']:.1f} ms")
     for link, by_tp in p["llama2_70b_decode_ms"].items():

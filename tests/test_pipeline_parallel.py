@@ -13,7 +13,7 @@ import torch
 from minillm.analysis.parallel_math import pp_p2p_bytes
 from minillm.distributed.group import WorkerDied
 from minillm.distributed.pipeline import PipelineParallel
-from minillm.distributed.pipeline_stage import PipelineStage, split_layers
+from minillm.distributed.pipeline_stage import PipelineStage, balanced_partition, split_layers
 from minillm.model.generate import generate_naive
 from minillm.model.loading import tiny_model
 
@@ -55,6 +55,17 @@ def test_split_layers():
     assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
     assert split_layers(30, 2, partition=[19, 11]) == [range(0, 19), range(19, 30)]
     assert split_layers(4, 1) == [range(0, 4)]
+
+
+def test_balanced_partition_counts_lm_head_on_the_last_stage():
+    from minillm.model.config import get_config
+    smol = get_config("smollm2-135m")            # lm_head: 49152 x 576 = 8.0 layers of 3.54M
+    assert balanced_partition(smol, 2) == [19, 11]                     # 19 = 11 + 8
+    assert balanced_partition(smol, 2, logits_fraction=0) == [15, 15]  # generation: last row only
+    assert balanced_partition(smol, 3) == [13, 12, 5]
+    assert balanced_partition(smol, 1) == [30]
+    with pytest.raises(ValueError, match="logits_fraction"):
+        balanced_partition(smol, 2, logits_fraction=2)
 
 
 @pytest.mark.parametrize("p", [0, 5, 1.5, True])
@@ -134,9 +145,16 @@ def test_start_needs_caches(pipe, ids):
         pipe.forward(ids, start=3)
 
 
-def test_bad_num_microbatches(pipe, ids):
+def test_bad_inputs_are_refused_and_the_pipeline_still_works(pipe, model, ids):
     with pytest.raises(ValueError, match=r"num_microbatches must be an int in \[1, 4\]"):
         pipe.forward(ids, num_microbatches=5)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 256\)"):
+        pipe.forward(ids + 256)
+    with pytest.raises(ValueError, match="input_ids"):
+        pipe.forward(ids[0])
+    logits, _ = pipe.forward(ids, num_microbatches=2)
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
 
 
 def test_a_model_off_the_cpu_is_refused():

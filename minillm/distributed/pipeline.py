@@ -8,13 +8,13 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
       send(h, to 1)                      send(h, to s+1)   |  keep logits_i
     recv(logits_i from p-1) for all i                      |  send(logits_i, to 0) for all i
 
-This is GPipe's forward (fill, steady state, drain): while stage 1 works on micro-batch i, stage
-0 works on i+1. Each step starts with the driver broadcasting a small plan (the micro-batch
-shapes, or "stop"); activations travel with point-to-point `send`/`recv` over the group's
-`Comm` (gloo on CPU). The last stage keeps its logits until the last micro-batch and then sends
-them to the driver: a send completes only when its receiver has posted the matching recv, and
-the driver is still busy sending micro-batches until then. After the logits, every worker
-broadcasts its busy intervals, which the driver assembles into a `PipelineTimeline`.
+This is GPipe's forward (fill, steady state, drain): while stage 1 works on micro-batch i, stage 0
+works on i+1. Each step starts with the driver broadcasting a small plan (the micro-batch shapes;
+or "caches" to make or drop KV caches; or "stop"); activations travel with point-to-point
+`send`/`recv` over the group's `Comm` (gloo on CPU). The last stage keeps its logits until the last
+micro-batch and then sends them to the driver: a send completes only when its receiver has posted
+the matching recv, and the driver is still busy sending micro-batches until then. After the logits,
+every worker broadcasts its busy intervals, which the driver assembles into a `PipelineTimeline`.
 
 `PipelineParallel.generate` is greedy decoding: every stage keeps a contiguous KV cache of its
 own layers for each micro-batch, so a step passes one token per sequence through the pipeline
@@ -101,8 +101,9 @@ class PipelineParallel:
         args = []                       # stage s's weights, copied: the workers map the copies
         for s in range(1, pipeline_parallel_size):
             part = stage_state_dict(state, self.ranges[s], first=False, last=s == last)
-            args.append((cfg, self.ranges[s], {k: v.detach().clone(memory_format=torch.contiguous_format)
-                                               for k, v in part.items()}))
+            copy = {k: v.detach().clone(memory_format=torch.contiguous_format)
+                    for k, v in part.items()}
+            args.append((cfg, self.ranges[s], copy))
         self.last_stats: dict = {}
         self.last_timeline: PipelineTimeline | None = None
         self._caches: list | None = None            # stage 0's, during `generate` only
@@ -120,8 +121,12 @@ class PipelineParallel:
         """input_ids (B, T) -> (logits (B, T, V) or (B, 1, V) with `last_only`, timeline).
         The batch is cut into `num_microbatches` (1..B) micro-batches along B. `start`: the
         position of the first token, for `generate`'s cached steps (0 without caches)."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a (B, T) tensor of token ids")
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+                or input_ids.dtype.is_floating_point or input_ids.numel() == 0):
+            raise ValueError("input_ids must be a non-empty (B, T) tensor of token ids")
+        V = self.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= V:     # before any stage moves
+            raise ValueError(f"input_ids must be token ids in [0, {V})")
         B = input_ids.shape[0]
         m = check_int("num_microbatches", num_microbatches, low=1, high=B)
         check_int("start", start, low=0)

@@ -6,13 +6,13 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
     stage s:    layers[rs]                    (B, T, C)     -> (B, T, C)
     stage p-1:  layers[r_{p-1}] -> norm -> lm_head          -> (B, T', V) logits
 
-`split_layers` decides the cut (even by default, or a `partition` of layer counts: the last stage
-also pays for lm_head, which in SmolLM2-135M weighs as much as ~8 decoder layers, so an even
-split leaves it the slowest). `PipelineStage` is built from the full model's state dict and keeps
-only its own weights, under the model's own names, so a worker process holds 1/p of the model.
-Each stage runs the same `Block` modules as the single-process model, with dense causal
-attention over the tokens passed in, or with a contiguous KV cache of its own layers
-(`new_cache`) when generating.
+`split_layers` decides the cut (even by default, or a `partition` of layer counts). The last stage
+also pays for lm_head, which in SmolLM2-135M weighs as much as 8 decoder layers, so an even split
+leaves it the slowest; `balanced_partition` counts it and gives the last stage fewer layers.
+`PipelineStage` is built from the full model's state dict and keeps only its own weights, under the
+model's own names, so a worker process holds 1/p of the model. Each stage runs the same `Block`
+modules as the single-process model, with dense causal attention over the tokens passed in, or with
+a contiguous KV cache of its own layers (`new_cache`) when generating.
 
 `PipelineTimeline` records when each stage worked on each micro-batch (`time.perf_counter`,
 the system-wide monotonic clock on Linux, so intervals from different processes line up) and
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from minillm._validate import check_int
+from minillm._validate import check_int, check_real
 from minillm.analysis.parallel_math import bubble_fraction
 from minillm.model.config import ModelConfig
 from minillm.model.kv_cache import KVCache
@@ -49,6 +49,28 @@ def split_layers(num_layers: int, pipeline_parallel_size: int,
                          f"got {partition!r}")
     starts = [sum(partition[:s]) for s in range(p)]
     return [range(a, a + n) for a, n in zip(starts, partition)]
+
+
+def balanced_partition(cfg: ModelConfig, pipeline_parallel_size: int,
+                       logits_fraction: float = 1.0) -> list[int]:
+    """Layer counts per stage that even out the stages' matmul work, with lm_head counted on the
+    last stage as V*d / (one layer's weights) layers, times `logits_fraction` (1: logits at every
+    position, as `forward` returns them; about 1/T when only the last position's are computed,
+    as in generation). Earlier stages split the rest evenly. SmolLM2-135M, p=2: [19, 11]."""
+    p = check_int("pipeline_parallel_size", pipeline_parallel_size, low=1, high=cfg.n_layer)
+    check_real("logits_fraction", logits_fraction, low=0, high=1)
+    if p == 1:
+        return [cfg.n_layer]
+    d, hd = cfg.d_model, cfg.head_dim
+    layer = d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d + 3 * d * cfg.d_ff
+    extra = logits_fraction * cfg.vocab_size * d / layer          # lm_head, in layers
+    L = cfg.n_layer
+
+    def worst(k: int) -> float:                                   # k layers on the last stage
+        return max(-(-(L - k) // (p - 1)), k + extra)
+
+    k = min(range(1, L - p + 2), key=lambda k: (worst(k), -k))
+    return [len(r) for r in split_layers(L - k, p - 1)] + [k]
 
 
 def stage_state_dict(state: dict, layers: range, first: bool, last: bool) -> dict:
