@@ -163,3 +163,11 @@ def test_three_ranks_give_the_tokens_of_one_on_smollm2(smollm2):
     assert stats["all_reduce"]["calls"] == (2 * L + 1) * steps     # attention + MLP, + embedding
     assert stats["all_gather"]["calls"] == steps                   # the logits, once per forward
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_the_serve_flag_reaches_the_engine_config():
+    from minillm.serve.cli import engine_options, parser
+    opts = engine_options(parser().parse_args(["--tensor-parallel-size", "3"]))
+    assert EngineConfig(**opts).tensor_parallel_size == 3
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(**engine_options(parser().parse_args(["--tensor-parallel-size", "0"])))
