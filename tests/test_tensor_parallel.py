@@ -143,7 +143,7 @@ def smollm2():
 
 def test_three_ranks_give_the_tokens_of_one_on_smollm2(smollm2):
     model, tok = smollm2
-    params = SamplingParams(max_tokens=8, logprobs=1)
+    params = SamplingParams(max_tokens=6, logprobs=1)
     opts = dict(attention_backend="paged", num_blocks=64)
     want = LLM(model, tok, **opts).generate(PROMPTS, params, use_tqdm=False)
     with LLM(model, tok, tensor_parallel_size=3, **opts) as llm:

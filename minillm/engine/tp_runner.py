@@ -77,9 +77,12 @@ class TensorParallelRunner(ModelRunner):
                                        threads=threads if device.type == "cpu" else None)
         del shards                                       # the workers hold them now
         self.comm, self.n, self.closed = self.group.comm, n, False
-        shard = build_shard(shard_state_dict(sd, cfg, 0, n), cfg, 0, n, self.comm)
-        super().__init__(shard, spec.make(shard_config(cfg, n), device), block_manager)
-        self.full_config = cfg
+        try:
+            shard = build_shard(shard_state_dict(sd, cfg, 0, n), cfg, 0, n, self.comm)
+            super().__init__(shard, spec.make(shard_config(cfg, n), device), block_manager)
+        except BaseException:                            # no engine: no workers either
+            self.group.shutdown(timeout_s=0.5)
+            raise
         self.swapped: dict = {}                          # seq_id -> this rank's swapped blocks
         # shutdown(), garbage collection or exit, whichever comes first: the stop plan, then join
         self._stop = weakref.finalize(self, stop_workers, self.comm, self.group)
