@@ -65,6 +65,9 @@ def test_shards_put_back_together_equal_the_weights():
     back = full_state(shards, cfg)
     assert set(back) == set(sd)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+    tied = _tiny(tie_embeddings=True)
+    shard = shard_state_dict(tied.state_dict(), tied.config, 1, 3)
+    assert shard["lm_head.weight"] is shard["embed.weight"]            # split once, still shared
 
 
 def test_each_ranks_partial_sums_add_up_to_the_dense_layer(one_thread):
