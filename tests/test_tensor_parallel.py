@@ -65,6 +65,9 @@ def test_shards_put_back_together_equal_the_weights():
     back = full_state(shards, cfg)
     assert set(back) == set(sd)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+    tied = _tiny(tie_embeddings=True)
+    shard = shard_state_dict(tied.state_dict(), tied.config, 1, 3)
+    assert shard["lm_head.weight"] is shard["embed.weight"]            # split once, still shared
 
 
 def test_each_ranks_partial_sums_add_up_to_the_dense_layer(one_thread):
@@ -143,7 +146,7 @@ def smollm2():
 
 def test_three_ranks_give_the_tokens_of_one_on_smollm2(smollm2):
     model, tok = smollm2
-    params = SamplingParams(max_tokens=8, logprobs=1)
+    params = SamplingParams(max_tokens=6, logprobs=1)
     opts = dict(attention_backend="paged", num_blocks=64)
     want = LLM(model, tok, **opts).generate(PROMPTS, params, use_tqdm=False)
     with LLM(model, tok, tensor_parallel_size=3, **opts) as llm:
@@ -163,3 +166,11 @@ def test_three_ranks_give_the_tokens_of_one_on_smollm2(smollm2):
     assert stats["all_reduce"]["calls"] == (2 * L + 1) * steps     # attention + MLP, + embedding
     assert stats["all_gather"]["calls"] == steps                   # the logits, once per forward
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_the_serve_flag_reaches_the_engine_config():
+    from minillm.serve.cli import engine_options, parser
+    opts = engine_options(parser().parse_args(["--tensor-parallel-size", "3"]))
+    assert EngineConfig(**opts).tensor_parallel_size == 3
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(**engine_options(parser().parse_args(["--tensor-parallel-size", "0"])))

@@ -73,8 +73,13 @@ def shard_state_dict(sd: dict, cfg: ModelConfig, rank: int, n: int) -> dict:
         raise ValueError(f"rank must be an int in [0, {n}), got {rank!r}")
     H, Hkv, D, F = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_ff
     h, hkv, f = H // n, Hkv // n, F // n
+    # tied embeddings: one tensor under two names; split it once, keep it shared
+    tied = ("lm_head.weight" not in sd
+            or sd["lm_head.weight"].data_ptr() == sd["embed.weight"].data_ptr())
     out = {}
     for name, w in sd.items():
+        if name == "lm_head.weight" and tied:
+            continue
         if name.endswith("qkv_proj.weight"):                  # rows: q (H*D), k (Hkv*D), v (Hkv*D)
             q, k, v = w.split([H * D, Hkv * D, Hkv * D])
             parts = [q[rank * h * D:(rank + 1) * h * D], k[rank * hkv * D:(rank + 1) * hkv * D],
@@ -91,7 +96,7 @@ def shard_state_dict(sd: dict, cfg: ModelConfig, rank: int, n: int) -> dict:
             out[name] = _vocab_rows(w, rank, n)                # (Vn, C)
         else:                                                  # norms: replicated
             out[name] = w.detach().clone()
-    if "lm_head.weight" not in out:                            # tied: the state dict may omit it
+    if tied:
         out["lm_head.weight"] = out["embed.weight"]
     return out
 

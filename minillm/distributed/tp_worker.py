@@ -102,7 +102,10 @@ def tp_worker(rank: int, world_size: int, comm, shards: dict, cfg, spec: CacheSp
     cache = spec.make(shard_config(cfg, world_size), comm.device)
     swapped: dict = {}
     while True:
-        plan = comm.broadcast_object(None, src=0)
+        try:
+            plan = comm.broadcast_object(None, src=0)
+        except RuntimeError:                      # the driver is gone: nothing left to serve
+            return
         if plan.stop:
             return
         run_step(model, cache, plan, swapped)

@@ -24,6 +24,7 @@ import multiprocessing.connection
 import os
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -76,10 +77,15 @@ class TensorParallelRunner(ModelRunner):
                                        threads=threads if device.type == "cpu" else None)
         del shards                                       # the workers hold them now
         self.comm, self.n, self.closed = self.group.comm, n, False
-        shard = build_shard(shard_state_dict(sd, cfg, 0, n), cfg, 0, n, self.comm)
-        super().__init__(shard, spec.make(shard_config(cfg, n), device), block_manager)
-        self.full_config = cfg
+        try:
+            shard = build_shard(shard_state_dict(sd, cfg, 0, n), cfg, 0, n, self.comm)
+            super().__init__(shard, spec.make(shard_config(cfg, n), device), block_manager)
+        except BaseException:                            # no engine: no workers either
+            self.group.shutdown(timeout_s=0.5)
+            raise
         self.swapped: dict = {}                          # seq_id -> this rank's swapped blocks
+        # shutdown(), garbage collection or exit, whichever comes first: the stop plan, then join
+        self._stop = weakref.finalize(self, stop_workers, self.comm, self.group)
 
     @staticmethod
     def _warn_if_oversubscribed(n: int, threads: int) -> None:
@@ -161,13 +167,20 @@ class TensorParallelRunner(ModelRunner):
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Send the stop plan (if every worker still listens), then stop the workers. Idempotent."""
-        if self.closed:
-            return
         self.closed = True
-        try:
-            self.group.check_alive()
-            self.comm.broadcast_object(StepPlan(stop=True))
-        except Exception:                                # a dead or stuck group: terminate it
-            timeout_s = 0.5
-        self.group.shutdown(timeout_s=timeout_s)
+        if self._stop.alive:
+            self._stop.detach()
+            stop_workers(self.comm, self.group, timeout_s)
 
+
+def stop_workers(comm, group: WorkerGroup, timeout_s: float = 2.0) -> None:
+    """The stop plan to every worker of a healthy group, then `group.shutdown`: a dead or stuck
+    group is terminated at once instead."""
+    if group.closed:
+        return
+    try:
+        group.check_alive()
+        comm.broadcast_object(StepPlan(stop=True))
+    except Exception:
+        timeout_s = 0.5
+    group.shutdown(timeout_s=timeout_s)
