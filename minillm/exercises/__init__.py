@@ -33,7 +33,7 @@ class Exercise:
 
 
 _REGISTRY: dict[str, Exercise] = {}
-_CHAPTERS = [f"{c:02d}" for c in range(11)]
+_CHAPTERS = [f"{c:02d}" for c in range(12)]
 
 
 def _register(ex: Exercise) -> Exercise:

@@ -10,6 +10,12 @@
 - `metrics.py`       `GET /metrics` by prometheus_client, vLLM's metric names
 - `server.py`, `cli.py`  uvicorn in the foreground (`python -m minillm serve`) or in a thread
 
+Chapter 11 adds disaggregated serving (`python -m minillm serve --disaggregated`):
+- `kv_link.py`       a prefilled request's KV blocks from one process to another over a gloo pair
+- `disagg_worker.py` the prefill worker and the decode worker processes, each with its own engine
+- `router.py`        `DisaggregatedEngine`: the engine interface the app uses, over both workers
+- `disaggregated.py` `start` / `running`: the router's HTTP server and both workers in one call
+
     from minillm import LLM
     from minillm.serve import running
     with running(LLM("smollm2-135m")) as srv:          # a free loopback port

@@ -4,6 +4,10 @@
     python -m minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching \\
         --scheduling-policy priority --api-key secret
     python -m minillm serve --speculative-config '{"method": "eagle", "num_speculative_tokens": 4}'
+    python -m minillm serve --disaggregated --threads-per-engine 1   # prefill + decode processes
+    python -m minillm serve --disaggregated --role router    # the same in three terminals: the
+    python -m minillm serve --disaggregated --role prefill   # router first (HTTP on --port, workers
+    python -m minillm serve --disaggregated --role decode    # dial --router-address), then each worker
 
 Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...), with the
 server's own defaults for the token budget and partial prefills (`SERVER_DEFAULTS`);
@@ -16,6 +20,15 @@ a port in use is one line on stderr and exit status 1, at once. CORS is off unle
 JSON list, or here also comma-separated). Loading goes through the front
 door (`LLM`), so the CPU matmul routes are this machine's tuned table, or a quick probe while it
 has none (its one line appears here; `python -m minillm.kernels` tunes).
+
+`--disaggregated` (chapter 11) serves through a router in this process in front of a prefill
+process and a decode process, each with its own engine and `--threads-per-engine` torch threads,
+the prompt's KV moving between them over torch.distributed (minillm/serve/disaggregated.py). It
+loads the model with the plain loader (no CPU matmul routes) and takes no speculative decoding.
+With `--role` the pieces run in terminals of their own (vLLM runs one `vllm serve` per role with
+a `--kv-transfer-config`): give every role the same model and engine flags; the control address
+carries pickles, so it is for this machine's trusted processes (loopback, the key in
+$MINILLM_DISAGG_KEY).
 
 Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
 """
@@ -64,6 +77,14 @@ def origins(value: str) -> list[str]:
     return [o.strip() for o in value.split(",") if o.strip()]
 
 
+def address(value: str) -> tuple[str, int]:
+    """--router-address: HOST:PORT."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"HOST:PORT with a port in [1, 65535], got {value!r}")
+    return host.strip("[]"), int(port)
+
+
 def json_object(value: str) -> dict:
     """--speculative-config: a JSON object, as vLLM takes it, e.g.
     '{"method": "eagle", "num_speculative_tokens": 4, "speculative_token_tree": [[0], [1], [0, 0]]}'."""
@@ -99,6 +120,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='speculative decoding, e.g. \'{"method": "medusa", "num_speculative_tokens": 3}\' '
                         '(ngram, draft_model, medusa, eagle, lookahead; "model": a path or null)')
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill and decode in two processes behind this server (chapter 11)")
+    p.add_argument("--threads-per-engine", type=int, default=1,
+                   help="torch threads of each engine process with --disaggregated (default 1)")
+    p.add_argument("--role", default="all", choices=["all", "router", "prefill", "decode"],
+                   help="with --disaggregated: run one piece only, in a terminal of its own")
+    p.add_argument("--router-address", type=address, default=("127.0.0.1", 8100),
+                   help="HOST:PORT where the router waits for its workers (default 127.0.0.1:8100)")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     p.add_argument("--log-level", default="info")
     for flag, (_, typ) in ENGINE_FLAGS.items():
@@ -166,10 +195,20 @@ def main(argv=None) -> None:
         parser().error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_pending_requests < 1:
         parser().error(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    if args.threads_per_engine < 1:
+        parser().error(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
+    if args.disaggregated and args.speculative_config is not None:
+        parser().error("--disaggregated takes no --speculative-config")
+    if args.role != "all" and not args.disaggregated:
+        parser().error(f"--role {args.role} needs --disaggregated")
+    if args.role in ("prefill", "decode"):
+        return run_worker_role(args)                   # no HTTP port: it dials the router
     sock = bind(args.host, args.port)                  # first: a clash costs no model load
     from minillm.serve.app import build_app
     from minillm.serve.server import serve
     _show_notices()
+    if args.disaggregated:
+        return serve_disaggregated(args, sock)
     try:
         llm = build_llm(args)
     except (TypeError, ValueError) as err:            # a bad engine option: say which
@@ -181,6 +220,79 @@ def main(argv=None) -> None:
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
     serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+
+
+def _load_plain(args):
+    """(model, tokenizer) by the plain loader, or SmolLM2's shape at random (`--load-format dummy`)."""
+    import torch
+
+    from minillm.llm import resolve_dtype
+    from minillm.model.loading import default_device, load_model, load_tokenizer, random_model
+    dtype = resolve_dtype(args.dtype) or torch.float32
+    device = args.device or default_device()
+    if args.load_format == "dummy":
+        return random_model(DEFAULT_MODEL, device=device, dtype=dtype), load_tokenizer()
+    return load_model(args.model, device=device, dtype=dtype)
+
+
+def _authkey() -> bytes:
+    return os.environ.get("MINILLM_DISAGG_KEY", "minillm").encode()
+
+
+def run_worker_role(args) -> None:
+    """`--role prefill|decode`: load the model, dial the router, serve its requests until it stops."""
+    from minillm.engine.config import EngineConfig
+    from minillm.serve.disagg_worker import run_remote
+    _show_notices()
+    model, tok = _load_plain(args)
+    try:
+        config = EngineConfig(**engine_options(args))
+    except (TypeError, ValueError) as err:
+        parser().error(str(err))
+    host, port = args.router_address
+    print(f"minillm: {args.role} worker (pid {os.getpid()}) dialing the router at {host}:{port}",
+          flush=True)
+    try:
+        run_remote(args.role, args.router_address, {"model": model, "tokenizer": tok,
+                                                    "config": config,
+                                                    "threads": args.threads_per_engine}, _authkey())
+    except (ConnectionError, OSError) as err:
+        sys.exit(f"minillm serve --role {args.role}: cannot reach the router at {host}:{port}: {err}")
+
+
+def serve_disaggregated(args, sock) -> None:
+    """`--disaggregated`: the model loaded here, handed to a prefill and a decode process (or,
+    with `--role router`, to the two workers that dial in)."""
+    from minillm.engine.config import EngineConfig
+    from minillm.serve.app import build_app
+    from minillm.serve.router import DisaggregatedEngine
+    from minillm.serve.server import serve
+    model, tok = _load_plain(args)
+    remote = {}
+    if args.role == "router":
+        host, port = args.router_address
+        remote = dict(listen=args.router_address, authkey=_authkey(), start_timeout_s=None,
+                      on_listen=lambda a: print(f"minillm: waiting for a prefill and a decode "
+                                                f"worker at {host}:{port}", flush=True))
+    try:
+        engine = DisaggregatedEngine(model, tok, EngineConfig(**engine_options(args)),
+                                     args.threads_per_engine, **remote)
+    except (TypeError, ValueError) as err:
+        sock.close()
+        parser().error(str(err))
+    if 2 * args.threads_per_engine > (os.cpu_count() or 1):
+        print(f"minillm: warning: 2 engines x {args.threads_per_engine} threads > "
+              f"{os.cpu_count()} cores: the engines will slow each other down", file=sys.stderr)
+    name = args.served_model_name or args.model
+    try:
+        app = build_app(engine, name, args.api_key, args.max_pending_requests,
+                        allowed_origins=args.allowed_origins)
+        print(f"minillm: {name!r} disaggregated: prefill pid {engine.pids['prefill']}, decode pid "
+              f"{engine.pids['decode']}, {engine.num_blocks} KV blocks of "
+              f"{engine.config.block_size} tokens each", flush=True)
+        serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    finally:
+        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ ASCII-only JSON (a lone surrogate echoed from a body cannot break the encoding),
 and code each failure maps to:
 
     the engine ended a request: queue timeout  -> 503 "queue_timeout" (its priority class gave up)
+                                worker gone     -> 503 "worker_unavailable" (disaggregated serving)
                                 anything else   -> 500 "sampling_error" (a token could not be drawn)
     the server is shutting down                 -> 503 "server_shutting_down"
     the engine loop failed                      -> 500 "engine_error"
@@ -26,6 +27,11 @@ from minillm.serve.protocol import APIError
 log = logging.getLogger("minillm.serve")
 
 
+class WorkerUnavailable(RuntimeError):
+    """A worker process of a disaggregated server (router.py) is gone; the message names it.
+    Requests it held end with this message as their error, which starts "worker unavailable"."""
+
+
 def json_response(data, status: int = 200, headers=None) -> Response:
     return Response(json.dumps(data, ensure_ascii=True, separators=(",", ":")), status,
                     headers, media_type="application/json")
@@ -40,12 +46,16 @@ def engine_error(message: str) -> APIError:
     up on it) or a token that could not be drawn."""
     if message.startswith("queue timeout"):
         return APIError(503, message, type="server_error", code="queue_timeout")
+    if message.startswith("worker unavailable"):
+        return APIError(503, message, type="server_error", code="worker_unavailable")
     return APIError(500, f"sampling failed: {message}", type="server_error", code="sampling_error")
 
 
 def failure(err: BaseException) -> APIError:
     if isinstance(err, ShuttingDown):
         return APIError(503, str(err), type="server_error", code="server_shutting_down")
+    if isinstance(err, WorkerUnavailable):
+        return APIError(503, str(err), type="server_error", code="worker_unavailable")
     return APIError(500, f"the engine failed: {type(err).__name__}: {err}", type="server_error",
                     code="engine_error")
 

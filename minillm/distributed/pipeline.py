@@ -1,0 +1,175 @@
+"""Pipeline parallelism: a model's layers split over p processes, micro-batches flowing through.
+
+Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m micro-batches.
+
+    driver (rank 0) = stage 0          worker rank s = stage s              last stage
+    for each micro-batch i:            for each micro-batch i:
+      h = stage0(ids_i)                  h = recv(from s-1); h = stage_s(h)
+      send(h, to 1)                      send(h, to s+1)   |  keep logits_i
+    recv(logits_i from p-1) for all i                      |  send(logits_i, to 0) for all i
+
+This is GPipe's forward (fill, steady state, drain): while stage 1 works on micro-batch i, stage
+0 works on i+1. Each step starts with the driver broadcasting a small plan (the micro-batch
+shapes, or "stop"); activations travel with point-to-point `send`/`recv` over the group's
+`Comm` (gloo on CPU). The last stage keeps its logits until the last micro-batch and then sends
+them to the driver: a send completes only when its receiver has posted the matching recv, and
+the driver is still busy sending micro-batches until then. After the logits, every worker
+broadcasts its busy intervals, which the driver assembles into a `PipelineTimeline`.
+
+`PipelineParallel.generate` is greedy decoding without a KV cache (each token re-runs the
+pipeline over the whole context); it is the reference the single model's `generate_naive` is
+checked against, not a fast path. Left out on purpose: KV caches per stage, the backward pass
+and 1F1B, interleaved stages, pipelining across decode steps of different requests.
+"""
+import os
+import time
+import warnings
+
+import torch
+
+from minillm._validate import check_int
+from minillm.distributed.group import WorkerGroup
+from minillm.distributed.pipeline_stage import (PipelineStage, PipelineTimeline, split_layers,
+                                                stage_state_dict)
+
+
+def _run_stage(stage, comm, plan, src: int, dst: int, is_last: bool):
+    """One stage's share of a forward: returns (intervals, logits kept for the driver)."""
+    C, dtype = stage.config.d_model, stage.dtype
+    intervals, kept = [], []
+    for i, (b, t) in enumerate(plan["shapes"]):
+        h = comm.recv(torch.empty(b, t, C, dtype=dtype), src)          # (b, T, C)
+        t0 = time.perf_counter()
+        out = stage(h, last_only=plan["last_only"])
+        intervals.append((i, t0, time.perf_counter()))
+        if is_last:
+            kept.append(out)                                           # (b, T or 1, V)
+        else:
+            comm.send(out, dst)
+    for out in kept:
+        comm.send(out, 0)
+    return intervals
+
+
+def _stage_worker(rank, world_size, comm, cfg, layers, state):
+    """A worker's loop: build stage `rank`, then run plans until the driver says stop."""
+    stage = PipelineStage(cfg, layers, first=False, last=rank == world_size - 1, state=state)
+    del state
+    while True:
+        plan = comm.broadcast_object()
+        if plan["op"] == "stop":
+            return
+        intervals = _run_stage(stage, comm, plan, rank - 1, rank + 1, rank == world_size - 1)
+        for src in range(1, world_size):
+            comm.broadcast_object(intervals if src == rank else None, src=src)
+
+
+class PipelineParallel:
+    """`model`'s layers over `pipeline_parallel_size` processes: stage 0 in this process, the
+    others in workers. `forward(input_ids, num_microbatches)` -> (logits, timeline)."""
+
+    def __init__(self, model, pipeline_parallel_size: int = 2, partition: list[int] | None = None,
+                 threads: int = 1, timeout_s: float = 120.0):
+        cfg = model.config
+        self.ranges = split_layers(cfg.n_layer, pipeline_parallel_size, partition)
+        check_int("threads", threads, low=1)
+        if model.device.type != "cpu":
+            raise ValueError(f"model must be on the CPU (stages talk over gloo), got {model.device}")
+        cores = os.cpu_count() or 1
+        if pipeline_parallel_size * threads > cores:
+            warnings.warn(f"pipeline_parallel_size={pipeline_parallel_size} stages x {threads} "
+                          f"thread(s) > {cores} cores: stages will take turns on the cores, and "
+                          f"the timeline's bubble will include that waiting", stacklevel=2)
+        self.config, self.pipeline_parallel_size = cfg, pipeline_parallel_size
+        state = model.state_dict()
+        self.stage = PipelineStage(cfg, self.ranges[0], first=True,
+                                   last=pipeline_parallel_size == 1, state=state)
+        last = pipeline_parallel_size - 1
+        args = []                       # stage s's weights, copied: the workers map the copies
+        for s in range(1, pipeline_parallel_size):
+            part = stage_state_dict(state, self.ranges[s], first=False, last=s == last)
+            args.append((cfg, self.ranges[s], {k: v.detach().clone(memory_format=torch.contiguous_format)
+                                               for k, v in part.items()}))
+        self.last_stats: dict = {}
+        self.group = WorkerGroup.start(pipeline_parallel_size, _dispatch, args=(args,),
+                                       backend="gloo", timeout_s=timeout_s, threads=threads)
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' pids (stages 1..p-1)."""
+        return self.group.pids
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, num_microbatches: int = 1, last_only: bool = False):
+        """input_ids (B, T) -> (logits (B, T, V) or (B, 1, V) with `last_only`, timeline).
+        The batch is cut into `num_microbatches` (1..B) micro-batches along B."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a (B, T) tensor of token ids")
+        B = input_ids.shape[0]
+        m = check_int("num_microbatches", num_microbatches, low=1, high=B)
+        if self.group.closed:
+            raise RuntimeError("this PipelineParallel was shut down")
+        self.group.check_alive()
+        comm, p = self.group.comm, self.pipeline_parallel_size
+        comm.reset_stats()
+        chunks = torch.tensor_split(input_ids, m, dim=0)                # m x (b, T)
+        timeline = PipelineTimeline(p, m)
+        t_start = time.perf_counter()
+        if p == 1:
+            outs = []
+            for i, ids in enumerate(chunks):
+                t0 = time.perf_counter()
+                outs.append(self.stage(ids, last_only=last_only))
+                timeline.intervals[(0, i)] = (t0 - t_start, time.perf_counter() - t_start)
+            return torch.cat(outs, dim=0), timeline
+        comm.broadcast_object({"op": "forward", "shapes": [tuple(c.shape) for c in chunks],
+                               "last_only": last_only})
+        for i, ids in enumerate(chunks):
+            t0 = time.perf_counter()
+            h = self.stage(ids)                                         # (b, T, C)
+            timeline.intervals[(0, i)] = (t0 - t_start, time.perf_counter() - t_start)
+            comm.send(h, 1)
+        rows, V = (1 if last_only else input_ids.shape[1]), self.config.vocab_size
+        outs = [comm.recv(torch.empty(c.shape[0], rows, V, dtype=self.stage.dtype), p - 1)
+                for c in chunks]                                        # m x (b, T or 1, V)
+        for src in range(1, p):
+            for i, a, b in comm.broadcast_object(None, src=src):
+                timeline.intervals[(src, i)] = (a - t_start, b - t_start)
+        self.last_stats = {k: dict(v) for k, v in comm.stats.items()}
+        return torch.cat(outs, dim=0), timeline
+
+    def generate(self, input_ids, max_new_tokens: int, num_microbatches: int = 1) -> list[list[int]]:
+        """Greedy tokens for B equal-length prompts (B, T), no KV cache: every new token re-runs
+        the pipeline over the whole context."""
+        check_int("max_new_tokens", max_new_tokens, low=1)
+        ids = torch.as_tensor(input_ids)
+        ids = ids[None] if ids.dim() == 1 else ids                      # (B, T)
+        out = []
+        for _ in range(max_new_tokens):
+            logits, _ = self.forward(ids, num_microbatches, last_only=True)   # (B, 1, V)
+            tok = logits[:, -1].argmax(-1)                              # (B,)
+            out.append(tok)
+            ids = torch.cat([ids, tok[:, None]], dim=1)                 # (B, T + 1)
+        return torch.stack(out, dim=1).tolist()                         # (B, max_new_tokens)
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, then make sure they are gone. Idempotent."""
+        if self.group.closed:
+            return
+        healthy = all(p.is_alive() for p in self.group.processes)
+        try:
+            if healthy:
+                self.group.comm.broadcast_object({"op": "stop"})
+        finally:       # with a rank dead the others wait on it forever: terminate them at once
+            self.group.shutdown(timeout_s=5 if healthy else 0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _dispatch(rank, world_size, comm, args):
+    """Worker entry: pick this rank's stage arguments out of the list."""
+    _stage_worker(rank, world_size, comm, *args[rank - 1])

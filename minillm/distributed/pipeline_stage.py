@@ -1,0 +1,136 @@
+"""Pipeline stages: a model cut into p contiguous pieces, and the timeline of a pipelined forward.
+
+Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m micro-batches.
+
+    stage 0:    embed -> layers[r0]           (B, T) ids    -> (B, T, C) hidden
+    stage s:    layers[rs]                    (B, T, C)     -> (B, T, C)
+    stage p-1:  layers[r_{p-1}] -> norm -> lm_head          -> (B, T', V) logits
+
+`split_layers` decides the cut (even by default, or a `partition` of layer counts: the last stage
+also pays for lm_head, which in SmolLM2-135M weighs as much as ~8 decoder layers, so an even
+split leaves it the slowest). `PipelineStage` is built from the full model's state dict and keeps
+only its own weights, under the model's own names, so a worker process holds 1/p of the model.
+Each stage runs the same `Block` modules as the single-process model, with dense causal
+attention over the tokens passed in (no KV cache).
+
+`PipelineTimeline` records when each stage worked on each micro-batch (`time.perf_counter`,
+the system-wide monotonic clock on Linux, so intervals from different processes line up) and
+compares the measured bubble, 1 - busy / (p x span), with GPipe's (p-1)/(m+p-1).
+
+Left out on purpose: a KV cache per stage (generation recomputes the context), the backward
+pass and 1F1B schedules, interleaved (virtual) stages.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from minillm._validate import check_int
+from minillm.analysis.parallel_math import bubble_fraction
+from minillm.model.config import ModelConfig
+from minillm.model.llama import Block, DenseCausalAttention, RMSNorm, rope_cos_sin
+
+
+def split_layers(num_layers: int, pipeline_parallel_size: int,
+                 partition: list[int] | None = None) -> list[range]:
+    """Contiguous layer ranges, one per stage: as even as possible (earlier stages take the
+    remainder), or `partition[s]` layers for stage s (each >= 1, summing to num_layers)."""
+    check_int("num_layers", num_layers, low=1)
+    p = check_int("pipeline_parallel_size", pipeline_parallel_size, low=1, high=num_layers)
+    if partition is None:
+        base, extra = divmod(num_layers, p)
+        partition = [base + (s < extra) for s in range(p)]
+    elif (not isinstance(partition, (list, tuple)) or len(partition) != p
+          or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in partition)
+          or sum(partition) != num_layers):
+        raise ValueError(f"partition must be {p} ints >= 1 summing to num_layers={num_layers}, "
+                         f"got {partition!r}")
+    starts = [sum(partition[:s]) for s in range(p)]
+    return [range(a, a + n) for a, n in zip(starts, partition)]
+
+
+def stage_state_dict(state: dict, layers: range, first: bool, last: bool) -> dict:
+    """The part of a full model's state dict that one stage needs, names unchanged."""
+    keep = {}
+    for name, t in state.items():
+        part = name.split(".")
+        if part[0] == "layers":
+            wanted = int(part[1]) in layers
+        else:
+            wanted = (part[0] == "embed" and first) or (part[0] in ("norm", "lm_head") and last)
+        if wanted:
+            keep[name] = t
+    return keep
+
+
+class PipelineStage(nn.Module):
+    """Layers `layers` of a model (plus the embedding on the first stage and the final norm and
+    lm_head on the last), built from `state` (a state dict with the full model's names)."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool, state: dict):
+        super().__init__()
+        self.config, self.layer_range, self.first, self.last = cfg, layers, first, last
+        with torch.device("meta"):                    # no random init: the weights come next
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if first else None
+            self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in layers})
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if last else None
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if last else None
+        self.load_state_dict(stage_state_dict(state, layers, first, last), assign=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """ids (B, T) on the first stage, hidden (B, T, C) elsewhere -> hidden (B, T, C), or on
+        the last stage logits (B, T, V) ((B, 1, V) with `last_only`)."""
+        if self.first:
+            x = self.embed(x)                                        # (B, T, C)
+        T = x.shape[1]
+        positions = torch.arange(T, device=x.device)[None]          # (1, T)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]                        # (1, 1, T, D)
+        attn = DenseCausalAttention()
+        for i, layer in self.layers.items():
+            x = layer(x, cos, sin, attn, int(i), positions)          # (B, T, C)
+        if not self.last:
+            return x
+        if last_only:
+            x = x[:, -1:]                                            # (B, 1, C)
+        return self.lm_head(self.norm(x))                            # (B, T or 1, V)
+
+
+@dataclass
+class PipelineTimeline:
+    """Busy intervals of one pipelined forward: `intervals[(stage, microbatch)] = (start, end)`
+    in seconds from the forward's start."""
+
+    pipeline_parallel_size: int
+    num_microbatches: int
+    intervals: dict = field(default_factory=dict)
+
+    def span(self) -> float:
+        """First start to last end."""
+        starts = [a for a, _ in self.intervals.values()]
+        return max(b for _, b in self.intervals.values()) - min(starts)
+
+    def busy(self, stage: int | None = None) -> float:
+        """Seconds spent computing, by one stage or all of them."""
+        return sum(b - a for (s, _), (a, b) in self.intervals.items() if stage in (None, s))
+
+    def bubble_fraction(self) -> float:
+        """Measured idle share of the p x span stage-seconds: 1 - busy / (p x span)."""
+        return 1.0 - self.busy() / (self.pipeline_parallel_size * self.span())
+
+    def stage_idle(self) -> list[float]:
+        """Each stage's idle share of the span."""
+        return [1.0 - self.busy(s) / self.span() for s in range(self.pipeline_parallel_size)]
+
+    def expected_bubble(self) -> float:
+        """GPipe's formula for equal stages: (p-1)/(m+p-1)."""
+        return bubble_fraction(self.pipeline_parallel_size, self.num_microbatches)
+
+    def rows(self) -> list[tuple[int, int, float, float]]:
+        """(stage, microbatch, start, end), sorted by stage then micro-batch."""
+        return sorted((s, i, a, b) for (s, i), (a, b) in self.intervals.items())

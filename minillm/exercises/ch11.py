@@ -1,0 +1,64 @@
+"""Chapter 11 exercises (past one machine). Numeric answers are judged against
+`parallel_math`'s and `kv_math`'s formulas; the code exercise runs the reader's KV-head placement
+against vLLM's rule for every tensor-parallel size a few real head counts allow.
+
+    >>> from minillm import exercises
+    >>> exercises.check("11.2", 1)                # doctest: +SKIP
+    11.2 not yet: too low
+"""
+from minillm.analysis.kv_math import kv_cache_bytes
+from minillm.analysis.parallel_math import bubble_fraction, tp_collectives
+from minillm.exercises import call_reader as _call, code, numeric
+from minillm.model.config import get_config
+
+
+numeric("11.1", "SmolLM2-135M with tensor_parallel_size=3 decodes a batch of 8 sequences (one new "
+        "token each) in fp32. How many bytes does one rank hand to all-reduces in that step?",
+        lambda: tp_collectives(get_config("smollm2-135m"), 3, 8, 8)["all_reduce"]["bytes"],
+        rtol=0, atol=0.5, hint="count the all-reduces per layer, the one after the embedding, "
+        "and the size of the activations each one sums")
+
+
+def _fewest_microbatches(p: int, bubble: float) -> int:
+    m = 1
+    while bubble_fraction(p, m) >= bubble:
+        m += 1
+    return m
+
+
+numeric("11.2", "A pipeline of 4 stages fed equal micro-batches (GPipe, forward only): what is the "
+        "fewest micro-batches that brings the bubble below 10%?",
+        lambda: _fewest_microbatches(4, 0.10), rtol=0, atol=0.5,
+        hint="solve (p-1)/(m+p-1) < 0.1 for the smallest integer m")
+
+numeric("11.3", "Disaggregated serving of Llama-2-70B with a bf16 KV cache: how many GB (1e9 "
+        "bytes) does the prefill instance ship to the decode instance for one 2,000-token prompt?",
+        lambda: kv_cache_bytes(get_config("llama-2-70b"), 2000, dtype="bf16") / 1e9,
+        rtol=0.01, hint="chapter 2's bytes per token times the prompt: K and V, every layer, "
+        "the KV heads only")
+
+
+def _vllm_kv_heads(num_kv_heads: int, tp: int, rank: int) -> list[int]:
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank // (tp // num_kv_heads)]
+
+
+def _test_kv_heads(fn) -> None:
+    """fn(num_kv_heads, tp, rank) -> the KV head indices rank `rank` holds."""
+    for hkv in (1, 2, 3, 4, 8):
+        for tp in (1, 2, 3, 4, 6, 8, 16):
+            if hkv % tp and tp % hkv:
+                continue                           # neither divides: no rank layout exists
+            for rank in range(tp):
+                want = _vllm_kv_heads(hkv, tp, rank)
+                got = _call(fn, hkv, tp, rank)
+                assert isinstance(got, (list, tuple)) and list(got) == want, (
+                    f"{hkv} KV heads over tensor_parallel_size={tp}, rank {rank}: got {got!r}")
+
+
+code("11.4", "Write kv_heads_for_rank(num_kv_heads, tp, rank) -> the list of KV-head indices that "
+     "rank holds: split them evenly when tp divides num_kv_heads, and when tp is a multiple of "
+     "num_kv_heads give each rank one head, replicated over consecutive ranks (vLLM's rule).",
+     _test_kv_heads, hint="each group of tp // num_kv_heads neighbouring ranks shares one head")
