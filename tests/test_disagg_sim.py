@@ -202,4 +202,4 @@ def test_wrong_types_are_refused():
     with pytest.raises(TypeError, match="requests"):
         simulate_colocated([(0, 4, 4)], UNIT)
     with pytest.raises(TypeError, match="link"):
-        kv_transfer_time(get_config("smollm2-135m"), 10, link="fast")
+        kv_transfer_time(get_config("smollm2-135m"), 10, link=object())
