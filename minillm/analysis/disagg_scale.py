@@ -148,3 +148,14 @@ def scaling_book_ratio(prefill_s: float = 0.91, decode_step_s: float = 0.019, ba
     check_int("output_tokens", output_tokens, 1)
     decode_rate = batch / (output_tokens * decode_step_s)     # requests/s one decode server ends
     return decode_rate * prefill_s                             # / (1 / prefill_s) per prefill server
+
+
+def split_table(result: dict) -> str:
+    """`best_split`'s result as lines: each P:D split's max rate, the colocated one, the best."""
+    lines = [f"{'split P:D':>10s} {'max rate (req/s)':>17s}"]
+    for s in result["splits"]:
+        mark = "  <- best" if s is result["best"] else ""
+        lines.append(f"{s['prefill']:>6d}:{s['decode']:<3d} {s['max_rate']:>17.2f}{mark}")
+    n = result["splits"][0]["prefill"] + result["splits"][0]["decode"]
+    lines.append(f"{'colocated':>10s} {result['colocated']:>17.2f}   ({n} instances)")
+    return "\n".join(lines)
