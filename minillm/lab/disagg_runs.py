@@ -7,12 +7,14 @@ tokens, a quarter of the requests) arriving among them, every answer `max_tokens
 with chapter 8's load generator (the completions endpoint, so the prompt is exactly the text
 given) and returns each request's TTFT and inter-token gaps as the client saw them.
 
+`probe_step_costs(base_url, ...)` measures a running server's step costs through its API (TTFT
+of lone prompts, the gaps between tokens of B requests decoding together) and fits DistServe's
+formulas to them, so the costs come from the very process, threads and load that the runs see.
 `predict(...)` replays the same arrivals, with the prompt and output token counts the server
-reported (`usage`), through analysis/disagg_sim.py: colocated with the step costs measured for
-the colocated engine (both cores), disaggregated with the costs of a one-thread engine on each
-side and the KV transfer priced by this machine's gloo send (`distributed.collectives`); the
-prefill worker sends the KV itself before its next prefill (`transfer_blocks_prefill`), as
-serve/disagg_worker.py does. `compare` puts the two side by side: TTFT and ITL percentiles,
+reported (`usage`), through analysis/disagg_sim.py: colocated with the colocated server's probed
+costs, disaggregated with the disaggregated server's (one engine a side) and the KV transfer
+priced by this machine's gloo send (`distributed.collectives`); the prefill worker sends the KV
+itself before its next prefill (`transfer_blocks_prefill`), as serve/disagg_worker.py does. `compare` puts the two side by side: TTFT and ITL percentiles,
 SLO attainment and goodput, and the prediction's relative error.
 
 Left out on purpose: starting the servers (benchmarks/disaggregation.py does, with
@@ -82,6 +84,55 @@ def drive(base_url: str, model: str, workload: Workload, timeout_s: float = 600.
     return _run_async(run_load(base_url, model, workload.prompts, endpoint="completions",
                                request_rate=workload.rate, max_tokens=workload.max_tokens,
                                ignore_eos=True, seed=workload.seed, timeout_s=timeout_s))
+
+
+def _token_times(r) -> list[float]:
+    """A streamed request's token arrival times (perf_counter seconds)."""
+    t = [r.start + r.ttft]
+    for gap in r.itl:
+        t.append(t[-1] + gap)
+    return t
+
+
+def probe_step_costs(base_url: str, model: str, tokenizer, prompt_lengths=(32, 96, 192, 384),
+                     batch_sizes=(1, 4, 8), contexts=(32, 256), max_tokens: int = 16,
+                     rounds: int = 2, seed: int = 0) -> dict:
+    """A running server's step costs, probed through its API and fitted (step_fit.py):
+    - prefill: one request of L prompt tokens alone, its TTFT (one step when L fits the chunk);
+    - decode: B requests of S tokens sent together, the median gap between tokens once every
+      one of them has its first token (steps holding the B decodes only), at context S + the
+      tokens decoded so far, taken as S + max_tokens / 2.
+    -> {"prefill", "decode", "costs", "error"} as `lab.step_costs.measure_step_costs`."""
+    import statistics
+    from minillm.analysis.step_fit import fit_error, fit_step_costs
+    rng = random.Random(seed)
+    chat = load_prompts("humaneval", 64, seed)
+    pre, dec = {}, {}
+
+    def run(prompts, tokens):
+        results, _ = _run_async(run_load(base_url, model, prompts, endpoint="completions",
+                                         max_tokens=tokens, ignore_eos=True))
+        bad = [r.error for r in results if not r.ok]
+        if bad:
+            raise RuntimeError(f"a probe failed: {bad[0]}")
+        return results
+    for _ in range(rounds):
+        for n in prompt_lengths:
+            (r,) = run([_text(tokenizer, chat, n, rng)], 2)
+            pre.setdefault(r.prompt_tokens or n, []).append(r.ttft)
+        for b in batch_sizes:
+            for s in contexts:
+                results = run([_text(tokenizer, chat, s, rng) for _ in range(b)], max_tokens)
+                times = [_token_times(r) for r in results]
+                start = max(t[0] for t in times)
+                gaps = [y - x for t in times for x, y in zip(t, t[1:]) if x >= start]
+                if gaps:
+                    dec.setdefault((b, s), []).append(statistics.median(gaps))
+    prefill = [([n], statistics.median(t)) for n, t in sorted(pre.items())]
+    decode = [([s + max_tokens // 2] * b, statistics.median(t)) for (b, s), t in sorted(dec.items())]
+    costs = fit_step_costs(prefill, decode)
+    return {"prefill": prefill, "decode": decode, "costs": costs,
+            "error": fit_error(costs, prefill, decode)}
 
 
 def sim_requests(workload: Workload, results=None) -> list[SimRequest]:
