@@ -7,8 +7,8 @@ import pytest
 
 from minillm.analysis.disagg_sim import SimRequest, poisson_arrivals, simulate_colocated
 from minillm.analysis.step_fit import StepCosts
-from minillm.lab.disagg_runs import (Workload, compare, comparison_table, long_among_short, predict,
-                                     sim_requests)
+from minillm.lab.disagg_runs import (Workload, compare, comparison_table, drive, long_among_short,
+                                     predict, probe_step_costs, sim_requests)
 from minillm.lab.serve_metrics import RequestResult
 from minillm.lab.step_costs import costs_table, measure_step_costs
 from minillm.model.loading import tiny_model
@@ -77,3 +77,21 @@ def test_disaggregated_prediction_ships_the_kv():
     assert math.isnan(simulate_colocated([SimRequest(0, 5, 2)], COSTS)[0].transfer_done_s)
     with pytest.raises(ValueError, match="layout"):
         predict("mixed", sim_requests(w), COSTS)
+
+
+def test_probe_and_drive_a_running_server(tok):
+    """Through the HTTP API of a tiny model's server: the probes give one prefill sample per
+    length and one decode sample per (batch, context); the workload comes back whole."""
+    from minillm.serve import running
+    from serve_tiny import MODEL, tiny_llm
+    with running(tiny_llm(tok, max_seq_len=512), served_model_name=MODEL) as srv:
+        probe = probe_step_costs(srv.base_url, MODEL, tok, prompt_lengths=(8, 16, 24),
+                                 batch_sizes=(1, 2), contexts=(8, 16), max_tokens=6, rounds=1)
+        w = long_among_short(tok, n=3, rate=50.0, long_fraction=0.0, max_tokens=4)
+        results, duration = drive(srv.base_url, MODEL, w)
+    assert len(probe["prefill"]) == 3 and len(probe["decode"]) == 4
+    assert isinstance(probe["costs"], StepCosts)
+    assert all(r.ok and r.output_tokens == 4 for r in results) and duration > 0
+    row = compare(results, duration, predict("colocated", sim_requests(w, results), probe["costs"]),
+                  ttft_s=10.0, itl_s=10.0)
+    assert row["measured"]["attainment"] == 1.0 and row["failed"] == 0
