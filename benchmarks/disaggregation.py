@@ -5,10 +5,11 @@ measured through HTTP and predicted by the simulator, side by side (chapter 11).
 2. For each layout, start the server as a subprocess (`python -m minillm serve`, and the same
    with `--disaggregated --threads-per-engine 1`), warm it with two short requests, probe its
    step costs through its API (`probe_step_costs`: the costs of this process, its threads and
-   this moment's load), drive it with `long_among_short` at each rate (chapter 8's load
-   generator), and stop it.
+   this moment's load) before and after driving it with `long_among_short` at each rate
+   (chapter 8's load generator), and stop it.
 3. Beside each run, the simulator's prediction for the same arrivals and token counts, and the
-   SLO's attainment and goodput (DistServe's metric) for both.
+   SLO's attainment and goodput (DistServe's metric) for both, also at tighter SLOs (0.25x,
+   0.5x); every request's measured and predicted TTFT and gaps are kept in the record.
 
 The SLO is set from the colocated server's probed costs: TTFT within `slo_scale` times a lone
 prefill of the longest prompt, mean ITL within `slo_scale` times a decode step of 4 sequences.
@@ -28,8 +29,10 @@ from pathlib import Path
 
 from benchmarks.records import write_result
 from benchmarks.server_process import free_port, server_process
+from minillm.analysis.slo import goodput, slo_attainment
+from minillm.analysis.step_fit import fit_error, fit_step_costs
 from minillm.lab.disagg_runs import (LONG_TOKENS, comparison_table, compare, drive, long_among_short,
-                                     predict, probe_step_costs, sim_requests)
+                                     measured, predict, probe_step_costs, sim_requests)
 from minillm.lab.loadgen import jsonable
 
 NAME = "smollm2-135m"
@@ -52,35 +55,65 @@ def slo_from(costs, scale: float) -> tuple[float, float]:
             scale * costs.decode_seconds([LONG_TOKENS[1]] * 4))
 
 
+def per_request(reqs, results, pred) -> list[dict]:
+    """Each request's arrival, tokens, and measured / predicted TTFT and gaps in ms."""
+    ms = lambda xs: [round(1e3 * x, 1) for x in xs]    # noqa: E731
+    return [{"arrival_s": round(q.arrival_s, 3), "prompt_tokens": q.prompt_tokens,
+             "output_tokens": q.output_tokens, "ok": r.ok,
+             "measured": {"ttft_ms": round(1e3 * r.ttft, 1) if r.ok else None, "itl_ms": ms(r.itl)},
+             "predicted": {"ttft_ms": round(1e3 * p.ttft, 1), "itl_ms": ms(p.itls)}}
+            for q, r, p in zip(reqs, results, pred)]
+
+
+def slo_sweep(results, duration: float, pred, costs_slo, scales=(0.25, 0.5, 1.0)) -> dict:
+    """Attainment and goodput, measured / predicted, with the SLO's two targets times each scale
+    (DistServe's "SLO scale" plot: tighter to the left)."""
+    sim_duration = max(r.finish_s for r in pred)
+    out = {}
+    for k in scales:
+        t, i = k * costs_slo[0], k * costs_slo[1]
+        out[str(k)] = {"measured": {"attainment": slo_attainment(measured(results), t, i),
+                                    "goodput": goodput(measured(results), t, i, duration)},
+                       "predicted": {"attainment": slo_attainment(pred, t, i),
+                                     "goodput": goodput(pred, t, i, sim_duration)}}
+    return out
+
+
 def run_layout(layout: str, workloads: list, link, slo, slo_scale: float, log_dir: Path, tok,
                quick: bool) -> dict:
-    """Start the server, warm it, probe its step costs, run every workload beside its
-    prediction, stop it. `slo` None: set it from this server's probed costs."""
+    """Start the server, warm it, probe its step costs, run every workload, probe again, stop
+    it; then predict every run. `slo` None: set it from this server's probed costs."""
     from minillm.lab.step_costs import costs_table
     from minillm.model.config import get_config
     port = free_port()
     argv = [sys.executable, "-m", "minillm", "serve", "--port", str(port), "--served-model-name",
             NAME, *LAYOUTS[layout]]
     url = f"http://127.0.0.1:{port}/v1"
-    rows = []
+    runs = []
     with server_process(argv, url[:-3] + "/health", log_dir / f"{layout}.log") as (_, startup_s):
         drive(url, NAME, long_among_short(tok, 2, 100.0, seed=99, long_fraction=0))  # warm-up
         t0 = time.perf_counter()
-        probe = probe_step_costs(url, NAME, tok, rounds=1 if quick else 2)
-        print(f"{layout}: step costs probed through the API ({time.perf_counter() - t0:.0f}s):\n"
-              f"{costs_table(probe)}", flush=True)
-        slo = slo or slo_from(probe["costs"], slo_scale)
+        before = probe_step_costs(url, NAME, tok, rounds=1)
         for w in workloads:
             results, duration = drive(url, NAME, w)
-            reqs = sim_requests(w, results)
-            pred = predict(layout, reqs, probe["costs"], probe["costs"], link, get_config(NAME))
-            row = {"layout": layout, "rate": w.rate, "duration_s": round(duration, 2),
-                   "requests": [{"arrival_s": round(r.arrival_s, 3), "prompt_tokens": r.prompt_tokens,
-                                 "output_tokens": r.output_tokens} for r in reqs],
-                   **compare(results, duration, pred, *slo),
-                   "load_average": [round(x, 2) for x in os.getloadavg()]}
-            rows.append(row)
-            print(comparison_table([row]).splitlines()[-1], flush=True)
+            runs.append((w, results, duration, [round(x, 2) for x in os.getloadavg()]))
+        after = probe_step_costs(url, NAME, tok, rounds=1, seed=1)
+    # load drifts: the costs are fitted to the probes before and after the runs together
+    samples = {k: before[k] + after[k] for k in ("prefill", "decode")}
+    costs = fit_step_costs(samples["prefill"], samples["decode"])
+    probe = {**samples, "costs": costs, "error": fit_error(costs, samples["prefill"], samples["decode"])}
+    print(f"{layout}: step costs probed through the API before and after its runs "
+          f"({time.perf_counter() - t0:.0f}s in all):\n{costs_table(probe)}", flush=True)
+    slo = slo or slo_from(costs, slo_scale)
+    rows = []
+    for w, results, duration, load in runs:
+        reqs = sim_requests(w, results)
+        pred = predict(layout, reqs, costs, costs, link, get_config(NAME))
+        rows.append({"layout": layout, "rate": w.rate, "duration_s": round(duration, 2),
+                     **compare(results, duration, pred, *slo), "load_average": load,
+                     "slo_sweep": slo_sweep(results, duration, pred, costs_slo=slo),
+                     "requests": per_request(reqs, results, pred)})
+        print(comparison_table(rows[-1:]).splitlines()[-1], flush=True)
     return {"command": shlex.join(argv), "startup_s": round(startup_s, 1), "slo": slo,
             "step_costs": {"costs": vars(probe["costs"]), "fit_error": probe["error"],
                            "prefill_samples": probe["prefill"], "decode_samples": probe["decode"]},
