@@ -3,7 +3,9 @@
 `python -m benchmarks serve ...` (load-test a running OpenAI-compatible server) and
 `python -m benchmarks serve_compare ...` (minillm's server against `transformers serve`) and
 `python -m benchmarks serve_defaults ...` (the server's old scheduling defaults against its new
-ones) take their own flags (`--help` lists them); `all` leaves them out: they need servers.
+ones) and `python -m benchmarks disaggregation ...` (colocated against disaggregated serving, the
+simulator's prediction beside each run) take their own flags (`--help` lists them); `all` leaves
+them out: they need servers.
 
 Each benchmark lives in its own module with `run(quick, device, out_dir) -> dict`, writes a JSON
 record (machine metadata included) to benchmarks/results/ and its figures, and prints the ratios
@@ -48,7 +50,7 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
 
 
 CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare",
-           "serve_defaults": "benchmarks.serve_defaults"}
+           "serve_defaults": "benchmarks.serve_defaults", "disaggregation": "benchmarks.disaggregation"}
 
 
 def main(argv=None) -> None:

@@ -2,8 +2,9 @@
 max-rate search, the prefill:decode split of a 70B deployment and the scaling book's ratio."""
 import pytest
 
-from minillm.analysis.disagg_scale import (NVLINK_H100, Link, allreduce_seconds, best_split, max_rate,
-                                           roofline_step_costs, scaling_book_ratio)
+from minillm.analysis.disagg_scale import (best_split, max_rate, roofline_step_costs,
+                                           scaling_book_ratio)
+from minillm.analysis.parallel_math import Link, tp_comm_time
 from minillm.analysis.kv_math import weight_bytes
 from minillm.analysis.roofline import decode_costs, get_hardware, prefill_costs, step_time
 from minillm.model.config import get_config
@@ -16,12 +17,6 @@ def test_scaling_book_worked_example():
     # 32 requests every 512 * 19 ms on a decode server; a prefill server takes 910 ms each
     assert scaling_book_ratio() == pytest.approx(32 / (512 * 0.019) * 0.91)
     assert round(scaling_book_ratio()) == 3
-
-
-def test_ring_allreduce_by_hand():
-    link = Link("l", 1e9, 1e-6)
-    assert allreduce_seconds(1e6, 1, link) == 0.0
-    assert allreduce_seconds(1e6, 4, link) == pytest.approx(6e-6 + 1.5e6 / 1e9)
 
 
 def test_roofline_costs_fit_the_roofline():
@@ -41,12 +36,11 @@ def test_tensor_parallel_costs_split_the_work_and_add_the_all_reduces():
     free = roofline_step_costs(CFG, H100, tp=8, link=FREE)
     assert free.prefill_seconds([2048]) == pytest.approx(one.prefill_seconds([2048]) / 8, rel=1e-6)
     assert free.decode_seconds([512]) == pytest.approx(one.decode_seconds([512]) / 8, rel=1e-6)
-    # Megatron's 2 all-reduces a layer over NVLink: bytes in prefill, latency in decode
+    # Megatron's collectives over NVLink: bytes in prefill, latency in decode
     nvlink = roofline_step_costs(CFG, H100, tp=8)
-    ars = 2 * CFG.n_layer
-    extra = ars * allreduce_seconds(2048 * CFG.d_model * 2, 8, NVLINK_H100)
+    extra = tp_comm_time(CFG, 8, 2048, "nvlink4", 2, num_logit_rows=1)
     assert nvlink.prefill_seconds([2048]) == pytest.approx(free.prefill_seconds([2048]) + extra, rel=0.05)
-    extra = ars * allreduce_seconds(CFG.d_model * 2, 8, NVLINK_H100)
+    extra = tp_comm_time(CFG, 8, 1, "nvlink4", 2, num_logit_rows=1)
     assert nvlink.decode_seconds([512]) == pytest.approx(free.decode_seconds([512]) + extra, rel=1e-3)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from minillm.analysis.disagg_sim import (SimConfig, SimRequest, kv_transfer_time, poisson_arrivals,
                                          simulate_colocated, simulate_disaggregated)
+from minillm.analysis.parallel_math import Link, get_link
 from minillm.analysis.slo import goodput, latency_percentiles, slo_attainment, summarize
 from minillm.analysis.step_fit import StepCosts, fit_error, fit_step_costs
 from minillm.model.config import get_config
@@ -150,10 +151,10 @@ def test_arrivals_are_the_load_generators():
 def test_kv_transfer_time_smollm2():
     cfg = get_config("smollm2-135m")          # 23,040 B a token in bf16 (chapter 2)
     assert kv_transfer_time(cfg, 1000, 1.25e9) == pytest.approx(23_040_000 / 1.25e9)
-
-    class Link:
-        bandwidth_Bps, latency_s = 1e9, 1e-3
-    assert kv_transfer_time(cfg, 10, Link(), dtype="fp32") == pytest.approx(1e-3 + 460_800 / 1e9)
+    link = Link("test", 1e9, 1e-3)
+    assert kv_transfer_time(cfg, 10, link, dtype="fp32") == pytest.approx(1e-3 + 460_800 / 1e9)
+    ten = get_link("10gbe")     # the anchors' figure: a 1k-token prompt, ~18 ms over 10 GbE
+    assert kv_transfer_time(cfg, 1000, "10gbe") == pytest.approx(ten.latency_s + 23_040_000 / 1.25e9)
 
 
 def test_attainment_and_goodput_by_hand():
@@ -201,4 +202,4 @@ def test_wrong_types_are_refused():
     with pytest.raises(TypeError, match="requests"):
         simulate_colocated([(0, 4, 4)], UNIT)
     with pytest.raises(TypeError, match="link"):
-        kv_transfer_time(get_config("smollm2-135m"), 10, link="fast")
+        kv_transfer_time(get_config("smollm2-135m"), 10, link=object())

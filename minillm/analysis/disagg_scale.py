@@ -3,8 +3,8 @@
 `roofline_step_costs(cfg, chip, tp)` times prefill and decode steps of one instance (a tensor-
 parallel group of `tp` chips) with chapter 1's roofline: each op's FLOPs and bytes split over the
 tp chips, each op at max(FLOPs / peak, bytes / bandwidth) divided by `efficiency`, plus Megatron's
-two all-reduces per layer over the chips' link (ring: 2 (n-1) latencies + 2 (n-1)/n of the bytes
-over the bandwidth). The step times are then fitted by DistServe's formulas (step_fit.py), the
+collectives over the chips' link (`parallel_math.tp_comm_time`: two ring all-reduces a layer and
+the logits' all-gather, not overlapped with compute). The step times are then fitted by DistServe's formulas (step_fit.py), the
 same path as the costs measured on this machine, so the simulator cannot tell them apart.
 
 `max_rate(run, ...)` is DistServe's goodput: the largest Poisson request rate at which at least
@@ -17,52 +17,32 @@ ones. `scaling_book_ratio` is the scaling book's back-of-envelope for the same q
 Left out on purpose: pipeline parallelism and different tp for the two phases (DistServe
 searches those too), MoE, and memory limits beyond `max_num_seqs`.
 """
-from dataclasses import dataclass
-
 from minillm._validate import check_int, check_real
 from minillm.analysis.disagg_sim import (SimConfig, SimRequest, kv_transfer_time, poisson_arrivals,
                                          simulate_colocated, simulate_disaggregated)
-from minillm.analysis.roofline import Hardware, OpCost, decode_costs, prefill_costs
+from minillm.analysis.parallel_math import get_link, tp_comm_time
+from minillm.analysis.roofline import Hardware, OpCost, decode_costs, dtype_bytes, prefill_costs
 from minillm.analysis.slo import slo_attainment
 from minillm.analysis.step_fit import StepCosts, fit_step_costs
 from minillm.model.config import ModelConfig
 
 
-@dataclass(frozen=True)
-class Link:
-    """A link between chips or hosts: bytes/s one way and seconds per message."""
-
-    name: str
-    bandwidth_Bps: float
-    latency_s: float
-
-
-# NVLink 4 on an H100 SXM: 900 GB/s both ways, 450 GB/s each way; 400 GbE (one NIC per GPU
-# in a DGX H100): 50 GB/s. Latencies are typical orders, not datasheet numbers.
-NVLINK_H100 = Link("nvlink4", 450e9, 3e-6)
-ETHERNET_400G = Link("400gbe", 50e9, 10e-6)
+# One instance's chips talk over NVLink 4; instances (prefill to decode) over 400 GbE / IB NDR.
+INSTANCE_LINK, KV_LINK = "nvlink4", "400gbe"
 
 # The 70B instance's engine: a prompt prefills whole (vLLM-like budget), up to 256 in a batch.
 LARGE_CONFIG = SimConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                          long_prefill_token_threshold=0, max_num_partial_prefills=1)
 
 
-def allreduce_seconds(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of nbytes over n chips: 2 (n-1) steps of latency, 2 (n-1)/n of the bytes."""
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_Bps
-
-
 def _tp_step_seconds(ops: list[OpCost], cfg: ModelConfig, chip: Hardware, tp: int, tokens: int,
-                     link: Link, dtype, efficiency: float) -> float:
+                     logit_rows: int, link, dtype, efficiency: float) -> float:
     compute = sum(max(c.flops / tp / chip.peak(dtype), c.bytes / tp / chip.mem_bandwidth)
                   for c in ops) / efficiency
-    act = tokens * cfg.d_model * 2                     # (tokens, d) bf16 into each all-reduce
-    return compute + 2 * cfg.n_layer * allreduce_seconds(act, tp, link)
+    return compute + tp_comm_time(cfg, tp, tokens, link, dtype_bytes(dtype), logit_rows)
 
 
-def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link: Link = NVLINK_H100,
+def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link=INSTANCE_LINK,
                         dtype="bf16", efficiency: float = 1.0) -> StepCosts:
     """StepCosts of a tp-chip instance, fitted to roofline step times over prompts of 256..8192
     tokens and decode batches of 1..256 at contexts of 256..8192."""
@@ -72,10 +52,11 @@ def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link: Lin
         raise TypeError(f"chip must be a Hardware (roofline.get_hardware), got {type(chip).__name__}")
     check_int("tp", tp, 1)
     check_real("efficiency", efficiency, 0, 1, low_open=True)
-    pre = [([n], _tp_step_seconds(prefill_costs(cfg, n, 1, dtype), cfg, chip, tp, n, link, dtype,
+    link = get_link(link)
+    pre = [([n], _tp_step_seconds(prefill_costs(cfg, n, 1, dtype), cfg, chip, tp, n, 1, link, dtype,
                                   efficiency)) for n in (256, 512, 1024, 2048, 4096, 8192)]
-    dec = [([s] * b, _tp_step_seconds(decode_costs(cfg, b, s, dtype), cfg, chip, tp, b, link, dtype,
-                                      efficiency))
+    dec = [([s] * b, _tp_step_seconds(decode_costs(cfg, b, s, dtype), cfg, chip, tp, b, b, link,
+                                      dtype, efficiency))
            for b in (1, 8, 32, 128, 256) for s in (256, 2048, 8192)]
     return fit_step_costs(pre, dec)
 
@@ -126,7 +107,7 @@ def max_rate(run, ttft_s: float, itl_s: float, attainment: float = 0.9, start: f
 def best_split(cfg: ModelConfig, chip: Hardware, instances: int = 8, tp: int = 8,
                prompt_tokens: int = 2048, output_tokens: int = 256, ttft_s: float = 0.4,
                itl_s: float = 0.025, attainment: float = 0.9, duration_s: float = 20.0,
-               config: SimConfig = LARGE_CONFIG, kv_link: Link = ETHERNET_400G,
+               config: SimConfig = LARGE_CONFIG, kv_link=KV_LINK,
                efficiency: float = 1.0, seed: int = 0) -> dict:
     """Max rate (req/s, all instances together) at the SLO for every split P:D of `instances`
     tp-chip instances, and for `instances` colocated ones; each run offers `duration_s` seconds
@@ -139,6 +120,7 @@ def best_split(cfg: ModelConfig, chip: Hardware, instances: int = 8, tp: int = 8
     def reqs(rate: float) -> list[SimRequest]:
         n = max(50, round(rate * duration_s))
         return fixed_requests(rate, n, prompt_tokens, output_tokens, seed)
+    kv_link = get_link(kv_link)
     transfer = lambda n: kv_transfer_time(cfg, n, kv_link)                             # noqa: E731
     start = 1.0
     splits = []
@@ -166,3 +148,14 @@ def scaling_book_ratio(prefill_s: float = 0.91, decode_step_s: float = 0.019, ba
     check_int("output_tokens", output_tokens, 1)
     decode_rate = batch / (output_tokens * decode_step_s)     # requests/s one decode server ends
     return decode_rate * prefill_s                             # / (1 / prefill_s) per prefill server
+
+
+def split_table(result: dict) -> str:
+    """`best_split`'s result as lines: each P:D split's max rate, the colocated one, the best."""
+    lines = [f"{'split P:D':>10s} {'max rate (req/s)':>17s}"]
+    for s in result["splits"]:
+        mark = "  <- best" if s is result["best"] else ""
+        lines.append(f"{s['prefill']:>6d}:{s['decode']:<3d} {s['max_rate']:>17.2f}{mark}")
+    n = result["splits"][0]["prefill"] + result["splits"][0]["decode"]
+    lines.append(f"{'colocated':>10s} {result['colocated']:>17.2f}   ({n} instances)")
+    return "\n".join(lines)

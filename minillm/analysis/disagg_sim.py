@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from minillm._validate import check_int, check_real
 from minillm.analysis.kv_math import kv_cache_bytes
+from minillm.analysis.parallel_math import Link, get_link
 from minillm.analysis.step_fit import StepCosts
 
 
@@ -104,13 +105,14 @@ def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
 
 
 def kv_transfer_time(cfg, prompt_tokens: int, link, dtype="bf16") -> float:
-    """Seconds to ship a prompt's KV cache: latency + bytes / bandwidth. `link`: bytes/s, or an
-    object with `bandwidth_Bps` and `latency_s` (parallel_math's `Link`)."""
+    """Seconds to ship a prompt's KV cache: latency + bytes / bandwidth. `link`: bytes/s, a
+    `parallel_math.Link` or its preset name ("10gbe", "400gbe", "nvlink4", ...)."""
     nbytes = kv_cache_bytes(cfg, prompt_tokens, 1, dtype)
     if isinstance(link, (int, float)) and not isinstance(link, bool):
         return nbytes / check_real("link", link, 0, low_open=True)
-    if not (hasattr(link, "bandwidth_Bps") and hasattr(link, "latency_s")):
-        raise TypeError(f"link must be bytes/s or have bandwidth_Bps and latency_s, got {link!r}")
+    if not isinstance(link, (str, Link)):
+        raise TypeError(f"link must be bytes/s, a Link or a preset name, got {link!r}")
+    link = get_link(link)
     return link.latency_s + nbytes / link.bandwidth_Bps
 
 

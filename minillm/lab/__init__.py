@@ -15,6 +15,8 @@ load and replay things on the reader's own machine.
 - `priority`: the priority mix and the P95-driven token budget (ch. 8);
 - `loadgen`, `serve_client`, `serve_metrics`, `datasets`: the HTTP load generator (ch. 8);
 - `attention_decode`, `long_context`: decode attention and its share of a step at long context (ch. 9);
+- `step_costs`, `disagg_runs`: this machine's step costs fitted for the simulator, and colocated
+  against disaggregated serving measured beside the simulator's prediction (ch. 11);
 - `demo`, `serve_demo`: the serving parts of `python -m minillm demo`.
 
 Left out on purpose: anything that writes benchmark records. The record writers, their command
