@@ -3,15 +3,19 @@
 The folders are the architecture (each folder imports only lower floors; docs/layout.md):
 - `model/`     chapter 0: config, the Llama layers, loading, the contiguous cache, sampling, generate
 - `paging/`    chapter 3: block manager (no tensors), the paged KV cache and its int8 / fp8 storage
-- `engine/`    chapters 4-5: sequence, scheduler, model runner, sampler, LLMEngine, draft proposals
+- `engine/`    chapters 4-5, 11: sequence, scheduler, model runner, sampler, LLMEngine, draft proposals,
+               the tensor-parallel runner, moving a prefilled request's KV
 - `attention/` chapters 3, 9: dense reference, FlashAttention tiles, paged attention math, flash-decoding
 - `spec/`      chapters 6, 10: rejection sampling, proposers, the batch-1 loop, token trees, Medusa / EAGLE drafters
 - `drafting/`  chapter 10: training drafters on this CPU by self-distillation
+- `distributed/` chapter 11: worker processes and their collectives, tensor and pipeline parallelism
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
-- `analysis/`  chapters 1, 2, 6, 7: roofline, KV-cache math, speculation theory, weight bytes (pure functions)
+- `analysis/`  chapters 1, 2, 6, 7, 11: roofline, KV-cache math, speculation theory, weight bytes,
+               parallel formulas, the serving simulator and SLOs (pure functions)
 - `kernels/`   CPU matmul routes tuned on this machine, the flat forward (chapter 1)
-- `viz/`       figures and widgets (extra `viz`); `serve/` the HTTP server (extra `serve`)
+- `viz/`       figures and widgets (extra `viz`); `serve/` the HTTP server (extra `serve`; chapter 11's
+               disaggregated router and its prefill / decode workers too)
 - `lab/`       the instruments the chapters measure with (timing, workloads, load generator, demo)
 - `exercises/` every chapter's checks: `exercises.check("07.1", answer)`
 
@@ -41,6 +45,8 @@ from minillm.spec.tree_sizing import expected_tau, predicted_speedup, size_tree
 from minillm.spec.heads import EagleDrafter, MedusaHeads
 from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
 from minillm.drafting.train import train_eagle, train_medusa
+from minillm.distributed.group import WorkerDied, WorkerGroup
+from minillm.distributed.pipeline import PipelineParallel
 
 
 def quantize(model, method: str = "int4", group_size: int | None = None, calibration=None,
@@ -61,4 +67,4 @@ __all__ = ["LLM", "CompletionOutput", "BlockManager", "NoFreeBlocksError", "chat
            "DraftModelProposer", "NgramProposer", "quantize", "flash_attention",
            "TokenTree", "TreeDraft", "tree_accept", "expected_tau", "predicted_speedup", "size_tree",
            "MedusaHeads", "EagleDrafter", "MedusaProposer", "EagleProposer", "train_medusa",
-           "train_eagle", "LookaheadProposer"]
+           "train_eagle", "LookaheadProposer", "WorkerGroup", "WorkerDied", "PipelineParallel"]
