@@ -32,6 +32,7 @@ BENCHMARKS = {
     "priority": "benchmarks.priority",   # ch 8: priorities and SLOs, P95-driven token budget
     "attention": "benchmarks.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
     "attention_decode": "benchmarks.attention_decode",  # ch 9: paged / flash-decoding / SDPA decode, long context
+    "parallel": "benchmarks.parallel",   # ch 11: gloo collectives, pipeline bubble, TP formulas at 70B
 }
 
 

@@ -110,6 +110,16 @@ HEADLINES = [
     Headline("cuda_graphs", "eager_ms_per_step", "decode step, eager", "ms"),
     Headline("cuda_graphs", "graph_ms_per_step", "decode step, CUDA graph replay", "ms"),
     Headline("cuda_graphs", "graph_speedup", "CUDA graph speedup (launch overhead)", "x"),
+    Headline("parallel", "collectives.timings.0.median_ms",
+             "gloo all-reduce of one token's hidden state (2,304 B), 2 processes", "ms"),
+    Headline("parallel", "predicted.smollm2_tp3_decode_comm_ms",
+             "SmolLM2 TP=3: collectives per decode token, predicted from the fit", "ms"),
+    Headline("parallel", "pipeline.by_microbatches.4.bubble_measured",
+             "pipeline bubble, 2 stages, 4 micro-batches (GPipe's formula: 0.20)", ""),
+    Headline("parallel", "pipeline.decode_ms_per_token.single",
+             "decode, batch 4, one process of 1 thread (KV cache)", "ms"),
+    Headline("parallel", "pipeline.decode_ms_per_token.p2_m1",
+             "decode, batch 4, 2-stage pipeline of 1 thread per stage (KV caches)", "ms"),
 ]
 
 

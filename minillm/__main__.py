@@ -58,11 +58,13 @@ def demo(max_new_tokens: int = 48) -> None:
     rows = _decode_demo(model, tok, max_new_tokens)
     print(f"\nwrote {_figure(rows)}")
     from minillm.lab.demo import run_demo, run_drafting_demo, run_quant_demo, run_spec_demo
+    from minillm.lab.parallel_demo import run_parallel_demo
     from minillm.lab.serve_demo import run_serve_demo
     run_demo(model, tok)
     run_spec_demo(model, tok)
     run_quant_demo(model, tok)
     run_drafting_demo(model, tok)
+    run_parallel_demo(model, tok)
     run_serve_demo(model, tok)
 
 

@@ -24,8 +24,11 @@ quick probe while it has none (one line says so; `python -m minillm.kernels` tun
 flat forward loop. `LLM(name)` loads through it, so it is fast by default; `LLM(model)` runs
 a model you pass as it is.
 
+`LLM(model, tensor_parallel_size=3)` splits the model over 3 processes (engine/tp_runner.py);
+`llm.shutdown()`, or `with LLM(...) as llm:`, stops them (else they stop when Python exits).
+
 Left out on purpose: vLLM's other entry points (`encode`, `embed`, `beam_search`, LoRA requests,
-multi-modal data), hub downloads, tensor parallelism, and `dtype="auto"` guessing beyond fp32.
+multi-modal data), hub downloads, pipeline parallelism, and `dtype="auto"` guessing beyond fp32.
 Unlike vLLM, `SamplingParams()` is greedy by default (temperature 0).
 """
 import dataclasses
@@ -105,6 +108,11 @@ class LLM:
                              f"(gptq / awq: minillm.quantize(model, ..., calibration=...) first)")
         dtype = resolve_dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
+        if config.tensor_parallel_size > 1 and (draft_model is not None or speculative_config):
+            name = "draft_model" if draft_model is not None else "speculative_config"
+            raise ValueError(f"{name} cannot be used with tensor_parallel_size="
+                             f"{config.tensor_parallel_size}: speculative decoding runs with "
+                             f"tensor_parallel_size=1 only")
         # the name a server announces (vLLM: the --model string); a Transformer: its config's name
         self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else \
             getattr(getattr(model, "config", None), "name", None)
@@ -158,6 +166,16 @@ class LLM:
         """A draft model given by name, on the target's device and in its dtype."""
         param = next(target.parameters())
         return load_model(name, device=param.device, dtype=param.dtype)[0]
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1). Idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def model(self) -> Transformer:

@@ -34,7 +34,8 @@ from minillm.model.loading import tiny_model
 from minillm.serve.disagg_worker import run_remote
 from minillm.serve.disaggregated import check_port, running
 from minillm.serve.router import DisaggregatedEngine
-from serve_tiny import tokenizer
+from minillm.serve import cli
+from serve_tiny import assert_settled, tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 17, [3]]      # 40 tokens: three blocks of 16
@@ -90,6 +91,45 @@ def test_handoff_between_two_engines_in_one_process(model, reference):
     assert dec.num_free_blocks == dec.num_blocks
 
 
+def test_chunked_prefill_and_prefix_caching_on_both_sides(model):
+    """A 40-token prompt prefilled in chunks of 16; the second prompt shares 32 tokens, which the
+    decode side's prefix cache already holds: they are reused, not written again."""
+    prompts = [list(range(10, 50)), list(range(10, 45)) + [99, 98]]
+    want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=64)).generate(prompts, GREEDY)]
+    pre = LLMEngine(model, EngineConfig(num_blocks=64, max_num_batched_tokens=16,
+                                        enable_prefix_caching=True))
+    dec = LLMEngine(model, EngineConfig(num_blocks=64, enable_prefix_caching=True))
+    got = []
+    for p in prompts:
+        rid = pre.add_request(p, GREEDY)
+        while not pre.step():                        # chunks of 16 until the first token
+            pass
+        import_prefilled(dec, export_prompt_kv(pre, rid))
+        pre.abort_request(rid)
+        got.append(_drive(dec, [rid])[rid])
+    assert [o.token_ids for o in got] == want
+    assert [o.metrics.num_cached_tokens for o in got] == [0, 32]
+
+
+def test_a_seeded_request_with_logprobs_moves_too(model):
+    sp = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=2)
+    want = LLMEngine(model, EngineConfig(num_blocks=64)).generate([PROMPTS[1]], sp)[0]
+    pre, dec = LLMEngine(model, EngineConfig(num_blocks=64)), LLMEngine(model, EngineConfig(num_blocks=64, seed=5))
+    rid = pre.add_request(PROMPTS[1], sp)
+    pre.step()
+    import_prefilled(dec, export_prompt_kv(pre, rid))
+    got = _drive(dec, [rid])[rid]
+    assert got.token_ids == want.token_ids                  # the seed rule, not the engine's seed
+    assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob)
+    assert len(got.outputs[0].logprobs) == 12
+    with pytest.raises(ValueError, match="already in use"):
+        rid2 = pre.add_request(PROMPTS[0], sp)
+        pre.step()
+        h = export_prompt_kv(pre, rid2)
+        h.request_id = rid
+        import_prefilled(dec, h)
+
+
 @pytest.fixture(scope="module")
 def disagg(model):
     engine = DisaggregatedEngine(model, None, EngineConfig(num_blocks=64))
@@ -120,6 +160,15 @@ def test_bad_input_is_refused_at_the_router(disagg, model):
     with pytest.raises(ValueError, match="threads_per_engine"):
         DisaggregatedEngine(model, None, threads_per_engine=0)
     assert not disagg.has_unfinished_requests()
+
+
+def test_cli_flags_are_checked(capsys):
+    for argv, said in ((["--role", "prefill"], "needs --disaggregated"),
+                       (["--disaggregated", "--threads-per-engine", "0"], "--threads-per-engine must be >= 1"),
+                       (["--disaggregated", "--router-address", "nohost"], "HOST:PORT")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert said in capsys.readouterr().err
 
 
 def test_port_in_use_is_named():
@@ -154,8 +203,8 @@ def test_remote_workers_and_a_killed_prefill_worker_fails_new_requests_only(mode
         assert sorted(engine.pids.values()) == sorted(p.pid for p in procs)
         long = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400,
                                                              ignore_eos=True))
-        outs = {}
-        while long not in engine.transfers:          # handed over: it decodes now
+        outs, deadline = {}, time.monotonic() + 60
+        while long not in engine.transfers and time.monotonic() < deadline:   # then it decodes
             outs.update({o.request_id: o for o in engine.step()})
         os.kill(engine.pids["prefill"], signal.SIGKILL)
         late = engine.add_request(PROMPTS[1], GREEDY)
@@ -194,6 +243,7 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
             chunks = _sse(r)
         assert "".join(c["choices"][0]["text"] for c in chunks) == want
         assert httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"] == want
+        assert_settled(srv.url)                      # 0 running, 0 waiting, 0 decode blocks in use
         with httpx.stream("POST", url, json={**body, "max_tokens": 500, "stream": True},
                           timeout=60) as r:
             lines = r.iter_lines()

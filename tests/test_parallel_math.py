@@ -119,3 +119,25 @@ def test_figures_draw_from_numbers():
         plt.close(fig)
     with pytest.raises(ValueError, match="rows"):
         plot_tp_decode_split([])
+
+
+def test_the_tp_engine_hands_the_collectives_exactly_the_formula(one_thread):
+    """Counted, not assumed: the driver's Comm.stats over a real TP=2 run (a prefill of 5 + 7
+    tokens, then two decode steps of 2) equal tp_collectives summed over the steps."""
+    import os
+
+    from minillm import LLM, SamplingParams, tiny_model
+    model = tiny_model(n_layer=2)                          # 4 query heads, 2 KV heads: TP=2 works
+    prompts = [{"prompt_token_ids": list(range(1, 6))}, {"prompt_token_ids": list(range(10, 17))}]
+    with LLM(model, tensor_parallel_size=2) as llm:
+        runner = llm.llm_engine.runner
+        runner.comm.reset_stats()
+        llm.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
+        stats, pids = runner.comm.stats, runner.pids
+    want = [tp_collectives(model.config, 2, n, num_logit_rows=2) for n in (12, 2, 2)]
+    for kind in ("all_reduce", "all_gather"):
+        assert stats[kind]["calls"] == sum(w[kind]["calls"] for w in want)
+        assert stats[kind]["bytes"] == sum(w[kind]["bytes"] for w in want)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

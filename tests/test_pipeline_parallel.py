@@ -13,7 +13,7 @@ import torch
 from minillm.analysis.parallel_math import pp_p2p_bytes
 from minillm.distributed.group import WorkerDied
 from minillm.distributed.pipeline import PipelineParallel
-from minillm.distributed.pipeline_stage import PipelineStage, split_layers
+from minillm.distributed.pipeline_stage import PipelineStage, balanced_partition, split_layers
 from minillm.model.generate import generate_naive
 from minillm.model.loading import tiny_model
 
@@ -55,6 +55,17 @@ def test_split_layers():
     assert split_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
     assert split_layers(30, 2, partition=[19, 11]) == [range(0, 19), range(19, 30)]
     assert split_layers(4, 1) == [range(0, 4)]
+
+
+def test_balanced_partition_counts_lm_head_on_the_last_stage():
+    from minillm.model.config import get_config
+    smol = get_config("smollm2-135m")            # lm_head: 49152 x 576 = 8.0 layers of 3.54M
+    assert balanced_partition(smol, 2) == [19, 11]                     # 19 = 11 + 8
+    assert balanced_partition(smol, 2, logits_fraction=0) == [15, 15]  # generation: last row only
+    assert balanced_partition(smol, 3) == [13, 12, 5]
+    assert balanced_partition(smol, 1) == [30]
+    with pytest.raises(ValueError, match="logits_fraction"):
+        balanced_partition(smol, 2, logits_fraction=2)
 
 
 @pytest.mark.parametrize("p", [0, 5, 1.5, True])
@@ -106,7 +117,12 @@ def test_pipeline_logits_equal_the_single_model(pipe, model, ids, m):
 
 
 def test_the_driver_sends_and_receives_the_formula_bytes(pipe, model, ids):
-    pipe.forward(ids, num_microbatches=2)
+    torch.set_num_threads(2)
+    try:
+        pipe.forward(ids, num_microbatches=2)                # stage 0 runs on pipe.threads (1)
+        assert torch.get_num_threads() == 2                  # and the driver's setting comes back
+    finally:
+        torch.set_num_threads(1)
     B, T = ids.shape
     want = pp_p2p_bytes(model.config, B * T, 2, num_logit_rows=B * T)
     s = pipe.last_stats
@@ -114,14 +130,31 @@ def test_the_driver_sends_and_receives_the_formula_bytes(pipe, model, ids):
     assert (s["recv"]["calls"], s["recv"]["bytes"]) == (2, want["logits"])
 
 
-def test_pipeline_greedy_equals_the_single_model(pipe, model, ids):
-    got = pipe.generate(ids[:2], max_new_tokens=4, num_microbatches=2)
-    assert got == [generate_naive(model, row.tolist(), 4) for row in ids[:2]]
+@pytest.mark.parametrize("m, use_cache", [(1, True), (2, True), (2, False)])
+def test_pipeline_greedy_equals_the_single_model(pipe, model, ids, m, use_cache):
+    got = pipe.generate(ids[:2], max_new_tokens=5, num_microbatches=m, use_cache=use_cache)
+    assert got == [generate_naive(model, row.tolist(), 5) for row in ids[:2]]
+    assert pipe.last_timeline.num_microbatches == m
+    logits, _ = pipe.forward(ids)                        # the caches are gone: a plain forward
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
 
 
-def test_bad_num_microbatches(pipe, ids):
+def test_start_needs_caches(pipe, ids):
+    with pytest.raises(ValueError, match="start"):
+        pipe.forward(ids, start=3)
+
+
+def test_bad_inputs_are_refused_and_the_pipeline_still_works(pipe, model, ids):
     with pytest.raises(ValueError, match=r"num_microbatches must be an int in \[1, 4\]"):
         pipe.forward(ids, num_microbatches=5)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 256\)"):
+        pipe.forward(ids + 256)
+    with pytest.raises(ValueError, match="input_ids"):
+        pipe.forward(ids[0])
+    logits, _ = pipe.forward(ids, num_microbatches=2)
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
 
 
 def test_a_model_off_the_cpu_is_refused():
@@ -152,6 +185,19 @@ def test_a_killed_worker_is_named_and_nothing_is_left(model, ids, one_thread, mo
         pp.forward(ids)
 
 
+def test_a_forward_that_fails_midway_shuts_the_pipeline_down(model, ids, one_thread):
+    pp = PipelineParallel(model, pipeline_parallel_size=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stage 0 broke")
+    pp.stage = broken                                    # fails after the plan went out
+    with pytest.raises(RuntimeError, match="stage 0 broke"):
+        pp.forward(ids)
+    assert _gone(pp.pids)                                # the workers did not wait for ever
+    with pytest.raises(RuntimeError, match="shut down"):
+        pp.forward(ids)
+
+
 @pytest.mark.slow
 def test_real_smollm2_over_two_processes(one_thread):
     from minillm.model.loading import load_model
@@ -161,6 +207,17 @@ def test_real_smollm2_over_two_processes(one_thread):
         logits, _ = pp.forward(x, num_microbatches=2)
         with torch.inference_mode():
             torch.testing.assert_close(logits, model(x), rtol=0, atol=1e-3)  # fp32 sums
-        assert pp.generate(x[:1], max_new_tokens=3) == [generate_naive(model, x[0].tolist(), 3)]
+        want = generate_naive(model, x[0].tolist(), 6)
+        assert pp.generate(x[:1], max_new_tokens=6) == [want]              # KV-cached stages
         pids = pp.pids
     assert _gone(pids)
+
+
+def test_one_stage_is_the_model_itself(model, ids, one_thread):
+    with PipelineParallel(model, pipeline_parallel_size=1) as pp:
+        assert pp.pids == []
+        logits, timeline = pp.forward(ids, num_microbatches=2)
+        assert pp.generate(ids[:1], 3) == [generate_naive(model, ids[0].tolist(), 3)]
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, model(ids), rtol=0, atol=1e-5)
+    assert timeline.expected_bubble() == 0 and len(timeline.intervals) == 2

@@ -23,7 +23,8 @@ per forward, `pp_p2p_bytes`.
 
 Link presets, per direction per GPU (or per NIC), latencies of a few microseconds:
 - NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s each way (NVIDIA H100
-  datasheet, "fourth-generation NVLink ... 900 GB/s").
+  datasheet, "fourth-generation NVLink ... 900 GB/s"); NVLink 3 (A100 SXM, seed 003's cards):
+  600 GB/s bidirectional = 300 GB/s each way (NVIDIA A100 datasheet).
 - PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s each way, about 25 GB/s reached.
 - Ethernet: line rate / 8 (IEEE 802.3): 400 GbE 50 GB/s (also InfiniBand NDR 400 Gb/s), 100 GbE
   12.5 GB/s, 25 GbE 3.125 GB/s, 10 GbE 1.25 GB/s; RDMA latencies a few us, kernel TCP tens of us.
@@ -108,6 +109,7 @@ class Link:
 _G = 1e9
 LINK_PRESETS: dict[str, Link] = {
     "nvlink4": Link("NVLink 4 (H100 SXM)", 450 * _G, 2e-6),
+    "nvlink3": Link("NVLink 3 (A100 SXM)", 300 * _G, 2e-6),
     "pcie4-x16": Link("PCIe 4.0 x16", 25 * _G, 5e-6),
     "400gbe": Link("400 GbE / IB NDR (RDMA)", 50 * _G, 5e-6),
     "100gbe": Link("100 GbE", 12.5 * _G, 10e-6),

@@ -6,28 +6,30 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
     stage s:    layers[rs]                    (B, T, C)     -> (B, T, C)
     stage p-1:  layers[r_{p-1}] -> norm -> lm_head          -> (B, T', V) logits
 
-`split_layers` decides the cut (even by default, or a `partition` of layer counts: the last stage
-also pays for lm_head, which in SmolLM2-135M weighs as much as ~8 decoder layers, so an even
-split leaves it the slowest). `PipelineStage` is built from the full model's state dict and keeps
-only its own weights, under the model's own names, so a worker process holds 1/p of the model.
-Each stage runs the same `Block` modules as the single-process model, with dense causal
-attention over the tokens passed in (no KV cache).
+`split_layers` decides the cut (even by default, or a `partition` of layer counts). The last stage
+also pays for lm_head, which in SmolLM2-135M weighs as much as 8 decoder layers, so an even split
+leaves it the slowest; `balanced_partition` counts it and gives the last stage fewer layers.
+`PipelineStage` is built from the full model's state dict and keeps only its own weights, under the
+model's own names, so a worker process holds 1/p of the model. Each stage runs the same `Block`
+modules as the single-process model, with dense causal attention over the tokens passed in, or with
+a contiguous KV cache of its own layers (`new_cache`) when generating.
 
 `PipelineTimeline` records when each stage worked on each micro-batch (`time.perf_counter`,
 the system-wide monotonic clock on Linux, so intervals from different processes line up) and
 compares the measured bubble, 1 - busy / (p x span), with GPipe's (p-1)/(m+p-1).
 
-Left out on purpose: a KV cache per stage (generation recomputes the context), the backward
-pass and 1F1B schedules, interleaved (virtual) stages.
+Left out on purpose: the backward pass and 1F1B schedules, interleaved (virtual) stages, paged
+KV caches.
 """
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from minillm._validate import check_int
+from minillm._validate import check_int, check_real
 from minillm.analysis.parallel_math import bubble_fraction
 from minillm.model.config import ModelConfig
+from minillm.model.kv_cache import KVCache
 from minillm.model.llama import Block, DenseCausalAttention, RMSNorm, rope_cos_sin
 
 
@@ -47,6 +49,28 @@ def split_layers(num_layers: int, pipeline_parallel_size: int,
                          f"got {partition!r}")
     starts = [sum(partition[:s]) for s in range(p)]
     return [range(a, a + n) for a, n in zip(starts, partition)]
+
+
+def balanced_partition(cfg: ModelConfig, pipeline_parallel_size: int,
+                       logits_fraction: float = 1.0) -> list[int]:
+    """Layer counts per stage that even out the stages' matmul work, with lm_head counted on the
+    last stage as V*d / (one layer's weights) layers, times `logits_fraction` (1: logits at every
+    position, as `forward` returns them; about 1/T when only the last position's are computed,
+    as in generation). Earlier stages split the rest evenly. SmolLM2-135M, p=2: [19, 11]."""
+    p = check_int("pipeline_parallel_size", pipeline_parallel_size, low=1, high=cfg.n_layer)
+    check_real("logits_fraction", logits_fraction, low=0, high=1)
+    if p == 1:
+        return [cfg.n_layer]
+    d, hd = cfg.d_model, cfg.head_dim
+    layer = d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d + 3 * d * cfg.d_ff
+    extra = logits_fraction * cfg.vocab_size * d / layer          # lm_head, in layers
+    L = cfg.n_layer
+
+    def worst(k: int) -> float:                                   # k layers on the last stage
+        return max(-(-(L - k) // (p - 1)), k + extra)
+
+    k = min(range(1, L - p + 2), key=lambda k: (worst(k), -k))
+    return [len(r) for r in split_layers(L - k, p - 1)] + [k]
 
 
 def stage_state_dict(state: dict, layers: range, first: bool, last: bool) -> dict:
@@ -81,19 +105,27 @@ class PipelineStage(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+        """A contiguous KV cache for this stage's layers only (indexed 0..len(layers)-1)."""
+        cfg = self.config.with_(n_layer=len(self.layers))
+        return KVCache(cfg, batch_size, max_seq_len, dtype=self.dtype)
+
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, last_only: bool = False, cache: KVCache | None = None,
+                start: int = 0) -> torch.Tensor:
         """ids (B, T) on the first stage, hidden (B, T, C) elsewhere -> hidden (B, T, C), or on
-        the last stage logits (B, T, V) ((B, 1, V) with `last_only`)."""
+        the last stage logits (B, T, V) ((B, 1, V) with `last_only`). With `cache`, the T tokens
+        sit at positions start..start+T-1 after the ones cached; without, attention is dense
+        causal over exactly these T tokens (start must be 0)."""
         if self.first:
             x = self.embed(x)                                        # (B, T, C)
         T = x.shape[1]
-        positions = torch.arange(T, device=x.device)[None]          # (1, T)
+        positions = torch.arange(start, start + T, device=x.device)[None]   # (1, T)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                        # (1, 1, T, D)
-        attn = DenseCausalAttention()
-        for i, layer in self.layers.items():
-            x = layer(x, cos, sin, attn, int(i), positions)          # (B, T, C)
+        attn = cache if cache is not None else DenseCausalAttention()
+        for j, layer in enumerate(self.layers.values()):
+            x = layer(x, cos, sin, attn, j, positions)               # (B, T, C)
         if not self.last:
             return x
         if last_only:

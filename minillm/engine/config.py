@@ -21,6 +21,8 @@ optionally with `speculative_token_tree` (checked against the drafter there). De
 "flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
 minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from the step size where
 it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
+`tensor_parallel_size` n > 1 splits the model over n processes (engine/tp_runner.py); which n a
+model allows is checked against it when the engine is built (distributed/tensor_parallel.py).
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -62,9 +64,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
     attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
+    tensor_parallel_size: int = 1                 # ranks the model is split over (tp_runner.py)
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_int("EngineConfig.tensor_parallel_size", self.tensor_parallel_size, 1)  # vs the model: tp_runner
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
             object.__setattr__(self, "max_num_seqs", max(1, min(32, self.max_num_batched_tokens)))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",

@@ -7,7 +7,7 @@
 Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no tensors),
 `Scheduler` (decides), `ModelRunner` (runs tensors), `Sampler` (logits -> tokens, sampler.py).
 The engine owns them and validates requests (bad input never reaches the scheduler). One method,
-`update_from_output` (vLLM's name), applies a step's results: it moves computed counts, forks
+`update_from_output` (vLLM's name; step_update.py, a mixin), applies a step's results: it moves computed counts, forks
 n > 1 completions after the prompt's prefill, rolls rejected drafts back, appends tokens, stops
 finished sequences at once (their blocks go back to the pool), and writes per-request metrics
 (TTFT, TPOT, end-to-end) and the per-step trace (`trace`, `export_trace`).
@@ -30,7 +30,10 @@ cumulative logprobs per token, prompt logprobs from the runner's prompt rows, an
 `enable_prefix_caching=True`: a prompt token found in the cache is never computed, so it has
 no logits (vLLM skips the cache for such a request instead).
 
-Left out on purpose: async serving / streaming over HTTP, multiple devices.
+`tensor_parallel_size=n > 1` runs the model split over n processes (tp_runner.py: this process is
+rank 0 and drives the rest); `shutdown()` stops them.
+
+Left out on purpose: async serving / streaming over HTTP, pipeline parallelism.
 """
 import json
 import time
@@ -38,24 +41,23 @@ from collections import OrderedDict
 from dataclasses import asdict
 
 from minillm.paging.block_manager import BlockManager
-from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,
                                  pool_num_blocks, request_state)
 from minillm.engine.config import EngineConfig
-from minillm.engine.features import FeatureWindow
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
-from minillm.engine.model_runner import ModelRunner, prompt_rows
-from minillm.engine.sampler import Sampled, SampleRow, Sampler
+from minillm.engine.model_runner import prompt_rows
+from minillm.engine.tp_runner import make_runner
+from minillm.engine.sampler import Sampler
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
-from minillm.paging.paged_cache import PagedKVCache
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.static_scheduler import StaticScheduler
-from minillm.engine.trace import progress_bar, prune, trace_row
+from minillm.engine.step_update import StepUpdate
+from minillm.engine.trace import progress_bar
 from minillm.engine.sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
 
 
-class LLMEngine:
+class LLMEngine(StepUpdate):
     def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None,
                  speculative_config: dict | None = None):
         config = config or EngineConfig()
@@ -66,6 +68,12 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.draft_model = draft_model
         mc, cfg = model.config, self.config
+        num_blocks = pool_num_blocks(model, cfg, draft_model)
+        scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # the paged pool and what runs on it; tensor_parallel_size > 1: worker processes too
+        self.runner = make_runner(model, cfg, num_blocks + scratch, self.block_manager, draft_model)
+        self.cache = self.runner.cache
         self.spec = None
         if cfg.num_speculative_tokens > 0:
             self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
@@ -75,11 +83,6 @@ class LLMEngine:
                                     tree=cfg.speculative_token_tree, target=model)
         self.needs_features = self.spec is not None and self.spec.needs_features
         param = next(model.parameters())
-        num_blocks = pool_num_blocks(model, cfg, draft_model)
-        scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
-        self.cache = PagedKVCache(mc, num_blocks + scratch, cfg.block_size, param.device, param.dtype,
-                                  cfg.kv_cache_dtype, cfg.attention_backend)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         scheduler = (StaticScheduler if cfg.scheduling == "static" else
                      PriorityScheduler if cfg.scheduling_policy == "priority" else Scheduler)
         self.scheduler = scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -88,7 +91,6 @@ class LLMEngine:
                                    max_num_partial_prefills=cfg.max_num_partial_prefills,
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold)
-        self.runner = ModelRunner(model, self.cache, self.block_manager)
         self.sampler = Sampler(param.device, cfg.seed)
         self.spec_stats = SpecDecodingStats()      # all zero without speculative decoding
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -210,6 +212,10 @@ class LLMEngine:
         self._pinned.difference_update(rids)
         return [self._output(self.requests[r]) for r in rids]
 
+    def shutdown(self) -> None:
+        """Stop the runner's worker processes (tensor_parallel_size > 1; else nothing). Idempotent."""
+        self.runner.shutdown()
+
     def export_trace(self, path=None) -> dict:
         """Per-step trace and per-request metrics as a JSON-ready dict (written to `path` if given)."""
         data = {"config": asdict(self.config), "num_blocks": self.num_blocks, "steps": self.trace,
@@ -235,182 +241,3 @@ class LLMEngine:
     def _check_prompt(self, prompt, params: SamplingParams) -> list[int]:
         return check_prompt(prompt, params, self.tokenizer, self.model.config,
                             self.num_blocks, self.config.block_size)
-
-    def _decoded(self, entries: list[dict]) -> list[dict]:
-        """Fill each Logprob's decoded_token (with a tokenizer), in place; returns entries."""
-        if self.tokenizer is not None:
-            for entry in entries:
-                for tok, lp in entry.items():
-                    lp.decoded_token = self.tokenizer.decode([tok])
-        return entries
-
-    def update_from_output(self, out, rows: list[SampleRow], sampled: list[Sampled],
-                           t0: float, prompt_logprobs=(), hidden=None) -> list[RequestOutput]:
-        """The one place a step's results land (vLLM's `Scheduler.update_from_output`): computed
-        counts move, the target's features are kept (hidden (M, C), one row per scheduled token,
-        when a trained drafter reads them), prompt logprobs are stored, n > 1 requests fork,
-        rejected drafts roll back (their feature rows too), tokens (and their logprobs) are
-        appended, finished sequences stop, and metrics and the trace are written. A row that
-        could not be sampled (say, NaN logits) aborts its own request and nobody else's."""
-        self._keep_features(out, hidden, rows, sampled)
-        num_decode, prefill_ids = self._advance(out, t0)
-        for seq, first, entries in prompt_logprobs:     # a recomputed chunk writes the same again
-            self.requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = \
-                self._decoded(entries)
-        now = self.clock()
-        advanced = {}
-        for seq, s in zip(self._fork_rows(rows), sampled):
-            if s.error is not None:
-                seq.error = s.error
-                self._fail(seq, now)
-            else:
-                if s.num_drafts:
-                    self._settle_drafts(seq, s)
-                self._append(seq, s.token_ids, now, s.logprobs)
-            advanced[seq.request_id] = self.requests[seq.request_id]
-        for seq in out.preempted:
-            self.requests[seq.request_id].metrics.num_preemptions += 1
-            if seq.features is not None and seq.num_computed_tokens == 0:
-                seq.features.clear()       # recomputed from scratch; a swapped KV keeps them
-        self.trace.append(trace_row(self.step_count, out, t0, now, num_decode, prefill_ids,
-                                    self.scheduler, self.block_manager))
-        self.step_count += 1
-        outputs = [self._output(r) for r in advanced.values()]
-        prune(self.trace, self.requests, self._forgotten, self._pinned, self.config,
-              self.scheduler.num_unfinished)            # bounded memory (trace.py)
-        return outputs
-
-    def _advance(self, out, t0: float) -> tuple[int, list[str]]:
-        """The scheduled tokens' KV is written: advance each sequence and register full blocks
-        in the prefix cache (a sequence with drafts waits for `_settle_drafts`: some of that KV
-        is void). Returns the step's decode token count and prefilling request ids."""
-        num_decode, prefill_ids = 0, []
-        for seq, n in out.scheduled:
-            if seq.num_computed_tokens >= len(seq.prompt_token_ids) and (n == 1 or seq.draft_token_ids):
-                num_decode += n
-            else:
-                prefill_ids.append(seq.request_id)
-            m = self.requests[seq.request_id].metrics
-            if m.first_scheduled_time is None:     # the end of its queue wait (vLLM's name)
-                m.first_scheduled_time = t0
-            if seq.index == 0 and m.first_token_time is None:
-                m.num_cached_tokens = seq.num_cached_tokens
-            seq.num_computed_tokens += n
-            if not seq.draft_token_ids:
-                self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        return num_decode, prefill_ids
-
-    def _keep_features(self, out, hidden, rows: list[SampleRow], sampled: list[Sampled]) -> None:
-        """Each scheduled chunk's hidden rows join its sequence's window (features.py), but for
-        the rows of rejected drafts. Runs before the counts move (and before any fork)."""
-        if hidden is None:
-            return
-        rejected = {r.seq.seq_id: s.num_rejected for r, s in zip(rows, sampled) if r.num_drafts}
-        at = 0
-        for seq, n in out.scheduled:
-            if seq.features is None:
-                seq.features = FeatureWindow(self.spec.feature_window)
-            kept = n - rejected.get(seq.seq_id, 0)
-            seq.features.extend(seq.num_computed_tokens, hidden[at:at + kept])     # (kept, C)
-            at += n
-
-    def _settle_drafts(self, seq: Sequence, s: Sampled) -> None:
-        """K drafts were verified: the rejected ones' KV is void (num_computed_tokens -= rejected,
-        their slots go back), the rest is registered, and the counts go to the request's metrics
-        and the engine's."""
-        seq.num_computed_tokens -= s.num_rejected
-        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
-        self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        seq.draft_token_ids, seq.draft_probs = [], None
-        for counts in (self.requests[seq.request_id].metrics, self.spec_stats):
-            counts.num_spec_steps += 1
-            counts.num_draft_tokens += s.num_drafts
-            counts.num_accepted_tokens += s.num_accepted
-
-    def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
-        """What the sampler draws, in the order it draws: sequences with K drafts first (K + 1
-        logits rows each), then one row per other sequence. A request with n > 1 (or best_of)
-        whose prompt just finished draws all its first tokens from that row (indices 0..n-1)."""
-        drafting, plain, r = [], [], 0
-        for seq in seqs:
-            if seq.draft_token_ids:
-                drafting.append(SampleRow(seq, seq.index, r))
-            else:
-                req = self.requests[seq.request_id]
-                n = req.num_seqs if not req.forked else 1
-                plain += [SampleRow(seq, i, r) for i in range(seq.index, seq.index + n)]
-            r += 1 + len(seq.draft_token_ids)
-        return drafting + plain
-
-    def _fork_rows(self, rows: list[SampleRow]) -> list[Sequence]:
-        """The sequence each row's tokens go to. A request's n completions fork on its prompt's
-        last row, before any token lands (the children share the prompt's blocks)."""
-        for row in rows:
-            req = self.requests[row.seq.request_id]
-            if row.index != row.seq.index and not req.forked:
-                self._fork(req, row.seq)
-        return [self.requests[row.seq.request_id].seqs[row.index] for row in rows]
-
-    def _fail(self, seq: Sequence, now: float) -> None:
-        """A sequence whose token could not be drawn ends with finish_reason "abort"; its blocks
-        go back to the pool at once. `seq.error` says why."""
-        req = self.requests[seq.request_id]
-        self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        if req.finished:
-            req.metrics.finish_time, req.metrics.finish_step = now, self.step_count
-
-    def _append(self, seq: Sequence, toks: list[int], now: float, logprobs=None) -> None:
-        """Append sampled tokens (their logprobs, their grammar steps) up to the first that
-        finishes the sequence."""
-        req = self.requests[seq.request_id]
-        m = req.metrics
-        for i, tok in enumerate(toks):
-            seq.output_token_ids.append(tok)
-            if logprobs is not None:
-                seq.cumulative_logprob += logprobs[i][tok].logprob
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(self._decoded([logprobs[i]])[0])
-            if seq.grammar is not None:
-                seq.grammar.accept([tok])
-            if self.tokenizer is not None:          # the text, and whether it reached a stop string
-                if seq.detok is None:               # stop strings wait for min_tokens (vLLM)
-                    seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids,
-                                            None if seq.params.min_tokens else seq.params.stop)
-                seq.detok.append(tok)
-                if len(seq.output_token_ids) == seq.params.min_tokens and seq.params.stop:
-                    seq.detok.stop = list(seq.params.stop)
-            if m.first_token_time is None:
-                m.first_token_time, m.first_token_step = now, self.step_count
-            m.num_generated = max(m.num_generated, len(seq.output_token_ids))
-            if seq.index == 0:
-                m.token_times.append(now)
-            reason = seq.finish_reason_after(tok, self.eos_token_id, self.model.config.max_seq_len)
-            if reason is not None:
-                seq.finish_reason = reason
-                if seq.detok is not None:
-                    seq.detok.flush()
-                self.scheduler.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                if req.finished:
-                    m.finish_time, m.finish_step = now, self.step_count
-                return
-
-    def _fork(self, req: Request, parent: Sequence) -> list[Sequence]:
-        children = []
-        for i in range(1, req.num_seqs):
-            child = Sequence(self._new_seq_id(), req.request_id, parent.prompt_token_ids,
-                             req.params, parent.arrival_time, index=i,
-                             num_computed_tokens=parent.num_computed_tokens, priority=parent.priority,
-                             procs=parent.procs,
-                             grammar=parent.grammar.fork() if parent.grammar is not None else None,
-                             features=parent.features.copy() if parent.features is not None else None)
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            self.scheduler.add_running(child)
-            children.append(child)
-        req.seqs += children
-        req.forked = True
-        return children
-
-    def _output(self, req: Request) -> RequestOutput:
-        return req.output(with_text=self.tokenizer is not None)

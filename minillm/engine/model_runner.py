@@ -61,6 +61,9 @@ class ModelRunner:
         self.model, self.cache, self.bm = model, cache, block_manager
         self.device = cache.k.device
 
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
+
     def move_blocks(self, out: SchedulerOutput) -> None:
         for seq, blocks in out.swap_out:
             seq.swapped_kv = self.cache.swap_out(blocks)   # (2, L, nb, P, Hkv, D) on CPU (+ scales)
@@ -92,6 +95,7 @@ class ModelRunner:
             qlens.append(1)
             ctxs.append(1)
             tables.append([self.cache.num_blocks - 1])   # the scratch block (see LLMEngine)
+        self.attn_lists = (qlens, ctxs, tables)  # what the cache's metadata is built from
         self.cache.prepare(qlens, ctxs, tables)
         input_ids = long_tensor(ids, self.device)[None]                         # (1, M)
         positions = long_tensor(pos, self.device)                               # (M,)

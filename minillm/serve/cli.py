@@ -23,14 +23,18 @@ has none (its one line appears here; `python -m minillm.kernels` tunes).
 
 `--disaggregated` (chapter 11) serves through a router in this process in front of a prefill
 process and a decode process, each with its own engine and `--threads-per-engine` torch threads,
-the prompt's KV moving between them over torch.distributed (minillm/serve/disaggregated.py). It
-loads the model with the plain loader (no CPU matmul routes) and takes no speculative decoding.
+the prompt's KV moving between them over torch.distributed (minillm/serve/disaggregated.py). The
+model loads through the same front door (`minillm.load_model`, the routes chosen on that many
+threads); no quantization and no speculative decoding here.
 With `--role` the pieces run in terminals of their own (vLLM runs one `vllm serve` per role with
 a `--kv-transfer-config`): give every role the same model and engine flags; the control address
 carries pickles, so it is for this machine's trusted processes (loopback, the key in
 $MINILLM_DISAGG_KEY).
 
-Left out on purpose: vLLM's other flags (tensor parallelism, LoRA, tool parsers, ...).
+`--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
+the server.
+
+Left out on purpose: vLLM's other flags (pipeline parallelism, LoRA, tool parsers, ...).
 """
 import argparse
 import json
@@ -53,6 +57,7 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--max-num-partial-prefills": ("max_num_partial_prefills", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
+    "--tensor-parallel-size": ("tensor_parallel_size", int),   # ranks, as worker processes
 }
 # The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
@@ -197,8 +202,10 @@ def main(argv=None) -> None:
         parser().error(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     if args.threads_per_engine < 1:
         parser().error(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
-    if args.disaggregated and args.speculative_config is not None:
-        parser().error("--disaggregated takes no --speculative-config")
+    if args.disaggregated and (args.speculative_config is not None or args.quantization):
+        parser().error("--disaggregated takes no --speculative-config and no --quantization")
+    if args.disaggregated and engine_options(args).get("tensor_parallel_size", 1) != 1:
+        parser().error("--disaggregated takes no --tensor-parallel-size (each engine is one process)")
     if args.role != "all" and not args.disaggregated:
         parser().error(f"--role {args.role} needs --disaggregated")
     if args.role in ("prefill", "decode"):
@@ -219,19 +226,24 @@ def main(argv=None) -> None:
                     allowed_origins=args.allowed_origins)
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
-    serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    try:
+        serve(app, args.host, args.port, args.graceful_shutdown_s, args.log_level, sock=sock)
+    finally:                                           # tensor parallel: the workers stop too
+        llm.shutdown()
 
 
-def _load_plain(args):
-    """(model, tokenizer) by the plain loader, or SmolLM2's shape at random (`--load-format dummy`)."""
+def _load(args):
+    """(model, tokenizer) through the front door (this machine's matmul routes, chosen on
+    --threads-per-engine threads), or SmolLM2's shape at random (`--load-format dummy`)."""
     import torch
 
-    from minillm.llm import resolve_dtype
-    from minillm.model.loading import default_device, load_model, load_tokenizer, random_model
+    from minillm.llm import load_model, resolve_dtype
+    from minillm.model.loading import default_device, load_tokenizer, random_model
     dtype = resolve_dtype(args.dtype) or torch.float32
     device = args.device or default_device()
     if args.load_format == "dummy":
         return random_model(DEFAULT_MODEL, device=device, dtype=dtype), load_tokenizer()
+    torch.set_num_threads(args.threads_per_engine)     # the routes are chosen for the engines' threads
     return load_model(args.model, device=device, dtype=dtype)
 
 
@@ -244,7 +256,7 @@ def run_worker_role(args) -> None:
     from minillm.engine.config import EngineConfig
     from minillm.serve.disagg_worker import run_remote
     _show_notices()
-    model, tok = _load_plain(args)
+    model, tok = _load(args)
     try:
         config = EngineConfig(**engine_options(args))
     except (TypeError, ValueError) as err:
@@ -267,7 +279,7 @@ def serve_disaggregated(args, sock) -> None:
     from minillm.serve.app import build_app
     from minillm.serve.router import DisaggregatedEngine
     from minillm.serve.server import serve
-    model, tok = _load_plain(args)
+    model, tok = _load(args)
     remote = {}
     if args.role == "router":
         host, port = args.router_address

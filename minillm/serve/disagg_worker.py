@@ -27,6 +27,7 @@ pickles: the control address is for trusted processes on this machine only (loop
 Left out on purpose: several prefill or decode workers, and overlapping the send with the next
 prefill (the prefill loop waits for the link; the decode side receives while it steps).
 """
+import dataclasses
 import os
 import queue
 import threading
@@ -135,7 +136,7 @@ def prefill_main(port: int, inbox, outbox, spec: dict) -> None:
 def _hand_off(engine, link: KVLink, out, outbox) -> None:
     """First token to the router; if the request goes on, its KV to the decode worker."""
     rid = out.request_id
-    outbox.send(("out", rid, out, engine.block_manager.num_used_blocks))
+    outbox.send(("out", rid, _slim(out), engine.block_manager.num_used_blocks))
     if out.finished or len(out.outputs[0].token_ids) != 1:
         return                                        # it ended here (or failed): nothing to send
     handoff = export_prompt_kv(engine, rid)
@@ -182,11 +183,18 @@ def decode_main(port: int, inbox, outbox, spec: dict) -> None:
                     outbox.send(("error", h.request_id, str(err)))
             if engine.has_unfinished_requests():
                 for out in engine.step():
-                    outbox.send(("out", out.request_id, out, engine.block_manager.num_used_blocks))
+                    outbox.send(("out", out.request_id, _slim(out),
+                                 engine.block_manager.num_used_blocks))
             if engine.block_manager.num_used_blocks != used:
                 used = engine.block_manager.num_used_blocks
                 outbox.send(("pool", None, used))
     _run("decode", outbox, body)
+
+
+def _slim(out):
+    """A snapshot without its metrics: the router keeps its own clock, and a long request's
+    per-token times would otherwise travel again with every token."""
+    return dataclasses.replace(out, metrics=None)
 
 
 def _abort(engine, pending: deque, aborted: OrderedDict, rid: str) -> None:

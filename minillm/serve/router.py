@@ -35,7 +35,10 @@ from minillm.engine.args import check_prompt, request_state
 from minillm.engine.config import EngineConfig
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
+from minillm.serve.errors import WorkerUnavailable
 from minillm.serve.kv_link import link_store
+
+__all__ = ["DisaggregatedEngine", "WorkerUnavailable"]
 _MAX_TRANSFERS = 4096
 
 

@@ -1,0 +1,111 @@
+"""One step of a tensor-parallel engine, as every rank runs it, and the worker's loop.
+
+Letters: M tokens in the flattened batch, K logits rows, V vocab, C model width; n ranks.
+
+The driver (rank 0, the engine's process) decides everything: its scheduler and block manager
+say which tokens run and where their K/V go. Per step it broadcasts a `StepPlan` (a few lists of
+ints: block moves, token ids, positions, the paged-attention lengths and block tables, the logits
+rows) and then every rank, itself included, calls `run_step`: move blocks in its own pool, run its
+shard's forward (2 all-reduces per layer + 1 for the embedding, 1 all-gather of the logits), and
+all hold the same logits (1, K, V). Each rank's paged KV pool (`PagedKVCache` of its shard's
+config) holds only its own Hkv/n KV heads, in the same blocks the driver's tables name, so one
+block manager serves all ranks.
+
+    driver:  plan = runner.prepare(out) ─ broadcast_object(plan) ─ run_step ─ logits -> sampler
+    worker:                     plan = broadcast_object()       ─ run_step ─ (logits dropped)
+
+`tp_worker(rank, world_size, comm, ...)` is the worker's whole life: build its shard and pool,
+then run plans until one says stop.
+
+Left out on purpose: overlapping the next plan's broadcast with this step's compute, sending only
+the changes of the block tables, and gathering the logits to rank 0 only.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.attention.metadata import long_tensor
+from minillm.distributed.tensor_parallel import build_shard, shard_config
+from minillm.paging.paged_cache import PagedKVCache
+
+
+@dataclass
+class StepPlan:
+    """What every rank does this step: the driver's `ModelRunner.prepare`, as plain ints.
+    `swap_out` / `swap_in` name each sequence by seq_id: every rank keeps its own CPU copy."""
+
+    stop: bool = False
+    swap_out: list = field(default_factory=list)          # [(seq_id, blocks)]
+    copies: list = field(default_factory=list)            # [(src block, dst block)]
+    swap_in: list = field(default_factory=list)           # [(seq_id, blocks, first)]
+    input_ids: list = field(default_factory=list)         # (M,)
+    positions: list = field(default_factory=list)         # (M,)
+    query_lens: list = field(default_factory=list)        # per sequence (and padding row)
+    context_lens: list = field(default_factory=list)
+    block_tables: list = field(default_factory=list)
+    logits_index: list | None = None                      # (K,) or None: every row
+    return_hidden: bool = False
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.query_lens)
+
+
+@dataclass
+class CacheSpec:
+    """How each rank makes its KV pool: the engine's pool settings, for its shard's heads."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "paged"
+
+    def make(self, shard_cfg, device) -> PagedKVCache:
+        return PagedKVCache(shard_cfg, self.num_blocks, self.block_size, device, self.dtype,
+                            self.kv_cache_dtype, self.attention_backend)
+
+
+def move_blocks(cache: PagedKVCache, plan: StepPlan, swapped: dict) -> None:
+    """Swap-outs, copy-on-write copies, swap-ins, in that order (as `ModelRunner.move_blocks`)."""
+    for seq_id, blocks in plan.swap_out:
+        swapped[seq_id] = cache.swap_out(blocks)
+    cache.copy_blocks(plan.copies)
+    for seq_id, blocks, first in plan.swap_in:
+        cache.swap_in(swapped.pop(seq_id), blocks, first)
+
+
+@torch.inference_mode()
+def run_step(model, cache: PagedKVCache, plan: StepPlan, swapped: dict, prepared: bool = False):
+    """Run `plan` on this rank -> (logits (1, K, V), hidden (1, M, C) or None), or (None, None)
+    for a plan that only moves blocks. `prepared`: the cache's metadata is already this step's."""
+    move_blocks(cache, plan, swapped)
+    if not plan.has_forward:
+        return None, None
+    if not prepared:
+        cache.prepare(plan.query_lens, plan.context_lens, plan.block_tables)
+    device = cache.k.device
+    input_ids = long_tensor(plan.input_ids, device)[None]                      # (1, M)
+    positions = long_tensor(plan.positions, device)                            # (M,)
+    index = None if plan.logits_index is None else long_tensor(plan.logits_index, device)
+    if plan.return_hidden:
+        return model(input_ids, positions=positions, cache=cache, logits_index=index,
+                     return_hidden=True)                                       # (1, K, V), (1, M, C)
+    return model(input_ids, positions=positions, cache=cache, logits_index=index), None
+
+
+def tp_worker(rank: int, world_size: int, comm, shards: dict, cfg, spec: CacheSpec) -> None:
+    """A worker rank: its shard (`shards[rank]`, a state dict) and pool, then plans until stop."""
+    sd = {k: v.to(comm.device) for k, v in shards[rank].items()}
+    del shards                                    # the other ranks' tensors are not ours to hold
+    model = build_shard(sd, cfg, rank, world_size, comm)
+    cache = spec.make(shard_config(cfg, world_size), comm.device)
+    swapped: dict = {}
+    while True:
+        try:
+            plan = comm.broadcast_object(None, src=0)
+        except RuntimeError:                      # the driver is gone: nothing left to serve
+            return
+        if plan.stop:
+            return
+        run_step(model, cache, plan, swapped)
