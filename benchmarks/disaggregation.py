@@ -10,6 +10,8 @@ measured through HTTP and predicted by the simulator, side by side (chapter 11).
 3. Beside each run, the simulator's prediction for the same arrivals and token counts, and the
    SLO's attainment and goodput (DistServe's metric) for both, also at tighter SLOs (0.25x,
    0.5x); every request's measured and predicted TTFT and gaps are kept in the record.
+4. The same simulator on Llama-3-70B instances from the roofline (`extrapolation`): the best
+   prefill:decode split of 8 TP=8 H100 instances beside the scaling book's ratio.
 
 The SLO is set from the colocated server's probed costs: TTFT within `slo_scale` times a lone
 prefill of the longest prompt, mean ITL within `slo_scale` times a decode step of 4 sequences.
@@ -53,6 +55,24 @@ def slo_from(costs, scale: float) -> tuple[float, float]:
     decode step of 4 sequences at that context."""
     return (scale * costs.prefill_seconds([LONG_TOKENS[1]]),
             scale * costs.decode_seconds([LONG_TOKENS[1]] * 4))
+
+
+def extrapolation() -> dict:
+    """The simulator carried to Llama-3-70B on H100s (analysis/disagg_scale.py, its defaults:
+    8 instances of TP=8, 2048-token prompts, 256-token answers, TTFT 0.4 s, ITL 25 ms) beside
+    the scaling book's prefill:decode ratio."""
+    from minillm.analysis.disagg_scale import best_split, scaling_book_ratio, split_table
+    from minillm.analysis.roofline import get_hardware
+    from minillm.model.config import get_config
+    out = best_split(get_config("llama-3-70b"), get_hardware("h100-sxm"))
+    print(split_table(out), flush=True)
+    best = out["best"]
+    return {"model": "llama-3-70b", "chip": "h100-sxm", "instances": 8, "tp": 8,
+            "prompt_tokens": 2048, "output_tokens": 256, "ttft_s": 0.4, "itl_s": 0.025,
+            "attainment": 0.9, "splits": out["splits"], "best": best, "colocated": out["colocated"],
+            "best_over_colocated": round(best["max_rate"] / out["colocated"], 2),
+            "best_ratio_prefill_per_decode": round(best["prefill"] / best["decode"], 2),
+            "scaling_book_ratio": round(scaling_book_ratio(), 2), "costs": vars(out["costs"])}
 
 
 def per_request(reqs, results, pred) -> list[dict]:
@@ -143,6 +163,7 @@ def run(quick: bool = False, rates=(0.25, 0.5), num_prompts: int = 10, max_token
         "slo": {"ttft_s": round(slo[0], 3), "itl_s": round(slo[1], 4), "scale": slo_scale,
                 "from": "the colocated server's probed costs"},
         "kv_link": vars(link), "layouts": layouts, "table": comparison_table(rows),
+        "extrapolation": extrapolation(),
         "load_average_before": load_before, "quick": quick,
         "units": {"ttft_ms / itl_ms / tpot_ms": "milliseconds", "goodput / throughput": "requests/s",
                   "step costs": "seconds (a), s/token (b), s/token^2 (c)",

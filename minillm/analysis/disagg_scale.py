@@ -17,6 +17,8 @@ ones. `scaling_book_ratio` is the scaling book's back-of-envelope for the same q
 Left out on purpose: pipeline parallelism and different tp for the two phases (DistServe
 searches those too), MoE, and memory limits beyond `max_num_seqs`.
 """
+import random
+
 from minillm._validate import check_int, check_real
 from minillm.analysis.disagg_sim import (SimConfig, SimRequest, kv_transfer_time, poisson_arrivals,
                                          simulate_colocated, simulate_disaggregated)
@@ -64,7 +66,6 @@ def roofline_step_costs(cfg: ModelConfig, chip: Hardware, tp: int = 8, link=INST
 def fixed_requests(rate: float, n: int, prompt_tokens: int, output_tokens: int, seed: int = 0,
                    spread: float = 0.25) -> list[SimRequest]:
     """n Poisson arrivals with prompt and output lengths uniform within +-spread of the given."""
-    import random
     check_real("spread", spread, 0, 1, high_open=True)
     rng = random.Random(seed + 1)
 
