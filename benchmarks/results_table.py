@@ -120,6 +120,16 @@ HEADLINES = [
              "decode, batch 4, one process of 1 thread (KV cache)", "ms"),
     Headline("parallel", "pipeline.decode_ms_per_token.p2_m1",
              "decode, batch 4, 2-stage pipeline of 1 thread per stage (KV caches)", "ms"),
+    Headline("disaggregation", "layouts.colocated.rows.1.measured.goodput",
+             "goodput at 0.5 req/s, long prompts among short chats: colocated (2 threads)", "req/s"),
+    Headline("disaggregation", "layouts.disaggregated.rows.1.measured.goodput",
+             "the same, disaggregated (prefill and decode, 1 thread each)", "req/s"),
+    Headline("disaggregation", "layouts.disaggregated.rows.1.error.goodput",
+             "the simulator's goodput error on that run (relative)", "%", 100),
+    Headline("disaggregation", "layouts.disaggregated.rows.1.measured.itl_ms.p90",
+             "ITL p90 of that run, disaggregated", "ms"),
+    Headline("disaggregation", "layouts.colocated.rows.1.measured.itl_ms.p90",
+             "ITL p90 of that run, colocated", "ms"),
 ]
 
 
