@@ -36,18 +36,12 @@ from minillm.serve.disaggregated import check_port, running
 from minillm.serve.router import DisaggregatedEngine
 from minillm.serve import cli
 from serve_tiny import assert_settled, tokenizer
+from procs import alive
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 17, [3]]      # 40 tokens: three blocks of 16
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:           # a zombie is gone for our purposes
-        return f.read().split()[2] != "Z"
 
 
 def _drive(engine, rids) -> dict:
@@ -135,7 +129,7 @@ def disagg(model):
     engine = DisaggregatedEngine(model, None, EngineConfig(num_blocks=64))
     yield engine
     engine.shutdown()
-    assert not any(_alive(pid) for pid in engine.pids.values())
+    assert not any(alive(pid) for pid in engine.pids.values())
 
 
 def test_two_processes_give_the_single_engines_greedy_tokens(disagg, model, reference):
@@ -255,4 +249,4 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == "worker_unavailable" and "decode worker" in err["message"]
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(alive(pid) for pid in pids.values())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minillm.distributed.group import WorkerDied, WorkerGroup
+from procs import alive
 
 
 def _echo(rank, world_size, comm):
@@ -25,13 +26,6 @@ def _wait_forever(rank, world_size, comm):
     comm.broadcast_object()        # blocks until the driver speaks or goes away
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:           # a zombie is gone for our purposes
-        return f.read().split()[2] != "Z"
 
 
 def test_collectives_give_the_hand_computed_values_and_count_payload_bytes():
@@ -51,7 +45,7 @@ def test_collectives_give_the_hand_computed_values_and_count_payload_bytes():
         assert (s["recv"]["calls"], s["recv"]["bytes"]) == (1, 4 * 4)
     finally:
         group.shutdown()
-    assert not any(_alive(pid) for pid in group.pids)
+    assert not any(alive(pid) for pid in group.pids)
 
 
 def test_a_killed_worker_is_named_and_shutdown_leaves_nothing_behind():
@@ -66,7 +60,7 @@ def test_a_killed_worker_is_named_and_shutdown_leaves_nothing_behind():
         group.check_alive()
     group.shutdown(timeout_s=1)
     group.shutdown()                                   # idempotent
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("size", [0, 1.5, True])

@@ -16,20 +16,12 @@ from minillm.distributed.pipeline import PipelineParallel
 from minillm.distributed.pipeline_stage import PipelineStage, balanced_partition, split_layers
 from minillm.model.generate import generate_naive
 from minillm.model.loading import tiny_model
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:                 # a zombie is gone for our purposes
-        return f.read().split()[2] != "Z"
+from procs import alive
 
 
 def _gone(pids) -> bool:
     children = {p.pid for p in multiprocessing.active_children()}
-    return not any(_alive(pid) or pid in children for pid in pids)
+    return not any(alive(pid) or pid in children for pid in pids)
 
 
 @pytest.fixture(scope="module")

@@ -22,19 +22,13 @@ from minillm.llm import LLM
 from minillm.model.config import get_config
 from minillm.model.llama import DenseCausalAttention, rope_cos_sin
 from minillm.model.loading import tiny_model
+from procs import alive
 
 # on a machine with fewer cores than ranks x threads the runner says what that costs (tested below)
 pytestmark = pytest.mark.filterwarnings("ignore:tensor_parallel_size=3. 3 ranks run")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:           # a zombie is gone for our purposes
-        return f.read().split()[2] != "Z"
 
 
 def _tiny(**kw):
@@ -132,7 +126,7 @@ def test_swaps_run_on_every_rank_and_a_killed_worker_is_named(one_thread):
     finally:
         engine.shutdown()
         engine.shutdown()                                            # idempotent
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +146,7 @@ def test_three_ranks_give_the_tokens_of_one_on_smollm2(smollm2):
     with LLM(model, tok, tensor_parallel_size=3, **opts) as llm:
         runner = llm.llm_engine.runner
         pids = runner.pids
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
         runner.comm.reset_stats()
         got = llm.generate(PROMPTS, params, use_tqdm=False)        # batched: one prefill step
         steps, L = llm.llm_engine.step_count, model.config.n_layer
@@ -165,7 +159,7 @@ def test_three_ranks_give_the_tokens_of_one_on_smollm2(smollm2):
                 assert abs(a[t].logprob - b[t].logprob) < 1e-4            # fp32, summed in parts
     assert stats["all_reduce"]["calls"] == (2 * L + 1) * steps     # attention + MLP, + embedding
     assert stats["all_gather"]["calls"] == steps                   # the logits, once per forward
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_the_serve_flag_reaches_the_engine_config():

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from minillm._validate import check_real
+from minillm.analysis.slo import percentile   # linear between order statistics, as numpy
 
 STATS = ("mean", "median", "p95", "p99")
 GOODPUT_KEYS = ("ttft", "tpot", "e2e")
@@ -46,17 +47,6 @@ class RequestResult:
         if not self.ok or self.output_tokens < 2:
             return math.nan
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation; nan for no values."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def describe_ms(values_s) -> dict:
