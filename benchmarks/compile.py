@@ -19,9 +19,12 @@ from minillm.model.loading import default_device
 CONTEXT = 128
 
 
-def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
+def run(quick: bool = False, device=None, out_dir=None, model=None,
+        mode: str = "max-autotune-no-cudagraphs") -> dict:
     """Benchmark entry point (`python -m benchmarks` protocol): writes compile_cpu.json.
-    `model` replaces SmolLM2 (tests pass a tiny one). CPU only: elsewhere it writes nothing."""
+    `model` replaces SmolLM2 and `mode` the torch.compile mode (tests pass a tiny model and
+    "default": max-autotune's kernel search is minutes on a cold inductor cache, and
+    tests/test_compiled.py runs it). CPU only: elsewhere it writes nothing."""
     device = torch.device(device) if device is not None else default_device()
     if device.type != "cpu":
         print("compile: skipped, measured on the CPU only (GPUs: benchmarks cuda_graphs)")
@@ -31,10 +34,10 @@ def run(quick: bool = False, device=None, out_dir=None, model=None) -> dict:
         model, _ = load_model(device="cpu")
     rows = (1, 9) if quick else (1, 4, 9, 33)
     choice = compile_if_faster(model, rows=rows, context=CONTEXT, rounds=5 if quick else 9,
-                               steps=2 if quick else 3, progress=print)
+                               steps=2 if quick else 3, mode=mode, progress=print)
     record = {"quick": quick, "model": model.config.name, "context": CONTEXT,
               "eager_forward": type(model).__name__,
-              "mode": "max-autotune-no-cudagraphs", "freezing": True, **choice.as_dict(),
+              "mode": mode, "freezing": True, **choice.as_dict(),
               "units": {"eager_ms": "ms per warm step (median of alternating rounds)",
                         "compiled_ms": "ms per warm step (median of alternating rounds)",
                         "speedup": "eager_ms / compiled_ms",

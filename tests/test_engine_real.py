@@ -10,9 +10,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 
 
 @pytest.mark.slow
-def test_real_model_engine_matches_generate():
-    from minillm import generate, load_model
-    model, tok = load_model(device="cpu")
+def test_real_model_engine_matches_generate(smollm2):
+    from minillm import generate
+    model, tok = smollm2
     ids = [tok.encode(p) for p in PROMPTS]
     refs = [generate(model, p, 10) for p in ids]
     # 5 blocks of 8 tokens: the 4 prompts (5-11 tokens) with 10 new tokens each need 10 blocks

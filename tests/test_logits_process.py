@@ -23,10 +23,9 @@ OUTPUT = " Rome. Rome is a city, a city of Rome and Paris is a city"
 
 
 @pytest.fixture(scope="module")
-def real():
+def real(smollm2):
     """(model, tokenizer, prompt ids, output ids, logits (V,) after prompt + output)."""
-    from minillm import load_model
-    model, tok = load_model(device="cpu")
+    model, tok = smollm2
     prompt, output = tok.encode(PROMPT), tok.encode(OUTPUT)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + output]))[0, -1]                      # (V,)

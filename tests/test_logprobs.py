@@ -50,15 +50,8 @@ def tiny():
 
 # ---- greedy logprobs and prompt logprobs against transformers --------------------------------
 @pytest.fixture(scope="module")
-def real_pair():
-    from transformers import AutoModelForCausalLM
-    from minillm import load_model
-    from minillm.model.loading import smollm2_gguf_path
-    model, tok = load_model(device="cpu")
-    path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                              dtype=torch.float32).eval()
-    return model, tok, hf
+def real_pair(smollm2, hf_smollm2):
+    return (*smollm2, hf_smollm2)
 
 
 @pytest.mark.slow

@@ -163,10 +163,9 @@ def test_docstring_example():
 
 
 @pytest.mark.slow
-def test_real_model_tree_greedy_equals_plain_greedy():
-    from minillm import load_model
+def test_real_model_tree_greedy_equals_plain_greedy(smollm2):
     from minillm.model.chat import encode_chat
-    model, tok = load_model(device="cpu")
+    model, tok = smollm2
     prompt = encode_chat(tok, "Name three colors.")
     reference = generate(model, prompt, 16)
     got, steps = lookahead_greedy(model, LookaheadProposer(3, 3, 2, seed=0), prompt, 16)

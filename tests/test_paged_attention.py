@@ -152,11 +152,11 @@ def test_copy_and_swap_blocks():
 
 
 @pytest.mark.slow
-def test_real_model_paged_cache_matches_contiguous_generate():
+def test_real_model_paged_cache_matches_contiguous_generate(smollm2):
     """SmolLM2 (fp32) decoding through a paged cache with a shuffled block table gives the same
     greedy tokens as `minillm.generate` with the contiguous cache."""
-    from minillm import generate, load_model
-    model, tok = load_model(device="cpu")
+    from minillm import generate
+    model, tok = smollm2
     prompt = tok.encode("The capital of France is")
     n_new, P = 12, 4
     cache = PagedKVCache(model.config, num_blocks=16, block_size=P, dtype=model.dtype)

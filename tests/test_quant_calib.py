@@ -280,15 +280,25 @@ def test_text_ids_shape_and_errors():
 # ---------------------------------------------------------------- the real model
 
 @pytest.mark.slow
-def test_gptq_and_awq_beat_rtn_on_the_real_model():
+def test_gptq_and_awq_beat_rtn_on_the_real_model(smollm2):
     """Chapter 7's sizes: calibration 4 x 128 tokens of module docstrings; eval 1 x 256 tokens of
-    the reference manual. Group 64: the largest group <= 128 that divides both 576 and 1536."""
-    model, tok = minillm.load_model(device="cpu")
+    the reference manual. Group 64: the largest group <= 128 that divides both 576 and 1536.
+
+    The first 8 of the 30 layers are quantized (each method run on `early_exit_model(model, 8)`,
+    so every layer's calibration inputs come from the quantized layers before it, as in the full
+    run), the other 22 stay fp32, and perplexity is the whole model's. Measured here: fp32 15.13,
+    RTN 16.28, GPTQ 15.37, AWQ 15.30. Chapter 7 (notebook 07) quantizes all 30 layers: RTN 22.9,
+    GPTQ 19.6, AWQ 17.5; a quarter of the layers keeps the test a quarter of the cost."""
+    from minillm.spec.proposers import early_exit_model
+    model, tok = smollm2
+    first = early_exit_model(model, 8)                     # shares the model's modules, copies none
     cal, ev = quality.calibration_ids(tok, 4, 128), quality.eval_ids(tok, 1, 256)
     ppl = lambda w, p=None: quality.perplexity(quality.dequantized_model(model, w, p), ev)
-    rtn = ppl(quality.rtn_weights(model, 4, 64))
-    assert ppl(gptq.gptq_weights(model, cal, 64)) < rtn
-    assert ppl(*awq.awq_weights(model, cal, 64, n_grid=4, search_tokens=128)) < rtn
+    rtn_w = quality.rtn_weights(first, 4, 64)
+    assert sorted(rtn_w) == [f"layers.{i}.{p}" for i in range(8) for p in sorted(PROJECTIONS)]
+    rtn = ppl(rtn_w)
+    assert ppl(gptq.gptq_weights(first, cal, 64)) < rtn
+    assert ppl(*awq.awq_weights(first, cal, 64, n_grid=4, search_tokens=128)) < rtn
 
 
 def test_plot_outliers_draws_every_projection():

@@ -323,12 +323,11 @@ def test_llm_passes_kv_cache_dtype(model):
 
 
 @pytest.mark.slow
-def test_real_model_kv_perplexity(one_thread):
+def test_real_model_kv_perplexity(one_thread, smollm2):
     """SmolLM2 (fp32) on 384 tokens of pydoc_data.topics in chunks of 128: int8 KV within 1% of
     fp32 KV, fp8 within 5% (the chapter measures 2,048 tokens: +0.002% and +1.4%)."""
-    import minillm
     from minillm.quant.quality import eval_ids
-    model, tok = minillm.load_model(device="cpu")
+    model, tok = smollm2
     ids = eval_ids(tok, 1, 384)[0].tolist()
     with torch.inference_mode():
         logits = model(torch.tensor([ids]))[0]

@@ -8,7 +8,6 @@ import torch
 
 import minillm
 from minillm.model.chat import encode_chat
-from minillm.model.loading import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?",
@@ -16,13 +15,8 @@ PROMPTS = ["Write a haiku about the sea.", "What is 17 times 3?",
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import AutoModelForCausalLM
-    model, tok = minillm.load_model(device="cpu")
-    path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                              dtype=torch.float32).eval()
-    return model, tok, hf
+def models(smollm2, hf_smollm2):
+    return (*smollm2, hf_smollm2)
 
 
 @torch.no_grad()

@@ -41,11 +41,15 @@ def test_dummy_weights_serve_the_smollm2_shape():
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def _start(*flags):
+def _launch(*flags):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", "0",
+    return subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--port", "0",
                              "--max-num-seqs", "4", "--log-level", "warning", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _ready(proc) -> str:
+    """The URL once the server answers /health (it prints "serving on URL" when bound)."""
     deadline = time.monotonic() + 120
     for line in proc.stdout:
         if line.startswith("serving on "):
@@ -57,18 +61,38 @@ def _start(*flags):
     while time.monotonic() < deadline:              # the socket is bound; wait for the app
         try:
             if httpx.get(url[:-3] + "/health", timeout=5).status_code == 200:
-                return proc, url
+                return url
         except httpx.TransportError:
             time.sleep(0.2)
-    proc.kill()
     raise AssertionError("no /health")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_the_cli_serves_the_openai_client_and_stops_cleanly_on_a_signal(sig):
-    proc, url = _start("--api-key", "k")
+SIGNALS = [signal.SIGTERM, signal.SIGINT]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """One server per signal, both started at once (their imports and model loads overlap), each
+    stopped by its own test. A 1 s grace: the stream below is still mid-way when the drain ends it
+    (the default 5 s only waits longer). Nothing is left running after the module."""
+    procs = {sig: _launch("--api-key", "k", "--graceful-shutdown-s", "1") for sig in SIGNALS}
     try:
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+            proc.stdout.close()
+        assert all(proc.poll() is not None for proc in procs.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_the_cli_serves_the_openai_client_and_stops_cleanly_on_a_signal(servers, sig):
+    proc = servers[sig]
+    try:
+        url = _ready(proc)
         assert url.startswith("http://127.0.0.1:")
         client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
         r = client.chat.completions.create(model="smollm2-135m", max_tokens=4, temperature=0,

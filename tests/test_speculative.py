@@ -248,10 +248,9 @@ def test_ngram_lookup():
 
 
 @pytest.mark.slow
-def test_greedy_spec_equals_plain_greedy_real_model():
-    from minillm import load_model
+def test_greedy_spec_equals_plain_greedy_real_model(smollm2):
     from minillm.model.chat import encode_chat
-    model, tok = load_model(device="cpu")
+    model, tok = smollm2
     prompt = encode_chat(tok, "Repeat exactly: the quick brown fox jumps over the lazy dog.")
     reference = generate(model, prompt, 32)
     for proposer in (NgramProposer(), DraftModelProposer(layer_skip_model(model, [10, 12, 14]))):

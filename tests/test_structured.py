@@ -201,8 +201,8 @@ def test_a_schema_compiles_once(tok, monkeypatch):
 # --- the schema suite: the real model decodes under the mask -----------------------------------
 
 @pytest.fixture(scope="module")
-def real(one_thread):
-    return minillm.load_model("smollm2-135m", device="cpu")
+def real(one_thread, smollm2):
+    return smollm2
 
 
 def decode(model, tok, prompt: str, params, seed: int | None):

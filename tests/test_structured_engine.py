@@ -35,8 +35,8 @@ FREE = ["Tell me about the moon.", "Write a haiku about rain."]
 
 
 @pytest.fixture(scope="module", params=[0, 3], ids=["plain", "ngram3"])
-def llm(request, one_thread):
-    return LLM("smollm2-135m", device="cpu", max_num_seqs=8, num_speculative_tokens=request.param,
+def llm(request, one_thread, smollm2):
+    return LLM(*smollm2, max_num_seqs=8, num_speculative_tokens=request.param,
                speculative_method="ngram" if request.param else None)
 
 

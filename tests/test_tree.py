@@ -115,9 +115,8 @@ def test_commit_path_then_decoding_continues_as_plain():
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_tree_forward_on_smollm2():
-    import minillm
-    model, _ = minillm.load_model(device="cpu")   # accelerated: the flat forward, tuned routes
+def test_tree_forward_on_smollm2(smollm2):
+    model, _ = smollm2                            # accelerated: the flat forward, tuned routes
     prefix = [1, 504, 3458, 314, 260, 1345]
     tree = TokenTree([(0,), (1,), (0, 0), (1, 0)])
     draft = TreeDraft.from_tree(tree, [prefix[-1], 253, 282, 1070, 2593])

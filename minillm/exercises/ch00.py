@@ -23,6 +23,7 @@ def _smollm(dtype=torch.float32):
     return model, encode_chat(tok, PROMPT)
 
 
+@functools.cache                       # one answer per process: checking twice decodes once
 def _sampled_differences() -> int:
     from minillm.model.generate import generate
     model, ids = _smollm()
@@ -37,6 +38,7 @@ numeric("00.1", f"Sample 40 tokens from the chat prompt {PROMPT!r} with temperat
         hint="the same seed twice gives 0; compare the two lists position by position")
 
 
+@functools.cache                       # one answer per process: checking twice decodes once
 def _bf16_agreement() -> int:
     from minillm.model.generate import generate
     (m32, ids), (m16, _) = _smollm(), _smollm(torch.bfloat16)

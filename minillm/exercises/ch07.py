@@ -7,6 +7,7 @@ inputs made when the reader checks: a Q4_1 block decoder (07.3, against `quant.g
 KV cache's round trip (07.5, against `quant.kv`) and GPTQ's one-column step (07.7, against a
 float64 least-squares solve).
 """
+import functools
 import math
 import struct
 
@@ -84,6 +85,7 @@ def _test_fake_quant_int8(candidate) -> None:
                                  f"{tuple(x.shape)}")
 
 
+@functools.cache                       # one answer per process: checking twice loads once
 def _last_down_outliers() -> int:
     """Input dims of the last layer's down_proj past 6 on the chapter's calibration tokens."""
     from minillm.model.loading import load_model
