@@ -168,7 +168,7 @@ def test_the_waiting_gauge_counts_waiting_requests_only(tok):
         try:
             seen = []
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(seen) < 5:
+            while time.monotonic() < deadline and len(seen) < 5 and any(t.is_alive() for t in threads):
                 m = scrape(s.url)
                 running_, waiting = gauge(m, "num_requests_running"), gauge(m, "num_requests_waiting")
                 assert running_ <= 2 and running_ + waiting <= 6
