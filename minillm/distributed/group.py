@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_HOST = "127.0.0.1"
+HOST = "127.0.0.1"
 
 
 class WorkerDied(RuntimeError):
@@ -119,14 +119,15 @@ def _root(src: int):
     return opts
 
 
-def _make_pg(store, rank: int, world_size: int, backend: str, timeout_s: float):
+def make_process_group(store, rank: int, world_size: int, backend: str, timeout_s: float):
+    """One rank's own process group over `store` (no default group): gloo, or NCCL on CUDA."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (elsewhere: nothing, best effort)."""
     if sys.platform.startswith("linux"):
         try:
@@ -136,13 +137,13 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank, world_size, port, backend, timeout_s, threads, target, args):
-    _die_with_parent()
+    die_with_parent()
     if threads:
         torch.set_num_threads(threads)
-    store = dist.TCPStore(_HOST, port, world_size, False,
+    store = dist.TCPStore(HOST, port, world_size, False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     store.set(f"up/{rank}", "1")
-    pg = _make_pg(store, rank, world_size, backend, timeout_s)
+    pg = make_process_group(store, rank, world_size, backend, timeout_s)
     device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
     target(rank, world_size, Comm(pg, rank, world_size, device), *args)
 
@@ -172,7 +173,7 @@ class WorkerGroup:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         backend = pick_backend(backend)
-        store = dist.TCPStore(_HOST, 0, world_size, True, wait_for_workers=False,
+        store = dist.TCPStore(HOST, 0, world_size, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         ctx = mp.get_context("spawn")
         procs = []
@@ -184,7 +185,7 @@ class WorkerGroup:
                 p.start()
                 procs.append(p)
             _wait_until_up(store, procs, timeout_s)
-            pg = _make_pg(store, 0, world_size, backend, timeout_s)
+            pg = make_process_group(store, 0, world_size, backend, timeout_s)
         except BaseException:
             _stop(procs, 2.0)
             raise

@@ -37,7 +37,7 @@ from multiprocessing.connection import Client
 
 import torch
 
-from minillm.distributed.group import _die_with_parent
+from minillm.distributed.group import die_with_parent
 from minillm.engine.kv_transfer import can_import, export_prompt_kv, import_prefilled
 from minillm.engine.llm_engine import LLMEngine
 from minillm.serve.kv_link import DECODE_RANK, PREFILL_RANK, KVLink
@@ -46,7 +46,7 @@ _MAX_REMEMBERED_ABORTS = 4096
 
 
 def _setup(spec: dict, port: int, rank: int):
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(spec["threads"])
     link = KVLink.connect(port, rank)
     engine = LLMEngine(spec["model"], spec["config"], tokenizer=spec["tokenizer"])

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minillm.distributed.group import _HOST, Comm, _make_pg
+from minillm.distributed.group import HOST, Comm, make_process_group
 from minillm.engine.kv_transfer import Handoff
 
 PREFILL_RANK, DECODE_RANK = 0, 1
@@ -31,7 +31,7 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0          # an idle link is not an error
 
 def link_store(timeout_s: float = 60.0):
     """The rendezvous store the two sides meet at (the router keeps it); its `.port` goes to both."""
-    return dist.TCPStore(_HOST, 0, 2, True, wait_for_workers=False,
+    return dist.TCPStore(HOST, 0, 2, True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -47,9 +47,9 @@ class KVLink:
                 connect_timeout_s: float = 60.0) -> "KVLink":
         if rank not in (PREFILL_RANK, DECODE_RANK):
             raise ValueError(f"rank must be {PREFILL_RANK} (prefill) or {DECODE_RANK} (decode), got {rank!r}")
-        store = dist.TCPStore(_HOST, port, 2, False,
+        store = dist.TCPStore(HOST, port, 2, False,
                               timeout=datetime.timedelta(seconds=connect_timeout_s))
-        pg = _make_pg(store, rank, 2, "gloo", timeout_s)
+        pg = make_process_group(store, rank, 2, "gloo", timeout_s)
         link = cls(Comm(pg, rank, 2, torch.device("cpu")))
         link._store = store
         return link
