@@ -89,6 +89,12 @@ class BlockManager(PrefixCache):
         """Blocks referenced by at least one sequence."""
         return self.num_blocks - self.num_free_blocks
 
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no sequence references (refcount 0): reusable on a prefix hit, evicted
+        (LRU first) when the free ones run out. Counted in `num_free_blocks`."""
+        return len(self._evictable)
+
     def blocks_needed(self, num_tokens: int) -> int:
         """ceil(num_tokens / P)."""
         return -(-check_int("num_tokens", num_tokens, 0) // self.block_size)

@@ -5,6 +5,7 @@
     POST /v1/completions         prompt -> text (OpenAI's legacy completions)
     POST /v1/chat/completions    messages -> the chat template -> the assistant's turn
     GET  /metrics                Prometheus text (metrics.py)
+    GET  /dashboard              a live page of /metrics in the browser (dashboard.py)
 
 A streamed answer is server-sent events (streaming.py); its text is exactly the non-streamed
 text. Nothing slow runs on the event loop: the body's JSON, the chat template and tokenizing
@@ -22,7 +23,8 @@ shutdown. A token that cannot be drawn (a sampling failure) is a 500 with code
 "sampling_error": not a 503, which clients would retry. Anything else that escapes a handler
 is answered by `CatchAll` (errors.py). A client that leaves mid-body is not an error.
 
-CORS is off unless `allowed_origins` lists the origins a browser may call from.
+`/metrics` and `/dashboard` (with its script and style) take no API key: they show the
+server's counts, never a prompt or an answer. CORS is off unless `allowed_origins` lists the origins a browser may call from.
 
 Left out on purpose: TLS (put a proxy in front), per-user rate limits, the /tokenize,
 /embeddings and responses APIs.
@@ -43,6 +45,7 @@ from starlette.routing import Route
 
 from minillm.serve import protocol, responses
 from minillm.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from minillm.serve.dashboard import dashboard, static
 from minillm.serve.errors import CatchAll, engine_error, error_response, failure, json_response
 from minillm.serve.metrics import ServerMetrics
 from minillm.serve.protocol import APIError
@@ -266,6 +269,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_pending: 
                                      allow_methods=["*"], allow_headers=["*"]))
     app = Starlette(routes=[
         Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+        Route("/dashboard", dashboard), Route("/dashboard/dashboard.js", static("dashboard.js")),
+        Route("/dashboard/dashboard.css", static("dashboard.css")),
         Route("/v1/completions", _endpoint("completion"), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint("chat"), methods=["POST"])],
         exception_handlers={HTTPException: _http_error}, middleware=middleware, lifespan=lifespan)

@@ -10,7 +10,9 @@ The names are vLLM's with `minillm:` for `vllm:`, so a dashboard built for one r
     counters    prompt_tokens_total, generation_tokens_total, request_success_total
                 {finished_reason}, num_preemptions_total, prefix_cache_queries_total,
                 prefix_cache_hits_total, and minillm's request_aborted_total (client gone,
-                error, queue timeout) and request_rejected_total (503 at a full queue)
+                error, queue timeout), request_rejected_total (503 at a full queue) and
+                request_queue_timeouts_total (a priority class gave up on the request; these
+                are in request_aborted_total too)
     histograms  time_to_first_token_seconds, inter_token_latency_seconds (every gap between
                 two tokens), time_per_output_token_seconds and
                 request_time_per_output_token_seconds (per request), e2e_request_latency_seconds,
@@ -18,17 +20,28 @@ The names are vLLM's with `minillm:` for `vllm:`, so a dashboard built for one r
                 request_prefill_time_seconds, request_decode_time_seconds,
                 request_prompt_tokens, request_generation_tokens
 
+Read from the engine at scrape time by `EngineCollector` (engine_metrics.py, where the list is):
+the SLO controller's budget, bounds, moves and P95s (slo_*), speculative decoding's counts and
+switch (spec_decode_*), cached and free KV blocks and the host tier's (kv_cache_blocks_cached,
+kv_cache_blocks_free, kv_offload_*), and per-priority running / waiting gauges
+(num_requests_{running,waiting}_by_priority{priority}) under scheduling_policy="priority". A
+feature that is off exports the same names with 0 (or no sample where a value is unknown).
+
+`GET /dashboard` (dashboard.py) draws these in a browser, polling this endpoint.
+
 Gauges are read from the engine when scraped; counters and histograms are written by the
 engine loop as requests advance and finish. A histogram is cumulative buckets `le="..."`, `_sum`
 and `_count`, from which Prometheus computes percentiles (`histogram_quantile`): a p99 resolves
 only to its bucket, so the bounds run from a millisecond (one decode step of a small model on a
 GPU) to ten minutes (a long prompt behind a queue on a 2-core CPU).
 
-Left out on purpose: labels beyond the model name and finish reason, speculative-decoding and
-LoRA metrics, multiprocess mode.
+Left out on purpose: labels beyond the model name, finish reason, priority and direction; LoRA
+metrics; multiprocess mode.
 """
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
+
+from minillm.serve.engine_metrics import EngineCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
                    0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
@@ -69,6 +82,8 @@ class ServerMetrics:
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.aborted_ = counter("request_aborted", "Requests aborted (client gone, error or queue timeout).")
         self.rejected_ = counter("request_rejected", "Requests refused because the queue was full.")
+        self.queue_timeouts = counter("request_queue_timeouts", "Requests a priority class gave up "
+                                      "on after its queue-wait bound (also in request_aborted).")
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = hist("inter_token_latency_seconds", "Time between two consecutive tokens.")
         self.tpot = hist("time_per_output_token_seconds", "Per request: time per output token after the first.")
@@ -80,6 +95,7 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token to last token.")
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.output_len = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        reg.register(EngineCollector(engine, model_name))
 
     # ---- written by the engine loop -----------------------------------------------------------
     def prompt_tokens(self, n: int) -> None:
@@ -103,6 +119,8 @@ class ServerMetrics:
             self.success.labels(self.model_name, reasons[0]).inc()
         else:
             self.aborted_.inc()
+            if (getattr(out, "error", None) or "").startswith("queue timeout"):
+                self.queue_timeouts.inc()
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.req_tpot, m.tpot),
                             (self.e2e, m.e2e), (self.queue, m.queue_time)):
             if value is not None:

@@ -1,0 +1,159 @@
+"""What the engine keeps itself, exported at scrape time: a prometheus_client custom collector.
+
+`ServerMetrics` (metrics.py) writes counters as requests finish; the values here are different:
+the engine already counts them (speculative decoding's `spec_stats`, the SLO controller's
+adjustments, the host KV tier's `stats`), or they are a state that only the engine knows now
+(per-priority queues, cached blocks, the current token budget). Copying them into a second set
+of counters would be a second place that applies a step, so `EngineCollector.collect` reads them
+when `/metrics` is scraped (prometheus_client's GaugeMetricFamily / CounterMetricFamily).
+
+Every read goes through getattr and is None-safe: a feature that is off (or an engine that has
+no such part, like the disaggregated router) still exports the same names, with 0, or with no
+sample where a value is unknown (a p95 before the controller's first window). So a dashboard
+built for one server reads every other.
+
+    slo_max_num_batched_tokens            the scheduler's token budget now (the controller's, or
+                                          the fixed `max_num_batched_tokens` without one)
+    slo_queue_timeout_seconds{priority}   each class's queue-wait bound now (controller or config)
+    slo_adjustments_total{direction}      the controller's moves, "down" and "up"
+    slo_ttft_p95_seconds, slo_tpot_p95_seconds            what it measured in its last window
+    slo_ttft_p95_target_seconds, slo_tpot_p95_target_seconds   its targets (no sample when unset)
+    spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total (vLLM's names)
+    spec_decode_enabled                   1 when the last step speculated, else 0
+    spec_decode_steps_speculated_total, spec_decode_steps_skipped_total (the switch's counts)
+    kv_cache_blocks_cached                refcount-0 blocks whose KV is still cached (evictable)
+    kv_cache_blocks_free                  blocks holding nothing (total = in_use + cached + free)
+    kv_offload_blocks_in_use, kv_offload_blocks_total     the host tier's pool
+    kv_offload_{stored,restored,evicted,idle_offloaded}_blocks_total   its traffic
+    num_requests_running_by_priority{priority}, num_requests_waiting_by_priority{priority}
+                                          with scheduling_policy="priority" only: every class's
+                                          priority (0 when empty) and any other priority present
+
+The engine steps in a worker thread while a scrape runs on the event loop: queues are copied
+with one C-level `tuple(...)` (no Python code runs inside it, so no step interleaves) before
+they are read. Left out on purpose: vLLM's per-position acceptance counts and LoRA gauges.
+"""
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+def _num(value, default=0.0) -> float:
+    return default if value is None else float(value)
+
+
+def _queue(q) -> tuple:
+    try:
+        return tuple(q or ())
+    except RuntimeError:                  # mutated while copied (a non-deque queue): skip once
+        return ()
+
+
+class EngineCollector:
+    """Reads `engine` (an LLMEngine, or anything with some of its parts) at each scrape."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return list(self._families(live=False))
+
+    def collect(self):
+        return list(self._families(live=True))
+
+    # ---- one helper per kind of family ----------------------------------------------------------
+    def _gauge(self, name, help, value, labels=None):
+        g = GaugeMetricFamily(f"minillm:{name}", help, labels=["model_name", *(labels or {})])
+        if value is not None:
+            g.add_metric([self.model_name, *(labels or {}).values()], float(value))
+        return g
+
+    def _labelled(self, kind, name, help, label, values: dict):
+        fam = kind(f"minillm:{name}", help, labels=["model_name", label])
+        for key, value in values.items():
+            fam.add_metric([self.model_name, str(key)], float(value))
+        return fam
+
+    def _counter(self, name, help, value):
+        c = CounterMetricFamily(f"minillm:{name}", help, labels=["model_name"])
+        c.add_metric([self.model_name], float(value))
+        return c
+
+    def _families(self, live: bool):
+        e = self.engine if live else None
+        yield from self._slo(getattr(e, "controller", None), getattr(e, "scheduler", None),
+                             getattr(e, "config", None))
+        yield from self._spec(e)
+        yield from self._kv(getattr(e, "block_manager", None))
+        yield from self._priorities(e)
+
+    # ---- the features ---------------------------------------------------------------------------
+    def _slo(self, ctl, scheduler, config):
+        budget = getattr(ctl, "budget", None)
+        if budget is None:
+            budget = getattr(scheduler, "max_num_batched_tokens", None)
+        yield self._gauge("slo_max_num_batched_tokens", "The scheduler's token budget per step now "
+                          "(the SLO controller moves it; fixed without one).", budget)
+        if ctl is not None:
+            bounds = dict(getattr(ctl, "queue_timeouts", None) or {})
+        else:
+            bounds = {c.priority: c.max_queue_wait for c in getattr(config, "priority_classes", ())
+                      if c.max_queue_wait is not None}
+        yield self._labelled(GaugeMetricFamily, "slo_queue_timeout_seconds",
+                             "Each priority class's queue-wait bound now.", "priority", bounds)
+        moves = dict(getattr(ctl, "num_adjustments", None) or {})
+        yield self._labelled(CounterMetricFamily, "slo_adjustments", "The SLO controller's budget "
+                             "moves.", "direction", {d: moves.get(d, 0) for d in ("down", "up")})
+        p95, targets = dict(getattr(ctl, "p95", None) or {}), dict(getattr(ctl, "targets", None) or {})
+        for key in ("ttft", "tpot"):
+            yield self._gauge(f"slo_{key}_p95_seconds", f"The {key.upper()} P95 the SLO controller "
+                              "measured in its last window.", p95.get(key))
+            yield self._gauge(f"slo_{key}_p95_target_seconds", f"The SLO controller's {key.upper()} "
+                              "P95 target.", targets.get(key))
+
+    def _spec(self, e):
+        stats = getattr(e, "spec_stats", None)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                            _num(getattr(stats, "num_draft_tokens", 0)))
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            _num(getattr(stats, "num_accepted_tokens", 0)))
+        active = getattr(e, "spec_active", None)
+        if active is None:                               # no switch: on whenever it is configured
+            active = getattr(e, "spec", None) is not None
+        yield self._gauge("spec_decode_enabled", "1 when the last engine step speculated.", int(active))
+        yield self._counter("spec_decode_steps_speculated", "Engine steps with decodes that "
+                            "speculated.", _num(getattr(stats, "num_steps_speculated", 0)))
+        yield self._counter("spec_decode_steps_skipped", "Engine steps with decodes where "
+                            "speculation stepped aside.", _num(getattr(stats, "num_steps_skipped", 0)))
+
+    def _kv(self, bm):
+        cached = _num(getattr(bm, "num_evictable_blocks", 0))
+        total = _num(getattr(bm, "num_blocks", 0))
+        free = _num(getattr(bm, "num_free_blocks", 0))
+        yield self._gauge("kv_cache_blocks_cached", "Unreferenced blocks whose KV is still cached "
+                          "(evictable).", cached)
+        yield self._gauge("kv_cache_blocks_free", "Blocks that hold nothing.", max(0.0, free - cached))
+        tier = getattr(bm, "host_tier", None)
+        yield self._gauge("kv_offload_blocks_in_use", "Host-tier blocks holding KV.",
+                          _num(getattr(tier, "num_used", 0)))
+        yield self._gauge("kv_offload_blocks_total", "Host-tier blocks.",
+                          _num(getattr(tier, "num_blocks", 0)))
+        stats = dict(getattr(tier, "stats", None) or {})
+        for key, help in (("stored", "Blocks copied to the host tier."),
+                          ("restored", "Blocks copied back from the host tier on a prefix hit."),
+                          ("evicted", "Host-tier blocks dropped (LRU)."),
+                          ("idle_offloaded", "Cached blocks moved to the host tier after idling.")):
+            yield self._counter(f"kv_offload_{key}_blocks", help, _num(stats.get(f"{key}_blocks", 0)))
+
+    def _priorities(self, e):
+        config, s = getattr(e, "config", None), getattr(e, "scheduler", None)
+        if getattr(config, "scheduling_policy", None) != "priority" and e is not None:
+            return
+        counts = {kind: {c.priority: 0 for c in getattr(config, "priority_classes", ())}
+                  for kind in ("running", "waiting")}
+        for kind in counts:
+            for seq in _queue(getattr(s, kind, None)):
+                p = getattr(seq, "priority", 0)
+                counts[kind][p] = counts[kind].get(p, 0) + 1
+        for kind, what in (("running", "in the running batch"), ("waiting", "waiting (the "
+                           "scheduler's queue; not yet handed to the engine: in the total only)")):
+            yield self._labelled(GaugeMetricFamily, f"num_requests_{kind}_by_priority",
+                                 f"Sequences {what}, by priority.", "priority", counts[kind])
