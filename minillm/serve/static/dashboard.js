@@ -76,17 +76,22 @@ function quantile(i, q, name) {
   const count = (samples, bound) => samples.reduce(
     (acc, x) => acc + (x.name === bucket && le(x.labels.le) === bound ? x.value : 0), 0);
   const counts = les.map(b => count(now.samples, b) - count(then.samples, b));
+  return histogramQuantile(q, les, counts);
+}
+
+// q in [0, 1] of a histogram: `les` the sorted upper bounds (the last +Inf), `counts` cumulative.
+function histogramQuantile(q, les, counts) {
   const total = counts[counts.length - 1];
   if (!(total > 0)) return null;
   const rank = q * total;
   for (let k = 0; k < les.length; k++) {
     if (counts[k] >= rank) {
-      if (les[k] === Infinity) return les[k - 1] ?? null;
+      if (les[k] === Infinity) return les.length > 1 ? les[k - 1] : null;
       const lo = k === 0 ? 0 : les[k - 1], below = k === 0 ? 0 : counts[k - 1];
       return counts[k] === below ? lo : lo + (les[k] - lo) * (rank - below) / (counts[k] - below);
     }
   }
-  return les.length > 1 ? les[les.length - 2] : null;
+  return null;
 }
 
 // ---- what the page shows -------------------------------------------------------------------------
