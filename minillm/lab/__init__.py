@@ -14,6 +14,7 @@ load and replay things on the reader's own machine.
   schedule (`spec_schedule.json`, package data) and its ceilings, a spec record as text (ch. 6);
 - `priority`: the priority mix and the P95-driven token budget (ch. 8);
 - `loadgen`, `serve_client`, `serve_metrics`, `datasets`: the HTTP load generator (ch. 8);
+- `dashboard`: the server's live dashboard in headless chromium, a screenshot and the numbers shown (ch. 8);
 - `attention_decode`, `long_context`: decode attention and its share of a step at long context (ch. 9);
 - `step_costs`, `disagg_runs`: this machine's step costs fitted for the simulator, and colocated
   against disaggregated serving measured beside the simulator's prediction (ch. 11);

@@ -1,6 +1,7 @@
 """`make demo`'s chapter-8 part: the real model behind minillm's OpenAI-compatible server on a
 free loopback port, one chat answer streamed through the official `openai` client as it arrives,
-then a short load from the load generator (`lab/loadgen.py`) and its table.
+then a short load from the load generator (`lab/loadgen.py`) and its table. It prints the URL of
+the server's live dashboard (`GET /dashboard`), which draws the load while it runs.
 
     from minillm.lab.serve_demo import run_serve_demo
     run_serve_demo(model, tokenizer)
@@ -37,6 +38,7 @@ def run_serve_demo(model, tokenizer, num_prompts: int = 12, request_rate: float 
     print("\nchapter 8: the OpenAI-compatible server (python -m minillm serve), on loopback")
     with running(llm, served_model_name="smollm2-135m") as srv:
         print(f"serving on {srv.base_url}")
+        print(f"dashboard: {srv.url}/dashboard (a live page of /metrics; open it while the load runs)")
         result = {"stream": stream_one(srv.base_url, "smollm2-135m", "What is a KV cache?")}
         result["load"] = short_load(srv.base_url, "smollm2-135m", num_prompts, request_rate)
     return result

@@ -8,6 +8,9 @@
 - `app.py`           the Starlette routes; nothing slow on the event loop
 - `errors.py`        OpenAI error objects, the status of each failure, the catch-all middleware
 - `metrics.py`       `GET /metrics` by prometheus_client, vLLM's metric names
+- `engine_metrics.py` what the engine keeps itself (SLO controller, speculation, KV tiers, priorities),
+                     read at scrape time
+- `dashboard.py`     `GET /dashboard`: a live page of /metrics, its files in `static/` (package data)
 - `server.py`, `cli.py`  uvicorn in the foreground (`python -m minillm serve`) or in a thread
 
 Chapter 11 adds disaggregated serving (`python -m minillm serve --disaggregated`):

@@ -71,11 +71,14 @@ def _draining_server(config, app, foreground: bool):
 def serve(app, host: str = LOOPBACK, port: int = 8000, graceful_s: float = 5.0,
           log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Serve in the foreground until SIGINT / SIGTERM (uvicorn installs the handlers). Port 0
-    picks a free one; the line "serving on URL" says which. `sock`: a socket already bound to
-    host:port (the CLI binds before it loads the model), used instead of binding here."""
+    picks a free one; the line "serving on URL" says which (the next line: the live dashboard's
+    URL). `sock`: a socket already bound to host:port (the CLI binds before it loads the model),
+    used instead of binding here."""
     sock = sock if sock is not None else _socket(host, port)
     shown = f"[{host}]" if ":" in host else host
-    print(f"serving on http://{shown}:{sock.getsockname()[1]}/v1", flush=True)
+    url = f"http://{shown}:{sock.getsockname()[1]}"
+    print(f"serving on {url}/v1", flush=True)
+    print(f"dashboard: {url}/dashboard", flush=True)          # a live page of /metrics (dashboard.py)
     try:
         _draining_server(_config(app, graceful_s, log_level), app, True).run(sockets=[sock])
     finally:
