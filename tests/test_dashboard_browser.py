@@ -114,6 +114,9 @@ def test_the_page_shows_what_metrics_says_and_draws_it(srv, driver):
         assert charts[title]["points"] > 1 and charts[title]["coloured"] >= MIN_LINE_PIXELS, charts[title]
     assert len(charts) == 12
 
+    kept = driver.execute_script("return [scrapes.length, scrapes.filter(s => s.samples).length];")
+    assert kept[1] <= min(kept[0], math.ceil(2 * 1000 / 250) + 3)   # older scrapes keep their values only
+
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == []
 

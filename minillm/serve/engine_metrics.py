@@ -60,10 +60,11 @@ class EngineCollector:
         return list(self._families(live=True))
 
     # ---- one helper per kind of family ----------------------------------------------------------
-    def _gauge(self, name, help, value, labels=None):
-        g = GaugeMetricFamily(f"minillm:{name}", help, labels=["model_name", *(labels or {})])
+    def _gauge(self, name, help, value):
+        """One gauge; no sample when the value is unknown (None)."""
+        g = GaugeMetricFamily(f"minillm:{name}", help, labels=["model_name"])
         if value is not None:
-            g.add_metric([self.model_name, *(labels or {}).values()], float(value))
+            g.add_metric([self.model_name], float(value))
         return g
 
     def _labelled(self, kind, name, help, label, values: dict):

@@ -5,7 +5,10 @@ const P = "minillm:";
 const opts = {window: +document.body.dataset.windowS, poll: +document.body.dataset.pollMs,
               rate: +document.body.dataset.rateS};
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-const history = [];             // [{t: seconds, samples: [{name, labels, value}]}], oldest first
+// [{t: seconds, samples: [{name, labels, value}] or null, memo: {series key: value}}], oldest first.
+// A scrape's plotted values are computed once (memo); its samples are kept only while a newer
+// scrape's rate may still reach back to it (about rate_s), so a long window stays small.
+const scrapes = [];
 let polls = 0;
 
 // ---- Prometheus' text format -> samples ---------------------------------------------------------
@@ -56,21 +59,21 @@ function labelValues(samples, name, label) {
 // The scrape `rate_s` before the newest (the oldest one if none is that old).
 function earlier(i) {
   let j = i;
-  while (j > 0 && history[i].t - history[j].t < opts.rate) j--;
-  return j === i ? null : history[j];
+  while (j > 0 && scrapes[i].t - scrapes[j].t < opts.rate) j--;
+  return j === i ? null : scrapes[j];
 }
 
 function rate(i, name, want = {}) {
-  const then = earlier(i), now = history[i];
-  if (!then) return null;
+  const then = earlier(i), now = scrapes[i];
+  if (!then || !then.samples) return null;
   const a = value(then.samples, name, want) ?? 0, b = value(now.samples, name, want) ?? 0;
   return (b >= a ? b - a : b) / (now.t - then.t);          // a counter that went back: restarted
 }
 
 // Prometheus' histogram_quantile over the bucket deltas between scrape i and `rate_s` before it.
 function quantile(i, q, name) {
-  const then = earlier(i), now = history[i];
-  if (!then) return null;
+  const then = earlier(i), now = scrapes[i];
+  if (!then || !then.samples) return null;
   const bucket = P + name + "_bucket", le = x => (x === "+Inf" ? Infinity : Number(x));
   const les = labelValues(now.samples, bucket, "le").map(le).sort((a, b) => a - b);
   const count = (samples, bound) => samples.reduce(
@@ -121,7 +124,7 @@ const NOW = [
 ];
 const byPriority = kind => s => labelValues(s, `${P}num_requests_${kind}_by_priority`, "priority")
   .map(p => ({label: `${kind} p${p}`, metric: `num_requests_${kind}_by_priority`, labels: {priority: p}}));
-const gauge = (label, metric, labels) => ({label, metric, labels, at: (i, m, l) => value(history[i].samples, P + m, l)});
+const gauge = (label, metric, labels) => ({label, metric, labels, at: (i, m, l) => value(scrapes[i].samples, P + m, l)});
 const perSec = (label, metric, labels) => ({label, metric, labels, derived: "rate", at: (i, m, l) => rate(i, P + m, l)});
 const pct = q => ({label: `P${q}`, derived: `p${q}`, at: (i, m) => quantile(i, q / 100, m)});
 const CHARTS = [
@@ -192,11 +195,17 @@ function chartBox(chart) {
   return (chart.box = box);
 }
 
+function point(i, s, title) {
+  const h = scrapes[i], key = `${title}|${s.label}`;
+  if (!(key in h.memo)) h.memo[key] = h.samples ? s.at(i, s.metric, s.labels) : null;
+  return h.memo[key];
+}
+
 function drawChart(chart) {
   chartBox(chart);
-  const series = chart.series(history[history.length - 1].samples);
-  const newest = history[history.length - 1].t;
-  const lines = series.map(s => history.map((h, i) => [h.t - newest, s.at(i, s.metric, s.labels)]));
+  const series = chart.series(scrapes[scrapes.length - 1].samples);
+  const newest = scrapes[scrapes.length - 1].t;
+  const lines = series.map(s => scrapes.map((h, i) => [h.t - newest, point(i, s, chart.title)]));
   const c = chart.canvas, dpr = window.devicePixelRatio || 1;
   c.width = Math.max(1, Math.round(c.clientWidth * dpr)); c.height = Math.max(1, Math.round(c.clientHeight * dpr));
   const g = c.getContext("2d"), W = c.width, H = c.height, L = 48 * dpr, B = 18 * dpr;
@@ -250,12 +259,14 @@ async function poll() {
     const response = await fetch("/metrics", {cache: "no-store"});
     if (!response.ok) throw new Error(`/metrics answered ${response.status}`);
     const samples = parseMetrics(await response.text()), t = performance.now() / 1000;
-    history.push({t, samples});
-    while (history.length > 2 && t - history[1].t > opts.window) history.shift();
+    scrapes.push({t, samples, memo: {}});
+    while (scrapes.length > 2 && t - scrapes[1].t > opts.window) scrapes.shift();
     const model = samples.find(s => s.labels.model_name);
     document.getElementById("model").textContent = model ? model.labels.model_name : "";
     showTiles(samples);
     for (const chart of CHARTS) drawChart(chart);
+    const keep = Math.ceil(opts.rate * 1000 / opts.poll) + 3;     // scrapes a rate may reach back to
+    for (let k = 0; k < scrapes.length - keep; k++) scrapes[k].samples = null;
     polls++;
     status.className = ""; status.dataset.polls = String(polls);
     status.textContent = `${polls} scrapes of /metrics, the last at ${new Date().toLocaleTimeString()}; every ${opts.poll} ms`;
