@@ -149,7 +149,7 @@ const CHARTS = [
     gauge("speculating", "spec_decode_enabled")]},
   {title: "SLO controller: token budget", series: () => [gauge("budget", "slo_max_num_batched_tokens")]},
   {title: "SLO controller: P95 against target (s)", series: () => ["ttft", "tpot"].flatMap(k => [
-    gauge(`${k.toUpperCase()} P95`, `slo_${k}_p95_seconds`), gauge("target", `slo_${k}_p95_target_seconds`)])},
+    gauge(`${k.toUpperCase()} P95`, `slo_${k}_p95_seconds`), gauge(`${k.toUpperCase()} target`, `slo_${k}_p95_target_seconds`)])},
 ];
 
 function fmt(v) {
@@ -196,7 +196,7 @@ function chartBox(chart) {
 }
 
 function point(i, s, title) {
-  const h = scrapes[i], key = `${title}|${s.label}`;
+  const h = scrapes[i], key = JSON.stringify([title, s.label, s.metric, s.labels]);
   if (!(key in h.memo)) h.memo[key] = h.samples ? s.at(i, s.metric, s.labels) : null;
   return h.memo[key];
 }
@@ -211,7 +211,7 @@ function drawChart(chart) {
   const g = c.getContext("2d"), W = c.width, H = c.height, L = 48 * dpr, B = 18 * dpr;
   g.fillStyle = "#fff"; g.fillRect(0, 0, W, H);
   const finite = lines.flat().map(p => p[1]).filter(v => v !== null && Number.isFinite(v));
-  const top = Math.max(1e-9, ...finite) * 1.1 || 1;
+  const most = finite.reduce((a, b) => Math.max(a, b), 0), top = most > 0 ? most * 1.1 : 1;
   const x = t => L + (W - L - 4 * dpr) * (1 + t / opts.window), y = v => (H - B) - (H - B - 6 * dpr) * v / top;
   g.strokeStyle = "#e3e7ec"; g.fillStyle = "#5a6472"; g.font = `${10 * dpr}px sans-serif`; g.lineWidth = dpr;
   for (let k = 0; k <= 4; k++) {
