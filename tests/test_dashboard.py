@@ -176,3 +176,11 @@ def test_a_queue_timeout_is_counted_in_its_own_counter(tok):
     assert sorted(codes) == [200, 503]
     assert m[("minillm:request_queue_timeouts_total", frozenset())] == 1
     assert m[("minillm:request_aborted_total", frozenset())] == 1
+
+
+def test_no_browser_is_a_clear_error(monkeypatch, tmp_path):
+    from minillm.lab import dashboard as page
+    monkeypatch.setattr(page, "CHROMIUM", str(tmp_path / "chromium"))
+    assert "chromium" in page.missing() and "apt-get install" in page.missing()
+    with pytest.raises(page.BrowserMissing, match="chromium-driver"):
+        page.read_page("http://127.0.0.1:9/dashboard")

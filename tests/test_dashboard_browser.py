@@ -149,3 +149,13 @@ def test_the_page_percentile_is_prometheus_histogram_quantile(srv, driver):
                 " arguments[2]);", q, [x if x != math.inf else "inf" for x in les], counts)
             assert got == pytest.approx(_prometheus_quantile(q, les, counts), rel=1e-12), (q, counts)
     assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_the_lab_helpers_read_the_page_and_take_a_screenshot(srv, tmp_path):
+    """What the notebook calls: read_page's numbers are /metrics' (the load is over), and the
+    screenshot is a PNG."""
+    shown, metrics = page.read_page(srv.url + "/dashboard?poll_ms=200"), scrape(srv.url)
+    assert shown["minillm:generation_tokens_total"] == expected(metrics, "minillm:generation_tokens_total", {})
+    assert shown['minillm:num_requests_waiting_by_priority{priority="2"}'] == 0
+    path = page.screenshot(srv.url + "/dashboard", tmp_path / "dashboard.png", wait_s=0.3)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
