@@ -85,15 +85,14 @@ class BlockManager(PrefixCache):
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks with refcount 0: free to take, and still findable until taken."""
+        return len(self._evictable)
+
+    @property
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one sequence."""
         return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Cached blocks no sequence references (refcount 0): reusable on a prefix hit, evicted
-        (LRU first) when the free ones run out. Counted in `num_free_blocks`."""
-        return len(self._evictable)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """ceil(num_tokens / P)."""
