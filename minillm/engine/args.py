@@ -23,10 +23,10 @@ from minillm.engine.logits_process import LogitsProcessors
 from minillm.engine.spec_methods import TREE_METHODS, check_tree
 from minillm.engine.structured import GrammarState
 from minillm.paging.paged_cache import PagedKVCache
-from minillm._validate import ArgumentTypeError, check_real
+from minillm._validate import ArgumentTypeError, check_int, check_real
 
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-             "speculative_token_tree")
+             "speculative_token_tree", "disable_by_batch_size")
 SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "medusa": "medusa",
                 "eagle": "eagle", "lookahead": "lookahead"}   # vLLM's -> ours
 
@@ -35,7 +35,8 @@ def apply_speculative_config(config, spec: dict, draft_model=None):
     """(EngineConfig, vLLM speculative_config dict, draft_model) -> (EngineConfig, draft_model,
     drafter).
 
-    The dict fills the flat fields; a flat field already set to something else raises ValueError.
+    The dict fills the flat fields (its "disable_by_batch_size" is
+    `speculative_disable_by_batch_size`, as in vLLM); a flat field already set to something else raises ValueError.
     "model" is a Transformer for "draft_model" (`LLM` loads one given by name first), and the
     drafter for "medusa" / "eagle" / "lookahead" (a proposer, or None; spec_methods.py). The
     dict is only read, and everything is checked before anything is made.
@@ -57,6 +58,9 @@ def apply_speculative_config(config, spec: dict, draft_model=None):
                          f"got {k!r}")
     fields = {"speculative_method": SPEC_METHODS[method]}
     fields.update({k: spec[k] for k in SPEC_KEYS[1:4] if k in spec})
+    if spec.get("disable_by_batch_size") is not None:   # vLLM's SpeculativeConfig key -> flat field
+        fields["speculative_disable_by_batch_size"] = check_int(
+            "speculative_config['disable_by_batch_size'] (None or)", spec["disable_by_batch_size"], 2)
     if spec.get("speculative_token_tree") is not None:
         if fields["speculative_method"] not in TREE_METHODS:
             raise ValueError(f"speculative_config['speculative_token_tree'] needs a method in "

@@ -17,7 +17,11 @@ store one byte per element (paging/kv_storage.py), so the same memory holds abou
 (each request's int priority, lower first, with optional `priority_classes`: priority.py).
 Speculative decoding: `num_speculative_tokens` K > 0 with `speculative_method` "ngram", "draft",
 or a trained drafter "medusa" / "eagle" / "lookahead" (its proposer built by spec_methods.py),
-optionally with `speculative_token_tree` (checked against the drafter there). Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
+optionally with `speculative_token_tree` (checked against the drafter there). Speculation steps
+aside per step (spec_decoder.py, `SpecDecoder.select`): `speculative_disable_by_batch_size` (vLLM's
+name and rule, >= 2) turns drafting off for a step whose running requests reach it, and
+`speculative_min_seq_len` (seed 001's "sequence length > 32" is 33) keeps a sequence holding fewer
+tokens on plain decoding; both None (default): every step speculates. Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
 "flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
 minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from the step size where
 it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
@@ -54,6 +58,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     speculative_method: str | None = None         # see SPEC_METHODS (spec_methods.py)
     speculative_token_tree: tuple | str | None = None   # paths of top-k ranks, "auto", None: chain
+    speculative_disable_by_batch_size: int | None = None   # no drafts once this many requests run
+    speculative_min_seq_len: int | None = None    # a sequence drafts once it holds this many tokens
     prompt_lookup_min: int = 1                    # "ngram": shortest / longest tail to match
     prompt_lookup_max: int = 3
     seed: int = 0                                 # for requests without their own seed
@@ -99,6 +105,11 @@ class EngineConfig:
         if self.speculative_token_tree is not None and self.speculative_method not in TREE_METHODS:
             raise ValueError(f"speculative_token_tree needs speculative_method in "
                              f"{list(TREE_METHODS)}, got {self.speculative_method!r}")
+        if self.speculative_disable_by_batch_size is not None:   # 1 would never speculate
+            check_int("EngineConfig.speculative_disable_by_batch_size (None or)",
+                      self.speculative_disable_by_batch_size, 2)
+        if self.speculative_min_seq_len is not None:
+            check_int("EngineConfig.speculative_min_seq_len (None or)", self.speculative_min_seq_len, 1)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")

@@ -15,7 +15,10 @@ finished sequences at once (their blocks go back to the pool), and writes per-re
 With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup, a
 `draft_model`, or a trained drafter that reads the target's features, kept per sequence here:
 spec_decoder.py, features.py) that one forward pass scores and the sampler verifies; vLLM's
-`speculative_config` dict and `gpu_memory_utilization` map onto these fields in args.py. With a tokenizer, each
+`speculative_config` dict and `gpu_memory_utilization` map onto these fields in args.py. Each step
+asks the switch (`SpecDecoder.select`) whether to speculate: under load (`speculative_disable_by_batch_size`)
+or for short sequences (`speculative_min_seq_len`) it steps aside and decodes plainly;
+`spec_active` and `spec_stats.num_steps_speculated` / `num_steps_skipped` say what it did. With a tokenizer, each
 sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
 `llm.py` wraps the engine in vLLM's offline front door, `LLM`.
 
@@ -80,7 +83,9 @@ class LLMEngine(StepUpdate):
                                     draft_model, mc.max_seq_len,
                                     ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
                                     max_num_seqs=cfg.max_num_seqs, drafter=drafter,
-                                    tree=cfg.speculative_token_tree, target=model)
+                                    tree=cfg.speculative_token_tree, target=model,
+                                    disable_by_batch_size=cfg.speculative_disable_by_batch_size,
+                                    min_seq_len=cfg.speculative_min_seq_len)
         self.needs_features = self.spec is not None and self.spec.needs_features
         param = next(model.parameters())
         scheduler = (StaticScheduler if cfg.scheduling == "static" else
@@ -93,6 +98,8 @@ class LLMEngine(StepUpdate):
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold)
         self.sampler = Sampler(param.device, cfg.seed)
         self.spec_stats = SpecDecodingStats()      # all zero without speculative decoding
+        self.spec_active = False       # whether the last step with decodes speculated (the switch)
+        self._spec_step = None         # this step's switch: None (no decodes), True, False
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self.trace: list[dict] = []
@@ -227,12 +234,20 @@ class LLMEngine(StepUpdate):
 
     # ---- internals --------------------------------------------------------------------------
     def _draft(self) -> None:
-        """Propose drafts for decoding sequences before the scheduler books their blocks."""
+        """Propose drafts for the decoding sequences the switch lets draft this step
+        (`SpecDecoder.select`), before the scheduler books their blocks; the others decode
+        plainly (no drafts left from a step that did not run them)."""
+        self._spec_step = None
         if self.spec is None:
             return
-        seqs = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.output_token_ids]
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.output_token_ids]
+        seqs = self.spec.select(decoding, self.scheduler.running)
+        for seq in decoding:
+            seq.draft_token_ids, seq.draft_probs = [], None
         for seq, (ids, probs) in zip(seqs, self.spec.propose(seqs, self.sampler.draft_generator)):
             seq.draft_token_ids, seq.draft_probs = ids, probs
+        if decoding:
+            self._spec_step = bool(seqs)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1

@@ -18,6 +18,28 @@ One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=
 A sequence whose drafts do not fit the step's token budget simply decodes one token. This module
 proposes, and defines the record of the run's counts; it changes no sequence, block or metric.
 
+Speculation that steps aside (`SpecDecoder.select`, asked by the engine before step 1): drafts
+cost B x (K + 1) verify rows against B plain ones, which pays while a decode step is bound by
+reading the weights (small batches) and stops paying once the batch makes it compute-bound.
+- `disable_by_batch_size` (vLLM's `speculative_disable_by_batch_size`, its V0 rule): no sequence
+  drafts in a step whose running requests (vLLM counts requests, `running_queue_size`: a
+  request's n > 1 completions are one) reach the threshold. Counted before the step's
+  admissions, as the drafts are proposed before the scheduler runs.
+- `min_seq_len` (seed 001's other condition, "sequence length > 32"; named after vLLM's upper
+  bound `speculative_max_model_len`): a sequence holding fewer tokens (prompt + output) decodes
+  plainly beside others that draft (seed 001: speculation as a plug-in for the requests of a
+  batch that qualify). A short context gives a lookup drafter little to match, and a short
+  request has little left to gain.
+Seed 001 reads "enable when concurrency >= 2", the opposite direction: at batch 1 a verify pass
+costs least against what it saves, so we keep vLLM's (the chapter's measurement,
+`minillm.lab.spec_switch.compare`, picks the threshold on the reader's machine).
+A step that steps aside is a plain decode step: the verifier is exact for any drafts and
+no drafts is plain sampling, so the law of every token is unchanged either way (greedy: the
+same tokens). A seeded request's sampled tokens may differ between switched and unswitched runs
+(drafting draws from its generator), as in vLLM; their law does not. Drafters that keep state
+per sequence catch up after steps without drafts: a draft model's cache re-reads the tokens it
+missed, lookahead shifts its guesses, and the target's features are kept every step (features.py).
+
 The trained drafters' drafts are deterministic (q None), so the same exact rule verifies them.
 
 Left out on purpose: a batched/paged draft-model cache (the draft model runs batch 1, one
@@ -42,6 +64,8 @@ class SpecDecodingStats:
     num_spec_steps: int = 0        # verify steps (one per sequence that verified drafts)
     num_draft_tokens: int = 0      # drafts proposed and verified
     num_accepted_tokens: int = 0   # drafts kept
+    num_steps_speculated: int = 0  # engine steps with decodes in which some sequence could draft
+    num_steps_skipped: int = 0     # ... in which speculation stepped aside (plain decodes only)
 
     @property
     def accepted_fraction(self) -> float:
@@ -53,12 +77,14 @@ class SpecDecodingStats:
 class SpecDecoder:
     def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None,
                  ngram: tuple[int, int] = (1, 3), max_num_seqs: int = 32, drafter=None,
-                 tree=None, target=None):
+                 tree=None, target=None, disable_by_batch_size: int | None = None,
+                 min_seq_len: int | None = None):
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_method must be one of {list(SPEC_METHODS)}, got {method!r}")
         if method == "draft" and draft_model is None:
             raise ValueError("speculative_method='draft' needs LLMEngine(..., draft_model=...)")
         self.k, self.method, self.max_seq_len = k, method, max_seq_len
+        self.disable_by_batch_size, self.min_seq_len = disable_by_batch_size, min_seq_len
         if method == "ngram":
             self.proposer = NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1])
         elif method == "draft":
@@ -71,6 +97,16 @@ class SpecDecoder:
         # a proposer with state per sequence (lookahead's guesses) is keyed by seq_id and sees
         # the verify logits (`observe`)
         self.keyed = method == "draft" or callable(getattr(self.proposer, "observe_chain", None))
+
+    def select(self, decoding: list[Sequence], running: list[Sequence]) -> list[Sequence]:
+        """The switch: which of this step's decoding sequences draft. None when the running
+        requests reach `disable_by_batch_size`; else those holding >= `min_seq_len` tokens."""
+        limit = self.disable_by_batch_size
+        if limit is not None and len({s.request_id for s in running}) >= limit:
+            return []
+        if self.min_seq_len is None:
+            return list(decoding)
+        return [s for s in decoding if s.num_tokens >= self.min_seq_len]
 
     def propose(self, seqs: list[Sequence],
                 draft_generator) -> list[tuple[list[int], torch.Tensor | None]]:

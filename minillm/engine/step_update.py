@@ -58,11 +58,25 @@ class StepUpdate:
                 seq.features.clear()       # recomputed from scratch; a swapped KV keeps them
         self.trace.append(trace_row(self.step_count, out, t0, now, num_decode, prefill_ids,
                                     self.scheduler, self.block_manager))
+        self._count_spec_step()
         self.step_count += 1
         outputs = [self._output(r) for r in advanced.values()]
         prune(self.trace, self.requests, self._forgotten, self._pinned, self.config,
               self.scheduler.num_unfinished)            # bounded memory (trace.py)
         return outputs
+
+    def _count_spec_step(self) -> None:
+        """The speculation switch's decision for this step (`LLMEngine._draft`), if it had
+        decodes: counted in `spec_stats`, kept as `spec_active` and in the trace row ("spec")."""
+        decision = self._spec_step
+        self.trace[-1]["spec"] = decision
+        if decision is None:
+            return
+        self.spec_active = decision
+        if decision:
+            self.spec_stats.num_steps_speculated += 1
+        else:
+            self.spec_stats.num_steps_skipped += 1
 
     def _advance(self, out, t0: float) -> tuple[int, list[str]]:
         """The scheduled tokens' KV is written: advance each sequence and register full blocks

@@ -13,6 +13,7 @@ load and replay things on the reader's own machine.
 - `spec_costs`, `spec_replay`, `spec_report`: what a speculative step costs, the recorded greedy
   schedule (`spec_schedule.json`, package data) and its ceilings, a spec record as text (ch. 6);
 - `priority`: the priority mix and the P95-driven token budget (ch. 8);
+- `spec_switch`: speculation off, always on and stepping aside under load, its threshold measured (ch. 8);
 - `loadgen`, `serve_client`, `serve_metrics`, `datasets`: the HTTP load generator (ch. 8);
 - `dashboard`: the server's live dashboard in headless chromium, a screenshot and the numbers shown (ch. 8);
 - `attention_decode`, `long_context`: decode attention and its share of a step at long context (ch. 9);

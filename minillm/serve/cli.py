@@ -58,6 +58,9 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
     "--tensor-parallel-size": ("tensor_parallel_size", int),   # ranks, as worker processes
+    # speculation that steps aside (vLLM V0's flag; or "disable_by_batch_size" in --speculative-config)
+    "--speculative-disable-by-batch-size": ("speculative_disable_by_batch_size", int),
+    "--speculative-min-seq-len": ("speculative_min_seq_len", int),
 }
 # The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
