@@ -27,6 +27,9 @@ minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from
 it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
 `tensor_parallel_size` n > 1 splits the model over n processes (engine/tp_runner.py); which n a
 model allows is checked against it when the engine is built (distributed/tensor_parallel.py).
+SLO targets: `slo_ttft_p95_ms` / `slo_tpot_p95_ms` (positive, or None) start the controller
+(slo_controller.py), which every `slo_interval_s` seconds moves the token budget within
+[one decode step, max_num_batched_tokens] and the classes' queue bounds towards them.
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -71,6 +74,9 @@ class EngineConfig:
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
     attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
     tensor_parallel_size: int = 1                 # ranks the model is split over (tp_runner.py)
+    slo_ttft_p95_ms: float | None = None          # SLO controller targets (slo_controller.py);
+    slo_tpot_p95_ms: float | None = None          # None: no target; both None: no controller
+    slo_interval_s: float = 2.0                   # seconds between the controller's decisions
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -123,5 +129,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention_backend must be one of "
                              f"{list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        self._check_slo()
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)
+
+    def _check_slo(self) -> None:
+        for name in ("slo_ttft_p95_ms", "slo_tpot_p95_ms"):
+            if getattr(self, name) is not None:
+                check_real(f"EngineConfig.{name} (None or)", getattr(self, name), 0, low_open=True)
+        check_real("EngineConfig.slo_interval_s", self.slo_interval_s, 0, low_open=True)
+        if self.scheduling == "static" and (self.slo_ttft_p95_ms or self.slo_tpot_p95_ms):
+            raise ValueError("slo_ttft_p95_ms / slo_tpot_p95_ms need scheduling='continuous': a "
+                             "static batch admits no one until it drains, so no budget moves its latency")

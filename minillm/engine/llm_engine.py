@@ -25,6 +25,10 @@ sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (d
 `scheduling_policy="priority"` orders requests by their `priority` and may bound their queue wait
 (priority.py); the bound is checked at the start of each step, on `self.clock`.
 
+`slo_ttft_p95_ms` / `slo_tpot_p95_ms` make `self.controller` (slo_controller.py): each step
+starts with its `tick` (on `self.clock`) and ends by handing it the step's outputs; it moves the
+scheduler's token budget and the classes' queue bounds, never the tokens a request gets.
+
 Every field of `SamplingParams` is honoured: penalties, logit_bias, min_tokens, bad_words and
 min_p by the sampler (logits_process.py), structured output by a `GrammarState` per sequence
 (structured.py; started here, advanced in `_append`, forked with the completions), logprobs and
@@ -53,6 +57,7 @@ from minillm.engine.tp_runner import make_runner
 from minillm.engine.sampler import Sampler
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
 from minillm.engine.scheduler import Scheduler
+from minillm.engine.slo_controller import SLOController
 from minillm.engine.static_scheduler import StaticScheduler
 from minillm.engine.step_update import StepUpdate
 from minillm.engine.trace import progress_bar
@@ -97,6 +102,9 @@ class LLMEngine(StepUpdate):
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold)
         self.sampler = Sampler(param.device, cfg.seed)
+        # None, or the loop that moves the scheduler's budget towards the P95 targets
+        self.controller = (SLOController(cfg, self.scheduler)
+                           if cfg.slo_ttft_p95_ms is not None or cfg.slo_tpot_p95_ms is not None else None)
         self.spec_stats = SpecDecodingStats()      # all zero without speculative decoding
         self.spec_active = False       # whether the last step with decodes speculated (the switch)
         self._spec_step = None         # this step's switch: None (no decodes), True, False
@@ -175,8 +183,12 @@ class LLMEngine(StepUpdate):
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run -> sample -> update. Returns the requests it advanced."""
         t0 = self.clock()
-        timed_out = (apply_queue_timeouts(self.scheduler, self.requests, self.config.priority_classes,
-                                          t0, self.step_count) if self.config.priority_classes else [])
+        ctl = self.controller
+        if ctl is not None:
+            ctl.tick(t0)               # a decision every slo_interval_s; nothing in between
+        classes = self.config.priority_classes if ctl is None else ctl.priority_classes
+        timed_out = (apply_queue_timeouts(self.scheduler, self.requests, classes, t0,
+                                          self.step_count) if classes else [])
         self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
         try:
@@ -192,8 +204,10 @@ class LLMEngine(StepUpdate):
         except Exception:
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
-        return [self._output(r) for r in timed_out] + self.update_from_output(
-            out, rows, sampled, t0, prompt_lps, hidden)
+        outputs = self.update_from_output(out, rows, sampled, t0, prompt_lps, hidden)
+        if ctl is not None:            # this step's first tokens and finished requests
+            ctl.observe(outputs, self.step_count - 1, len(timed_out))
+        return [self._output(r) for r in timed_out] + outputs
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
                  sampling_params=None, priority=None) -> list[RequestOutput]:

@@ -34,6 +34,10 @@ $MINILLM_DISAGG_KEY).
 `--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
 the server.
 
+`--slo-ttft-p95-ms 2000 --slo-tpot-p95-ms 150 [--slo-interval-s 2]` start the SLO controller
+(engine/slo_controller.py): it moves the token budget, never above `--max-num-batched-tokens`,
+and the priority classes' queue bounds towards the P95 targets.
+
 Left out on purpose: vLLM's other flags (pipeline parallelism, LoRA, tool parsers, ...).
 """
 import argparse
@@ -103,6 +107,23 @@ def json_object(value: str) -> dict:
     if not isinstance(out, dict):
         raise argparse.ArgumentTypeError(f"a JSON object, got {type(out).__name__}")
     return out
+
+
+def positive(value: str) -> float:
+    """--slo-*: a finite number > 0."""
+    try:
+        out = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number > 0, got {value!r}") from None
+    if not 0 < out < float("inf"):
+        raise argparse.ArgumentTypeError(f"a finite number > 0, got {value!r}")
+    return out
+
+
+# The SLO controller (engine/slo_controller.py): P95 targets in ms and its decision interval.
+ENGINE_FLAGS.update({"--slo-ttft-p95-ms": ("slo_ttft_p95_ms", positive),
+                     "--slo-tpot-p95-ms": ("slo_tpot_p95_ms", positive),
+                     "--slo-interval-s": ("slo_interval_s", positive)})
 
 
 def parser() -> argparse.ArgumentParser:
