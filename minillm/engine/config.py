@@ -23,6 +23,9 @@ minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from
 it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
 `tensor_parallel_size` n > 1 splits the model over n processes (engine/tp_runner.py); which n a
 model allows is checked against it when the engine is built (distributed/tensor_parallel.py).
+A second KV tier in host memory: `kv_offloading_size` GiB (vLLM's name; None or 0: off) keeps
+prefix-cache blocks evicted from the pool, or idle for `offload_idle_s` seconds (seed 001's 2 s),
+and restores them on a later hit instead of recomputing them (paging/offload.py).
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -65,6 +68,8 @@ class EngineConfig:
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
     attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
     tensor_parallel_size: int = 1                 # ranks the model is split over (tp_runner.py)
+    kv_offloading_size: float | None = None       # GiB of host KV tier (None / 0: off; offload.py)
+    offload_idle_s: float = 2.0                   # cached blocks idle this long go to the host tier
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -114,3 +119,19 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)
+        check_offload(self)
+
+
+def check_offload(cfg: EngineConfig) -> None:
+    """The host KV tier's fields: `kv_offloading_size` None or a real number of GiB >= 0 (its
+    bound by host memory is checked when the engine allocates it), `offload_idle_s` >= 0; a tier
+    needs prefix caching (it keeps and finds prefix-cache blocks) and one process (TP = 1)."""
+    if cfg.kv_offloading_size is not None:
+        check_real("EngineConfig.kv_offloading_size (GiB; None or)", cfg.kv_offloading_size, 0)
+    check_real("EngineConfig.offload_idle_s", cfg.offload_idle_s, 0)
+    if cfg.kv_offloading_size and not cfg.enable_prefix_caching:
+        raise ValueError("EngineConfig.kv_offloading_size > 0 needs enable_prefix_caching=True "
+                         "(the host tier keeps and finds prefix-cache blocks)")
+    if cfg.kv_offloading_size and cfg.tensor_parallel_size > 1:
+        raise ValueError(f"EngineConfig.kv_offloading_size > 0 needs tensor_parallel_size=1, got "
+                         f"{cfg.tensor_parallel_size} (each rank would need its own host tier)")
