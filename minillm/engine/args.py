@@ -8,7 +8,8 @@ the arithmetic of `kv_math.plan_capacity`, but with the weights and the activati
 on the device; otherwise `kv_cache_memory_bytes` // bytes per block. On a CPU
 `gpu_memory_utilization` is ignored with a warning, so one script runs on a laptop and a GPU.
 Bytes per block follow `kv_cache_dtype` (scales included): int8 or fp8 KV gets about 2x (bf16)
-or 4x (fp32) the blocks of the same memory.
+or 4x (fp32) the blocks of the same memory. The host KV tier's slots (`offload_num_blocks`) are
+`kv_offloading_size` GiB // the same bytes per block, refused beyond the host memory available.
 
 Left out on purpose: memory held by other processes (vLLM checks free memory at start-up),
 CUDA-graph memory, and vLLM's other speculative methods (mtp, suffix).
@@ -22,6 +23,7 @@ import torch
 from minillm.engine.logits_process import LogitsProcessors
 from minillm.engine.spec_methods import TREE_METHODS, check_tree
 from minillm.engine.structured import GrammarState
+from minillm.paging.host_pool import host_num_blocks
 from minillm.paging.paged_cache import PagedKVCache
 from minillm._validate import ArgumentTypeError, check_int, check_real
 
@@ -147,6 +149,14 @@ def pool_num_blocks(model, config, draft_model=None) -> int:
         warnings.warn(f"gpu_memory_utilization is ignored on {param.device.type}: the pool is "
                       f"sized by kv_cache_memory_bytes={config.kv_cache_memory_bytes}")
     return max(1, config.kv_cache_memory_bytes // per_block)
+
+
+def offload_num_blocks(model, config) -> int:
+    """Host-tier slots for `config.kv_offloading_size` GiB (0: no tier; paging/host_pool.py)."""
+    param = next(model.parameters())
+    per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, param.dtype,
+                                             config.kv_cache_dtype)
+    return host_num_blocks(config.kv_offloading_size, per_block)
 
 
 def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block_size: int) -> list[int]:

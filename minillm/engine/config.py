@@ -30,6 +30,9 @@ model allows is checked against it when the engine is built (distributed/tensor_
 SLO targets: `slo_ttft_p95_ms` / `slo_tpot_p95_ms` (positive, or None) start the controller
 (slo_controller.py), which every `slo_interval_s` seconds moves the token budget within
 [one decode step, max_num_batched_tokens] and the classes' queue bounds towards them.
+A second KV tier in host memory: `kv_offloading_size` GiB (vLLM's name; None or 0: off) keeps
+prefix-cache blocks evicted from the pool, or idle for `offload_idle_s` seconds (seed 001's 2 s),
+and restores them on a later hit instead of recomputing them (paging/offload.py).
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -77,6 +80,8 @@ class EngineConfig:
     slo_ttft_p95_ms: float | None = None          # SLO controller targets (slo_controller.py);
     slo_tpot_p95_ms: float | None = None          # None: no target; both None: no controller
     slo_interval_s: float = 2.0                   # seconds between the controller's decisions
+    kv_offloading_size: float | None = None       # GiB of host KV tier (None / 0: off; offload.py)
+    offload_idle_s: float = 2.0                   # cached blocks idle this long go to the host tier
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -132,6 +137,7 @@ class EngineConfig:
         self._check_slo()
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)
+        check_offload(self)
 
     def _check_slo(self) -> None:
         for name in ("slo_ttft_p95_ms", "slo_tpot_p95_ms"):
@@ -141,3 +147,18 @@ class EngineConfig:
         if self.scheduling == "static" and (self.slo_ttft_p95_ms or self.slo_tpot_p95_ms):
             raise ValueError("slo_ttft_p95_ms / slo_tpot_p95_ms need scheduling='continuous': a "
                              "static batch admits no one until it drains, so no budget moves its latency")
+
+
+def check_offload(cfg: EngineConfig) -> None:
+    """The host KV tier's fields: `kv_offloading_size` None or a real number of GiB >= 0 (its
+    bound by host memory is checked when the engine allocates it), `offload_idle_s` >= 0; a tier
+    needs prefix caching (it keeps and finds prefix-cache blocks) and one process (TP = 1)."""
+    if cfg.kv_offloading_size is not None:
+        check_real("EngineConfig.kv_offloading_size (GiB; None or)", cfg.kv_offloading_size, 0)
+    check_real("EngineConfig.offload_idle_s", cfg.offload_idle_s, 0)
+    if cfg.kv_offloading_size and not cfg.enable_prefix_caching:
+        raise ValueError("EngineConfig.kv_offloading_size > 0 needs enable_prefix_caching=True "
+                         "(the host tier keeps and finds prefix-cache blocks)")
+    if cfg.kv_offloading_size and cfg.tensor_parallel_size > 1:
+        raise ValueError(f"EngineConfig.kv_offloading_size > 0 needs tensor_parallel_size=1, got "
+                         f"{cfg.tensor_parallel_size} (each rank would need its own host tier)")

@@ -48,8 +48,9 @@ from collections import OrderedDict
 from dataclasses import asdict
 
 from minillm.paging.block_manager import BlockManager
+from minillm.paging.host_tier import HostTier
 from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,
-                                 pool_num_blocks, request_state)
+                                 offload_num_blocks, pool_num_blocks, request_state)
 from minillm.engine.config import EngineConfig
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import prompt_rows
@@ -78,9 +79,12 @@ class LLMEngine(StepUpdate):
         mc, cfg = model.config, self.config
         num_blocks = pool_num_blocks(model, cfg, draft_model)
         scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        num_host = offload_num_blocks(model, cfg)   # the host KV tier's slots (0: no tier)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          HostTier(num_host) if num_host else None)
         # the paged pool and what runs on it; tensor_parallel_size > 1: worker processes too
-        self.runner = make_runner(model, cfg, num_blocks + scratch, self.block_manager, draft_model)
+        self.runner = make_runner(model, cfg, num_blocks + scratch, self.block_manager, draft_model,
+                                  num_host)
         self.cache = self.runner.cache
         self.spec = None
         if cfg.num_speculative_tokens > 0:
@@ -189,6 +193,8 @@ class LLMEngine(StepUpdate):
         classes = self.config.priority_classes if ctl is None else ctl.priority_classes
         timed_out = (apply_queue_timeouts(self.scheduler, self.requests, classes, t0,
                                           self.step_count) if classes else [])
+        if self.block_manager.host_tier is not None:   # idle cached blocks -> host (offload.py)
+            self.block_manager.offload_idle(t0, self.config.offload_idle_s)
         self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
         try:

@@ -1,8 +1,9 @@
 """The model runner: turns one scheduler decision into tensors and runs the model.
 
 It only runs. Given a `SchedulerOutput` it
-1. moves blocks first: swap-outs to CPU, copy-on-write copies, swap-ins back (in that order,
-   since a block freed by a swap-out may be the destination of a copy or a swap-in this step);
+1. moves blocks first: host-tier offloads, swap-outs to CPU, copy-on-write copies, swap-ins
+   back, host-tier restores (in that order, since a block read by an offload or a swap-out may be
+   freed and become the destination of a copy, a swap-in or a restore this step);
 2. flattens every scheduled sequence's new tokens (prefill chunks and decode tokens mixed) into
    input_ids (1, M), positions (M,) and attention metadata (slot mapping, block tables, lengths),
    built once per step and shared by all layers;
@@ -27,6 +28,7 @@ import torch
 
 from minillm.paging.block_manager import BlockManager
 from minillm.attention.metadata import long_tensor
+from minillm.paging.host_pool import HostKVPool
 from minillm.paging.paged_cache import PagedKVCache
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sequence import Sequence
@@ -57,20 +59,27 @@ def prompt_rows(out: SchedulerOutput) -> list[PromptRows]:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager):
+    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager,
+                 num_host_blocks: int = 0):
         self.model, self.cache, self.bm = model, cache, block_manager
         self.device = cache.k.device
+        # the host tier's slots (paging/host_pool.py; pinned on CUDA), or None without a tier
+        self.host = HostKVPool(cache, num_host_blocks) if num_host_blocks else None
 
     def shutdown(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
 
     def move_blocks(self, out: SchedulerOutput) -> None:
+        if out.offload:       # first: the blocks they read may be written by anything below
+            self.host.store(self.cache, out.offload)
         for seq, blocks in out.swap_out:
             seq.swapped_kv = self.cache.swap_out(blocks)   # (2, L, nb, P, Hkv, D) on CPU (+ scales)
         self.cache.copy_blocks(out.copies)
         for seq, blocks, first in out.swap_in:
             self.cache.swap_in(seq.swapped_kv, blocks, first)
             seq.swapped_kv = None
+        if out.restore:       # last: their blocks are fresh ones, maybe freed by a swap-out above
+            self.host.restore(self.cache, out.restore)
 
     def prepare(self, out: SchedulerOutput):
         """Flatten the batch -> (input_ids (1, M), positions (M,), logits_index (K,), sampling seqs);

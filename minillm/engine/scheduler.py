@@ -64,6 +64,9 @@ class SchedulerOutput:
     swap_in: list[tuple[Sequence, list[int], int]] = field(default_factory=list)
     # (seq, dst blocks, index of the first saved block they receive; earlier ones hit the cache)
     preempted: list[Sequence] = field(default_factory=list)
+    # the host tier (paging/offload.py): (device block, host slot) and (host slot, device block)
+    offload: list[tuple[int, int]] = field(default_factory=list)
+    restore: list[tuple[int, int]] = field(default_factory=list)
     padding: list[str] = field(default_factory=list)   # static batching: finished members' rows
 
     @property
@@ -139,6 +142,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
+        self.bm.forget_moves(out.offload, out.restore)   # host-tier copies maybe never made
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -181,6 +185,7 @@ class Scheduler:
             budget, prefill_seen = self._swap_in(out, budget, prefill_seen)
             if self._admission_open() and not admitted:
                 self._admit(out, budget, prefill_seen)
+        out.offload, out.restore = self.bm.take_kv_moves()   # host-tier copies booked this step
         return out
 
     def _prefill_size(self, need: int, budget: int, prefill_seen: bool) -> int:
@@ -247,7 +252,9 @@ class Scheduler:
         seq.draft_token_ids, seq.draft_probs = [], None
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if self.preemption_mode == "swap" and seq.num_computed_tokens > 0:
+        # a block still waiting for its host-tier restore has nothing to swap out yet
+        if (self.preemption_mode == "swap" and seq.num_computed_tokens > 0
+                and not self.bm.has_pending_restores(seq.seq_id)):
             table = self.bm.block_table(seq.seq_id)
             keep = self.bm.blocks_needed(seq.num_computed_tokens)
             out.swap_out.append((seq, table[:keep]))

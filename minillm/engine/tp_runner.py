@@ -17,8 +17,8 @@ it errors out from gloo, then is named the same way). `shutdown()` sends the sto
 no process behind. More ranks x threads than cores is allowed, with a warning: the ranks take
 turns on the cores and every all-reduce waits for the slowest, so a step gets slower, not faster.
 
-Left out on purpose: speculative decoding and trained drafters with n > 1 (refused with a
-ValueError), pipeline parallelism, several engines sharing workers.
+Left out on purpose: speculative decoding, trained drafters and the host KV tier with n > 1
+(refused with a ValueError), pipeline parallelism, several engines sharing workers.
 """
 import multiprocessing.connection
 import os
@@ -35,14 +35,20 @@ from minillm.distributed.tp_worker import CacheSpec, StepPlan, run_step, tp_work
 from minillm.engine.model_runner import ModelRunner, prompt_rows
 
 
-def make_runner(model, config, num_blocks: int, block_manager, draft_model=None):
-    """The runner `LLMEngine` uses: `ModelRunner` (n = 1) or `TensorParallelRunner` (n > 1)."""
+def make_runner(model, config, num_blocks: int, block_manager, draft_model=None,
+                num_host_blocks: int = 0):
+    """The runner `LLMEngine` uses: `ModelRunner` (n = 1) or `TensorParallelRunner` (n > 1).
+    `num_host_blocks` > 0: the host KV tier's slots (n = 1 only)."""
     param = next(model.parameters())
     spec = CacheSpec(num_blocks, config.block_size, param.dtype, config.kv_cache_dtype,
                      config.attention_backend)
     if config.tensor_parallel_size == 1:
-        return ModelRunner(model, spec.make(model.config, param.device), block_manager)
+        return ModelRunner(model, spec.make(model.config, param.device), block_manager,
+                           num_host_blocks)
     n = check_tensor_parallel_size(model.config, config.tensor_parallel_size)
+    if num_host_blocks:
+        raise ValueError(f"tensor_parallel_size={n} does not support kv_offloading_size (each "
+                         f"rank would need its own host tier); use tensor_parallel_size=1 for it")
     if config.num_speculative_tokens > 0 or draft_model is not None:
         raise ValueError(f"tensor_parallel_size={n} does not support speculative decoding "
                          f"(num_speculative_tokens={config.num_speculative_tokens}, draft_model, "

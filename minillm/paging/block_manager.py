@@ -16,14 +16,20 @@ Blocks are shared by reference count:
 - prefix caching (`prefix_cache.py`, mixed in here): full computed blocks are registered under
   a chained hash, and a new prompt whose leading blocks hash the same reuses their KV.
 
-Left out on purpose: swapping blocks to CPU memory, sliding-window or per-layer tables, extra
-hash inputs (LoRA id, images, cache salt), and any scheduling policy: the manager only
-answers "can I?" and raises `NoFreeBlocksError` (before changing anything) when it cannot.
+With a `host_tier` (host_tier.py; bookkeeping in offload.py, mixed in here too) cached blocks that
+are evicted or sit idle are booked for a copy to host memory, and a prompt that misses the device
+cache continues its chain there; the copies are handed out by `take_kv_moves` each step.
+
+Left out on purpose: swapping whole sequences (the scheduler does that through the runner),
+sliding-window or per-layer tables, extra hash inputs (LoRA id, images, cache salt), and any
+scheduling policy: the manager only answers "can I?" and raises `NoFreeBlocksError` (before changing anything) when it cannot.
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from minillm._validate import check_int
+from minillm.paging.host_tier import HostTier
+from minillm.paging.offload import Offload
 from minillm.paging.prefix_cache import PrefixCache
 
 
@@ -49,7 +55,7 @@ def _check_tokens(token_ids, allow_empty: bool = False) -> list[int]:
     return list(token_ids)
 
 
-class BlockManager(PrefixCache):
+class BlockManager(PrefixCache, Offload):
     """A pool of `num_blocks` blocks of `block_size` tokens, with block tables, reference
     counts, fork + copy-on-write and (optionally) prefix caching.
 
@@ -66,7 +72,8 @@ class BlockManager(PrefixCache):
     ([0, 2], 1)
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 host_tier: HostTier | None = None):
         self.num_blocks = check_int("num_blocks", num_blocks, 1)
         self.block_size = check_int("block_size", block_size, 1)
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -74,6 +81,7 @@ class BlockManager(PrefixCache):
         self._free = deque(range(num_blocks))  # refcount 0, nothing cached in it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; LRU first
         self._init_prefix_cache(num_blocks)
+        self._init_offload(host_tier)         # a second KV tier in host memory (offload.py)
         self._seqs: dict = {}
         # queried_blocks: prompt blocks that could have hit ((len - 1) // P per prompt, with caching)
         self.stats = {"queried_blocks": 0, "hit_blocks": 0, "evicted_blocks": 0, "cow_copies": 0}
@@ -148,6 +156,7 @@ class BlockManager(PrefixCache):
             b = self._free.popleft()
         else:  # evict the least recently freed cached block
             b, _ = self._evictable.popitem(last=False)
+            self._offload_evicted(b)   # with a host tier: its KV is copied there first
             self._uncache(b)
             self.stats["evicted_blocks"] += 1
         self._ref[b] = 1
@@ -165,6 +174,7 @@ class BlockManager(PrefixCache):
                 self._evictable[b] = None  # newest at the end
             else:
                 self._free.append(b)
+            self._freed(b)
 
     def _check_fits(self, num_tokens: int) -> int:
         need = self.blocks_needed(num_tokens)
@@ -176,8 +186,10 @@ class BlockManager(PrefixCache):
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
-        it changes no block, no LRU order and no statistic."""
-        return len(self._lookup(_check_tokens(token_ids))) * self.block_size
+        it changes no block, no LRU order and no statistic. Host-tier hits count too."""
+        tokens = _check_tokens(token_ids)
+        hits = self._lookup(tokens)
+        return (len(hits) + len(self._host_hits(tokens, hits))) * self.block_size
 
     # ---- operations -------------------------------------------------------------------
     def can_allocate(self, token_ids: list[int]) -> bool:
@@ -191,7 +203,8 @@ class BlockManager(PrefixCache):
 
     def allocate(self, seq_id, token_ids: list[int]) -> int:
         """Give a new sequence blocks for all its tokens; return how many leading prompt
-        tokens already have their KV in the prefix cache (a multiple of P, <= len - 1)."""
+        tokens already have their KV in the prefix cache (a multiple of P, <= len - 1). With a
+        host tier that includes blocks restored from it (booked: see `take_kv_moves`)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
         tokens = _check_tokens(token_ids)
@@ -201,11 +214,14 @@ class BlockManager(PrefixCache):
         if self.num_free_blocks - revived < need - len(hits):
             raise NoFreeBlocksError(f"seq {seq_id!r} needs {need - len(hits)} new blocks, "
                                     f"{self.num_free_blocks - revived} free")
+        host = self._host_hits(tokens, hits)   # the chain goes on in the host tier (offload.py)
         for b, _ in hits:  # take the hits first so that _take_free cannot evict them
             self._incref(b)
+        self._pin(host)
         table = [b for b, _ in hits] + [self._take_free() for _ in range(need - len(hits))]
+        self._book_restores(table[len(hits):], host)
         chain = [(h, (b, self._gen[b])) for b, h in hits]
-        num_cached = len(hits) * self.block_size
+        num_cached = (len(hits) + len(host)) * self.block_size
         self._seqs[seq_id] = _Seq(tokens, table, num_cached, chain)
         if self.enable_prefix_caching:
             self.stats["queried_blocks"] += (len(tokens) - 1) // self.block_size

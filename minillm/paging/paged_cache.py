@@ -73,13 +73,13 @@ class PagedKVCache:
             elem = kv_dtype_bytes(kv_cache_dtype, config.head_dim, dtype)
         return round(2 * config.n_layer * block_size * config.n_kv_head * config.head_dim * elem)
 
-    def _pairs(self) -> list:
+    def pools(self) -> list:
         """(K, V) pools in block order: the values, then the scales when quantized."""
         return [(self.k, self.v)] + ([(self.k_scale, self.v_scale)] if self.k_scale is not None else [])
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self._pairs())
+        return sum(k.nbytes + v.nbytes for k, v in self.pools())
 
     def prepare(self, query_lens, context_lens, block_tables) -> PagedAttentionMetadata:
         self.metadata = PagedAttentionMetadata(query_lens, context_lens, block_tables,
@@ -130,7 +130,7 @@ class PagedKVCache:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.k.device)
         dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        for k, v in self._pairs():
+        for k, v in self.pools():
             k[:, dst] = k[:, src]
             v[:, dst] = v[:, src]
 
@@ -138,12 +138,12 @@ class PagedKVCache:
         """Copy blocks to CPU memory, in the pool's own format: (2, L, len(block_ids), P, Hkv, D),
         or for a quantized cache (that codes tensor, the scales (2, L, len(block_ids), P, Hkv))."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        saved = tuple(torch.stack([k[:, idx], v[:, idx]]).to("cpu") for k, v in self._pairs())
+        saved = tuple(torch.stack([k[:, idx], v[:, idx]]).to("cpu") for k, v in self.pools())
         return saved if self.k_scale is not None else saved[0]
 
     def swap_in(self, data, block_ids, first: int = 0) -> None:
         """Write blocks `first:` of what `swap_out` saved back into (possibly other) blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        for (k, v), d in zip(self._pairs(), data if isinstance(data, tuple) else (data,)):
+        for (k, v), d in zip(self.pools(), data if isinstance(data, tuple) else (data,)):
             k[:, idx] = d[0, :, first:].to(k.device)
             v[:, idx] = d[1, :, first:].to(v.device)

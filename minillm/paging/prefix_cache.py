@@ -22,12 +22,15 @@ Letters: P block size.
 """
 from dataclasses import dataclass
 
+from minillm.paging.host_tier import TokenNode
+
 
 @dataclass(frozen=True)
 class _CacheEntry:
     hash: int
     tokens: tuple[int, ...]
     parent: tuple[int, int] | None        # identity (block id, generation) of the parent block
+    node: TokenNode | None = None         # the whole token prefix (what the host tier checks)
 
 
 class PrefixCache:
@@ -76,7 +79,7 @@ class PrefixCache:
         through it, now go through `new` (their KV is still right: it depends on tokens only)."""
         for blk, e in list(self._entry.items()):
             if e.parent == old:
-                self._entry[blk] = _CacheEntry(e.hash, e.tokens, new)
+                self._entry[blk] = _CacheEntry(e.hash, e.tokens, new, e.node)
         for seq in getattr(self, "_seqs", {}).values():
             seq.chain = [(h, new if ident == old else ident) for h, ident in seq.chain]
 
@@ -88,6 +91,7 @@ class PrefixCache:
     def _register(self, b: int, h: int, toks: tuple, parent_id) -> tuple[int, int] | None:
         """Cache block b's KV (full, computed, tokens `toks` after `parent_id`) under hash h.
         Returns the identity the sequence's chain continues with, or None for a collision."""
+        node = self._prefix_node(toks, parent_id)
         owner = self._by_hash.get(h)
         if owner is not None and owner != b and self._is_orphan(owner):
             self._uncache(owner)           # unreachable: let the new block own the hash
@@ -98,7 +102,7 @@ class PrefixCache:
         if owner is None or owner == b:
             if b in self._entry and owner != b:   # a stale entry from before a truncate
                 self._uncache(b)
-            self._entry[b] = _CacheEntry(h, toks, parent_id)
+            self._entry[b] = _CacheEntry(h, toks, parent_id, node)
             self._by_hash[h] = b
             return b, self._gen[b]
         entry = self._entry[owner]
@@ -107,9 +111,19 @@ class PrefixCache:
         if b in self._entry and self._entry[b].hash != h:
             self._uncache(b)               # a stale entry from before a truncate
         if b not in self._entry:           # same KV as the owner: kept as a stand-in
-            self._entry[b] = _CacheEntry(h, toks, parent_id)
+            self._entry[b] = _CacheEntry(h, toks, parent_id, node)
             self._dups.setdefault(h, []).append(b)
         return owner, self._gen[owner]
+
+    def _prefix_node(self, toks: tuple, parent_id) -> TokenNode | None:
+        """The token prefix of a block with tokens `toks` after the block `parent_id`, or None
+        when the parent has left the cache (its prefix is no longer known here)."""
+        if parent_id is None:
+            return TokenNode(toks, None)
+        parent = self._entry.get(parent_id[0])
+        if parent is None or self._gen[parent_id[0]] != parent_id[1] or parent.node is None:
+            return None
+        return TokenNode(toks, parent.node)
 
     def _lookup(self, tokens: list[int]) -> list[tuple[int, int]]:
         """Cached blocks the prompt can reuse, as (block id, hash); at most (len - 1) // P."""
