@@ -62,6 +62,16 @@ def test_tpot_over_lowers_calm_raises_back():
     assert ctl.num_adjustments["down"] > 0 and ctl.num_adjustments["up"] > 0
 
 
+def test_down_counts_from_the_largest_step():
+    """A budget no step reached binds nothing: the first move down starts from the largest step."""
+    ctl, _ = _ctl(budget=512)
+    ctl.tick(0.0)
+    for n in (40, 70, 12):
+        ctl.observe([], step=0, num_tokens=n)
+    assert _interval(ctl, 1.0, tpot=0.2)["budget"] == 52          # floor(0.75 x 70), not 384
+    assert _interval(ctl, 2.0, tpot=0.2)["budget"] == 39          # no step seen: from the budget
+
+
 def test_band_holds_no_flapping():
     ctl, _ = _ctl()
     ctl.tick(0.0)

@@ -212,7 +212,7 @@ class LLMEngine(StepUpdate):
             raise
         outputs = self.update_from_output(out, rows, sampled, t0, prompt_lps, hidden)
         if ctl is not None:            # this step's first tokens and finished requests
-            ctl.observe(outputs, self.step_count - 1, len(timed_out))
+            ctl.observe(outputs, self.step_count - 1, len(timed_out), out.num_tokens)
         return [self._output(r) for r in timed_out] + outputs
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,

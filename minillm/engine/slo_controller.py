@@ -22,7 +22,10 @@ How it moves (T = the target; "calm" = P95 < `margin` x T, the hysteresis band i
 - the token budget (`scheduler.max_num_batched_tokens`, read by `Scheduler.schedule` every step)
   answers TPOT. Decode-first scheduling gives the running decodes their tokens first and the
   rest of the budget to prompt chunks, so a step's time, and every running request's gap
-  between tokens, grows with the budget. TPOT P95 > T: budget x `down` (0.75). TPOT calm for
+  between tokens, grows with the budget. TPOT P95 > T: budget x `down` (0.75), counted from
+  the largest step since the last decision when that is smaller (lowering a budget no step
+  reached changes nothing: with short prompts a 512 budget binds only once it is near 64, and
+  steps of 0.75 from 512 would spend most of a load step getting there). TPOT calm for
   `up_after` (2) decisions in a row: budget x `up` (1.25). In the band: hold, so a P95 sitting
   between margin x T and T never flaps. Bounds: never below one decode step,
   max(max_num_seqs, 1 + num_speculative_tokens) (the floor EngineConfig enforces: below it
@@ -94,12 +97,15 @@ class SLOController:
         self._calm = {"ttft": 0, "tpot": 0}                 # calm decisions in a row
         self._due: float | None = None                      # next decision (set by the first tick)
         self._since = -math.inf                             # time of the last move
+        self._peak = 0                                      # largest step since the last decision
 
     # ---- what the engine tells it ------------------------------------------------------------
-    def observe(self, outputs, step: int, num_timed_out: int = 0) -> None:
+    def observe(self, outputs, step: int, num_timed_out: int = 0, num_tokens: int = 0) -> None:
         """A step's RequestOutputs: TTFT of those whose first token came in `step`, TPOT of
-        those that finished (not aborted); `num_timed_out` requests were rejected by a bound."""
+        those that finished (not aborted); `num_timed_out` requests were rejected by a bound;
+        the step ran `num_tokens` tokens."""
         self.num_queue_timeouts += num_timed_out
+        self._peak = max(self._peak, num_tokens)
         for o in outputs:
             m = o.metrics
             if m.first_token_step == step and m.ttft is not None:
@@ -156,8 +162,10 @@ class SLOController:
         """Apply the rule of the module docstring; returns what moved, e.g. "budget down"."""
         moved = []
         tpot_free = state["tpot"] == "calm" or self.targets["tpot"] is None
+        peak, self._peak = self._peak, 0
         if state["tpot"] == "over":
-            new = max(self.min_budget, math.floor(self.budget * self.down))
+            used = min(self.budget, peak) if peak else self.budget
+            new = max(self.min_budget, math.floor(used * self.down))
         elif tpot_free and (state["ttft"] == "over" or self._calm["tpot"] >= self.up_after):
             new = min(self.max_budget, max(self.budget + 1, math.ceil(self.budget * self.up)))
         else:
