@@ -13,8 +13,8 @@ from benchmarks.records import write_result
 from minillm.lab.spec_switch import compare
 
 SETTINGS = {  # quick: a smoke run on 2 cores; full: the recorded numbers
-    False: dict(batch_sizes=(1, 2, 4, 8, 16), low=1, high=24, max_tokens=48, rounds=2),
-    True: dict(batch_sizes=(1, 4), low=1, high=4, max_tokens=12, rounds=1),
+    False: dict(batch_sizes=(1, 2, 4, 8, 16, 32), max_tokens=32, rounds=2, min_requests=4),
+    True: dict(batch_sizes=(1, 4), max_tokens=8, rounds=1),
 }
 
 UNITS = {"*tokens_per_s": "generated tokens per second of wall time (prefill included)",

@@ -8,12 +8,14 @@ same tokens, which it checks):
 2. the threshold: the smallest B of the sweep where drafting stopped paying (speedup < 1): that
    is `speculative_disable_by_batch_size` on this machine (None when it paid at every B; 2, the
    least vLLM allows, when it paid at none), unless `threshold` is given;
-3. the three modes (off, always, switch at that threshold), at low load (`low` requests together:
-   per-token latency, TPOT, and tokens/s) and at high load (`high` requests: output tokens/s, the
-   switch's steps speculated / skipped).
-Requests of one run get output lengths spread from max_tokens / 2 to max_tokens (a batch thins
+3. the three modes (off, always, switch at that threshold), at low load (the smallest B:
+   per-token latency, TPOT, and tokens/s) and at high load (the largest B: output tokens/s, the
+   switch's steps speculated / skipped), timed again beside each other.
+Concurrency B is `max_num_seqs` = B over max(B, `min_requests`) requests (chapter 6's four
+prompts in turn), with output lengths spread from max_tokens / 2 to max_tokens (a batch thins
 out as it finishes, where the switch speculates again). Each point is timed in `rounds`
 interleaved rounds and the best kept (STYLE 18); the load average is recorded beside them.
+Below the threshold the switch is always-on step for step (its trace says so: no step skipped).
 
 Letters: B requests served together, K draft tokens.
 
@@ -36,12 +38,14 @@ def spread_lengths(batch: int, max_tokens: int) -> list[int]:
 
 
 def serve_batch(model, prompts: list[list[int]], lengths: list[int], stop: list[int],
-                k: int, min_ngram: int, threshold: int | None = None, mode: str = "off") -> dict:
-    """One greedy run of len(prompts) requests together; mode "off", "always" or "switch"."""
+                k: int, min_ngram: int, threshold: int | None = None, mode: str = "off",
+                concurrency: int | None = None) -> dict:
+    """One greedy run of the requests, at most `concurrency` (default all) running at once;
+    mode "off", "always" or "switch" (at `threshold`)."""
     spec = {} if mode == "off" else dict(
         num_speculative_tokens=k, speculative_method="ngram", prompt_lookup_min=min_ngram,
         speculative_disable_by_batch_size=threshold if mode == "switch" else None)
-    B, block = len(prompts), 16
+    B, block = concurrency or len(prompts), 16
     per_seq = -(-(max(map(len, prompts)) + max(lengths) + k + 1) // block) + 1   # blocks, rounded up
     engine = LLMEngine(model, EngineConfig(block_size=block, num_blocks=B * per_seq, max_num_seqs=B,
                                            max_num_batched_tokens=max(512, B * (k + 1)), **spec))
@@ -74,42 +78,41 @@ def choose_threshold(batch_sizes, speedups) -> int | None:
     return None
 
 
-def compare(model, tokenizer, *, batch_sizes=(1, 2, 4, 8), low: int = 1, high: int = 16,
-            max_tokens: int = 32, k: int = 8, min_ngram: int = 2, rounds: int = 2,
+def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k: int = 8,
+            min_ngram: int = 2, rounds: int = 1, min_requests: int = 2,
             threshold: int | None = None) -> dict:
-    """The sweep, the threshold chosen from it, and the three modes at low and high load (see the
-    module docstring). Returns a plain dict of numbers (and the outputs' agreement)."""
+    """The sweep, the threshold chosen from it, and the three modes at low load (the smallest of
+    `batch_sizes`) and high load (the largest); see the module docstring. A run at concurrency B
+    serves max(B, min_requests) requests with max_num_seqs = B. Returns a plain dict of numbers."""
     texts = list(SPEC_PROMPTS.values())
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     encoded = [encode_chat(tokenizer, t) for t in texts]
+    low, high = min(batch_sizes), max(batch_sizes)
 
-    def work(B):
-        return [encoded[i % len(encoded)] for i in range(B)], spread_lengths(B, max_tokens)
+    def run(B, mode, chosen=None):
+        n = max(B, min_requests)
+        return serve_batch(model, [encoded[i % len(encoded)] for i in range(n)],
+                           spread_lengths(n, max_tokens), stop, k, min_ngram, chosen, mode, B)
 
-    sweep = {}
+    runs = {}
     for _ in range(rounds):                                  # 1. off vs always, per B
         for B in batch_sizes:
             for mode in ("off", "always"):
-                best_of(sweep, (B, mode), serve_batch(model, *work(B), stop, k, min_ngram, mode=mode))
-    speedups = [sweep[B, "always"]["tokens_per_s"] / sweep[B, "off"]["tokens_per_s"] for B in batch_sizes]
+                best_of(runs, (B, mode), run(B, mode))
+    speedups = [runs[B, "always"]["tokens_per_s"] / runs[B, "off"]["tokens_per_s"] for B in batch_sizes]
+    sweep = {m: [runs[B, m]["tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
     chosen = choose_threshold(batch_sizes, speedups) if threshold is None else threshold
-    modes = {}
-    for _ in range(rounds):                                  # 3. the three modes, low and high
-        for load, B in (("low", low), ("high", high)):
+    for _ in range(rounds):                                  # 3. the three modes, interleaved again
+        for B in (low, high):
             for mode in ("off", "always", "switch"):
-                best_of(modes, (load, mode), serve_batch(model, *work(B), stop, k, min_ngram,
-                                                         threshold=chosen, mode=mode))
-    same = all(r["outputs"] == sweep[B, "off"]["outputs"] for (B, _), r in sweep.items()) and all(
-        r["outputs"] == modes[load, "off"]["outputs"] for (load, _), r in modes.items())
-    table = {mode: {f"{load}_{key}": modes[load, mode][key] for load in ("low", "high")
-                    for key in ("tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped",
-                                "accepted_fraction")} for mode in ("off", "always", "switch")}
-    return {"batch_sizes": list(batch_sizes),
-            "sweep_tokens_per_s": {m: [sweep[B, m]["tokens_per_s"] for B in batch_sizes]
-                                   for m in ("off", "always")},
-            "sweep_speedup": speedups, "threshold": chosen,
-            "threshold_from": "measured" if threshold is None else "given",
+                best_of(runs, (B, mode), run(B, mode, chosen))
+    same = all(r["outputs"] == runs[B, "off"]["outputs"] for (B, _), r in runs.items())
+    keys = ("tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped", "accepted_fraction")
+    table = {mode: {f"{load}_{key}": runs[B, mode][key] for load, B in (("low", low), ("high", high))
+                    for key in keys} for mode in ("off", "always", "switch")}
+    return {"batch_sizes": list(batch_sizes), "sweep_tokens_per_s": sweep, "sweep_speedup": speedups,
+            "threshold": chosen, "threshold_from": "measured" if threshold is None else "given",
             "low": low, "high": high, "modes": table, "same_outputs": same,
             "settings": dict(max_tokens=max_tokens, k=k, min_ngram=min_ngram, rounds=rounds,
-                             prompts=list(SPEC_PROMPTS)),
+                             min_requests=min_requests, prompts=list(SPEC_PROMPTS)),
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
