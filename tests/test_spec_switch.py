@@ -203,4 +203,5 @@ def test_lab_compare_runs_the_three_modes_and_picks_a_threshold(tok):
     assert given["modes"]["switch"]["low_steps_skipped"] == 0
     assert choose_threshold([1, 2, 4, 8], [1.4, 1.1, 0.9, 0.6]) == 4
     assert choose_threshold([1, 4], [0.9, 0.5]) == 2 and choose_threshold([1, 4], [1.2, 1.1]) is None
+    assert choose_threshold([1, 2, 4, 8], [1.4, 0.9, 1.2, 0.8]) == 8
     assert spread_lengths(4, 8) == [8, 7, 6, 5]

@@ -5,9 +5,10 @@
 same tokens, which it checks):
 1. the sweep: B requests served together (B in `batch_sizes`), plain and with n-gram drafts
    (K = `k`, chapter 6's setup), output tokens/s of each; the speedup always-on / off per B;
-2. the threshold: the smallest B of the sweep where drafting stopped paying (speedup < 1): that
-   is `speculative_disable_by_batch_size` on this machine (None when it paid at every B; 2, the
-   least vLLM allows, when it paid at none), unless `threshold` is given;
+2. the threshold: the smallest B of the sweep from which drafting stopped paying (speedup < 1
+   there and at every larger B): that is `speculative_disable_by_batch_size` on this machine
+   (None when it still paid at the largest B; 2, the least vLLM allows, when it paid at none),
+   unless `threshold` is given;
 3. the three modes (off, always, switch at that threshold), at low load (the smallest B:
    per-token latency, TPOT, and tokens/s) and at high load (the largest B: output tokens/s, the
    switch's steps speculated / skipped), timed again beside each other.
@@ -70,12 +71,15 @@ def best_of(runs: dict, key, result: dict) -> None:
 
 
 def choose_threshold(batch_sizes, speedups) -> int | None:
-    """The smallest B where drafting stopped paying (speedup < 1), at least 2; None: it paid at
-    every B measured."""
-    for B, x in zip(batch_sizes, speedups):
-        if x < 1:
-            return max(2, B)
-    return None
+    """The smallest B from which drafting stopped paying: speedup < 1 there and at every larger B
+    measured (one noisy point below 1 between wins does not decide), at least 2 (vLLM's floor);
+    None: it still paid at the largest B."""
+    chosen = None
+    for B, x in sorted(zip(batch_sizes, speedups), reverse=True):
+        if x >= 1:
+            break
+        chosen = max(2, B)
+    return chosen
 
 
 def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k: int = 8,
