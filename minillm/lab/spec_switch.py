@@ -4,7 +4,9 @@
 `compare(model, tokenizer)` does three things in one run, greedy (so every mode must give the
 same tokens, which it checks):
 1. the sweep: B requests served together (B in `batch_sizes`), plain and with n-gram drafts
-   (K = `k`, chapter 6's setup), output tokens/s of each; the speedup always-on / off per B;
+   (K = `k`, chapter 6's setup), output tokens/s of each, end to end and over the decode-only
+   steps (where drafting costs or pays: a step with prompt tokens is the same in every mode);
+   the decode speedup always-on / off per B;
 2. the threshold: the smallest B of the sweep from which drafting stopped paying (speedup < 1
    there and at every larger B): that is `speculative_disable_by_batch_size` on this machine
    (None when it still paid at the largest B; 2, the least vLLM allows, when it paid at none),
@@ -13,7 +15,7 @@ same tokens, which it checks):
    per-token latency, TPOT, and tokens/s) and at high load (the largest B: output tokens/s, the
    switch's steps speculated / skipped), timed again beside each other.
 Concurrency B is `max_num_seqs` = B over max(B, `min_requests`) requests (chapter 6's four
-prompts in turn), with output lengths spread from max_tokens / 2 to max_tokens (a batch thins
+prompts in turn; prefix caching on, so a repeated prompt is not prefilled again), with output lengths spread from max_tokens / 2 to max_tokens (a batch thins
 out as it finishes, where the switch speculates again). Each point is timed in `rounds`
 interleaved rounds and the best kept (STYLE 18); the load average is recorded beside them.
 Below the threshold the switch is always-on step for step (its trace says so: no step skipped).
@@ -49,15 +51,20 @@ def serve_batch(model, prompts: list[list[int]], lengths: list[int], stop: list[
     B, block = concurrency or len(prompts), 16
     per_seq = -(-(max(map(len, prompts)) + max(lengths) + k + 1) // block) + 1   # blocks, rounded up
     engine = LLMEngine(model, EngineConfig(block_size=block, num_blocks=B * per_seq, max_num_seqs=B,
-                                           max_num_batched_tokens=max(512, B * (k + 1)), **spec))
+                                           max_num_batched_tokens=max(512, B * (k + 1)),
+                                           enable_prefix_caching=True, **spec))
     params = [SamplingParams(max_tokens=n, stop_token_ids=stop) for n in lengths]
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
+    # decode-only steps (no prompt tokens): where drafting costs or pays; a token's time is its step's end
+    ends = {r["t_end"]: r["t_end"] - r["t_start"] for r in engine.trace if r["num_prefill_tokens"] == 0}
+    decode_tokens = sum(t in ends for o in outs for t in o.metrics.token_times)
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     s = engine.spec_stats
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "decode_tokens_per_s": decode_tokens / sum(ends.values()) if ends else None,
             "tpot_s": sum(tpots) / len(tpots) if tpots else None, "steps": len(engine.trace),
             "steps_speculated": s.num_steps_speculated, "steps_skipped": s.num_steps_skipped,
             "accepted_fraction": s.accepted_fraction if s.num_draft_tokens else None,
@@ -103,18 +110,22 @@ def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k
         for B in batch_sizes:
             for mode in ("off", "always"):
                 best_of(runs, (B, mode), run(B, mode))
-    speedups = [runs[B, "always"]["tokens_per_s"] / runs[B, "off"]["tokens_per_s"] for B in batch_sizes]
-    sweep = {m: [runs[B, m]["tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
+    speedups = [runs[B, "always"]["decode_tokens_per_s"] / runs[B, "off"]["decode_tokens_per_s"]
+                for B in batch_sizes]
+    sweep = {m: [runs[B, m]["decode_tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
+    sweep_e2e = {m: [runs[B, m]["tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
     chosen = choose_threshold(batch_sizes, speedups) if threshold is None else threshold
     for _ in range(rounds):                                  # 3. the three modes, interleaved again
         for B in (low, high):
             for mode in ("off", "always", "switch"):
                 best_of(runs, (B, mode), run(B, mode, chosen))
     same = all(r["outputs"] == runs[B, "off"]["outputs"] for (B, _), r in runs.items())
-    keys = ("tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped", "accepted_fraction")
+    keys = ("tokens_per_s", "decode_tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped",
+            "accepted_fraction")
     table = {mode: {f"{load}_{key}": runs[B, mode][key] for load, B in (("low", low), ("high", high))
                     for key in keys} for mode in ("off", "always", "switch")}
-    return {"batch_sizes": list(batch_sizes), "sweep_tokens_per_s": sweep, "sweep_speedup": speedups,
+    return {"batch_sizes": list(batch_sizes), "sweep_decode_tokens_per_s": sweep,
+            "sweep_tokens_per_s": sweep_e2e, "sweep_speedup": speedups,
             "threshold": chosen, "threshold_from": "measured" if threshold is None else "given",
             "low": low, "high": high, "modes": table, "same_outputs": same,
             "settings": dict(max_tokens=max_tokens, k=k, min_ngram=min_ngram, rounds=rounds,
