@@ -115,14 +115,15 @@ def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k
     sweep = {m: [runs[B, m]["decode_tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
     sweep_e2e = {m: [runs[B, m]["tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
     chosen = choose_threshold(batch_sizes, speedups) if threshold is None else threshold
-    for _ in range(rounds):                                  # 3. the three modes, interleaved again
+    modes = {}                # 3. the three modes, each timed `rounds` times beside the others
+    for _ in range(rounds):
         for B in (low, high):
             for mode in ("off", "always", "switch"):
-                best_of(runs, (B, mode), run(B, mode, chosen))
-    same = all(r["outputs"] == runs[B, "off"]["outputs"] for (B, _), r in runs.items())
+                best_of(modes, (B, mode), run(B, mode, chosen))
+    same = all(r["outputs"] == runs[B, "off"]["outputs"] for d in (runs, modes) for (B, _), r in d.items())
     keys = ("tokens_per_s", "decode_tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped",
             "accepted_fraction")
-    table = {mode: {f"{load}_{key}": runs[B, mode][key] for load, B in (("low", low), ("high", high))
+    table = {mode: {f"{load}_{key}": modes[B, mode][key] for load, B in (("low", low), ("high", high))
                     for key in keys} for mode in ("off", "always", "switch")}
     return {"batch_sizes": list(batch_sizes), "sweep_decode_tokens_per_s": sweep,
             "sweep_tokens_per_s": sweep_e2e, "sweep_speedup": speedups,
