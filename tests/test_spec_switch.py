@@ -191,15 +191,17 @@ def test_lab_compare_runs_the_three_modes_and_picks_a_threshold(tok):
     shape, identical greedy outputs in every mode, and the threshold rule on given speedups."""
     from minillm.lab.spec_switch import choose_threshold, compare, spread_lengths
     tiny = tiny_model(vocab_size=len(tok), seed=0)
-    r = compare(tiny, tok, batch_sizes=(1, 3), low=1, high=3, max_tokens=6, k=3, rounds=1)
+    r = compare(tiny, tok, batch_sizes=(1, 3), max_tokens=6, k=3)
     assert r["same_outputs"] and r["batch_sizes"] == [1, 3] and len(r["sweep_speedup"]) == 2
+    assert (r["low"], r["high"]) == (1, 3)
     assert r["threshold"] in (None, 2, 3) and r["threshold_from"] == "measured"
     assert set(r["modes"]) == {"off", "always", "switch"}
     assert r["modes"]["off"]["high_steps_speculated"] == 0 == r["modes"]["always"]["high_steps_skipped"]
     assert all(r["modes"][m]["high_tokens_per_s"] > 0 for m in r["modes"])
-    given = compare(tiny, tok, batch_sizes=(1,), low=1, high=2, max_tokens=4, k=2, rounds=1, threshold=2)
+    given = compare(tiny, tok, batch_sizes=(1, 2), max_tokens=4, k=2, threshold=2)
     assert given["threshold"] == 2 and given["modes"]["switch"]["high_steps_skipped"] > 0
     assert given["modes"]["switch"]["low_steps_skipped"] == 0
     assert choose_threshold([1, 2, 4, 8], [1.4, 1.1, 0.9, 0.6]) == 4
     assert choose_threshold([1, 4], [0.9, 0.5]) == 2 and choose_threshold([1, 4], [1.2, 1.1]) is None
+    assert choose_threshold([1, 2, 4, 8], [1.4, 0.9, 1.2, 0.8]) == 8
     assert spread_lengths(4, 8) == [8, 7, 6, 5]

@@ -4,16 +4,21 @@
 `compare(model, tokenizer)` does three things in one run, greedy (so every mode must give the
 same tokens, which it checks):
 1. the sweep: B requests served together (B in `batch_sizes`), plain and with n-gram drafts
-   (K = `k`, chapter 6's setup), output tokens/s of each; the speedup always-on / off per B;
-2. the threshold: the smallest B of the sweep where drafting stopped paying (speedup < 1): that
-   is `speculative_disable_by_batch_size` on this machine (None when it paid at every B; 2, the
-   least vLLM allows, when it paid at none), unless `threshold` is given;
-3. the three modes (off, always, switch at that threshold), at low load (`low` requests together:
-   per-token latency, TPOT, and tokens/s) and at high load (`high` requests: output tokens/s, the
-   switch's steps speculated / skipped).
-Requests of one run get output lengths spread from max_tokens / 2 to max_tokens (a batch thins
+   (K = `k`, chapter 6's setup), output tokens/s of each, end to end and over the decode-only
+   steps (where drafting costs or pays: a step with prompt tokens is the same in every mode);
+   the decode speedup always-on / off per B;
+2. the threshold: the smallest B of the sweep from which drafting stopped paying (speedup < 1
+   there and at every larger B): that is `speculative_disable_by_batch_size` on this machine
+   (None when it still paid at the largest B; 2, the least vLLM allows, when it paid at none),
+   unless `threshold` is given;
+3. the three modes (off, always, switch at that threshold), at low load (the smallest B:
+   per-token latency, TPOT, and tokens/s) and at high load (the largest B: output tokens/s, the
+   switch's steps speculated / skipped), timed again beside each other.
+Concurrency B is `max_num_seqs` = B over max(B, `min_requests`) requests (chapter 6's four
+prompts in turn; prefix caching on, so a repeated prompt is not prefilled again), with output lengths spread from max_tokens / 2 to max_tokens (a batch thins
 out as it finishes, where the switch speculates again). Each point is timed in `rounds`
 interleaved rounds and the best kept (STYLE 18); the load average is recorded beside them.
+Below the threshold the switch is always-on step for step (its trace says so: no step skipped).
 
 Letters: B requests served together, K draft tokens.
 
@@ -36,23 +41,30 @@ def spread_lengths(batch: int, max_tokens: int) -> list[int]:
 
 
 def serve_batch(model, prompts: list[list[int]], lengths: list[int], stop: list[int],
-                k: int, min_ngram: int, threshold: int | None = None, mode: str = "off") -> dict:
-    """One greedy run of len(prompts) requests together; mode "off", "always" or "switch"."""
+                k: int, min_ngram: int, threshold: int | None = None, mode: str = "off",
+                concurrency: int | None = None) -> dict:
+    """One greedy run of the requests, at most `concurrency` (default all) running at once;
+    mode "off", "always" or "switch" (at `threshold`)."""
     spec = {} if mode == "off" else dict(
         num_speculative_tokens=k, speculative_method="ngram", prompt_lookup_min=min_ngram,
         speculative_disable_by_batch_size=threshold if mode == "switch" else None)
-    B, block = len(prompts), 16
+    B, block = concurrency or len(prompts), 16
     per_seq = -(-(max(map(len, prompts)) + max(lengths) + k + 1) // block) + 1   # blocks, rounded up
     engine = LLMEngine(model, EngineConfig(block_size=block, num_blocks=B * per_seq, max_num_seqs=B,
-                                           max_num_batched_tokens=max(512, B * (k + 1)), **spec))
+                                           max_num_batched_tokens=max(512, B * (k + 1)),
+                                           enable_prefix_caching=True, **spec))
     params = [SamplingParams(max_tokens=n, stop_token_ids=stop) for n in lengths]
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
+    # decode-only steps (no prompt tokens): where drafting costs or pays; a token's time is its step's end
+    ends = {r["t_end"]: r["t_end"] - r["t_start"] for r in engine.trace if r["num_prefill_tokens"] == 0}
+    decode_tokens = sum(t in ends for o in outs for t in o.metrics.token_times)
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     s = engine.spec_stats
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "decode_tokens_per_s": decode_tokens / sum(ends.values()) if ends else None,
             "tpot_s": sum(tpots) / len(tpots) if tpots else None, "steps": len(engine.trace),
             "steps_speculated": s.num_steps_speculated, "steps_skipped": s.num_steps_skipped,
             "accepted_fraction": s.accepted_fraction if s.num_draft_tokens else None,
@@ -66,50 +78,57 @@ def best_of(runs: dict, key, result: dict) -> None:
 
 
 def choose_threshold(batch_sizes, speedups) -> int | None:
-    """The smallest B where drafting stopped paying (speedup < 1), at least 2; None: it paid at
-    every B measured."""
-    for B, x in zip(batch_sizes, speedups):
-        if x < 1:
-            return max(2, B)
-    return None
+    """The smallest B from which drafting stopped paying: speedup < 1 there and at every larger B
+    measured (one noisy point below 1 between wins does not decide), at least 2 (vLLM's floor);
+    None: it still paid at the largest B."""
+    chosen = None
+    for B, x in sorted(zip(batch_sizes, speedups), reverse=True):
+        if x >= 1:
+            break
+        chosen = max(2, B)
+    return chosen
 
 
-def compare(model, tokenizer, *, batch_sizes=(1, 2, 4, 8), low: int = 1, high: int = 16,
-            max_tokens: int = 32, k: int = 8, min_ngram: int = 2, rounds: int = 2,
+def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k: int = 8,
+            min_ngram: int = 2, rounds: int = 1, min_requests: int = 2,
             threshold: int | None = None) -> dict:
-    """The sweep, the threshold chosen from it, and the three modes at low and high load (see the
-    module docstring). Returns a plain dict of numbers (and the outputs' agreement)."""
+    """The sweep, the threshold chosen from it, and the three modes at low load (the smallest of
+    `batch_sizes`) and high load (the largest); see the module docstring. A run at concurrency B
+    serves max(B, min_requests) requests with max_num_seqs = B. Returns a plain dict of numbers."""
     texts = list(SPEC_PROMPTS.values())
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     encoded = [encode_chat(tokenizer, t) for t in texts]
+    low, high = min(batch_sizes), max(batch_sizes)
 
-    def work(B):
-        return [encoded[i % len(encoded)] for i in range(B)], spread_lengths(B, max_tokens)
+    def run(B, mode, chosen=None):
+        n = max(B, min_requests)
+        return serve_batch(model, [encoded[i % len(encoded)] for i in range(n)],
+                           spread_lengths(n, max_tokens), stop, k, min_ngram, chosen, mode, B)
 
-    sweep = {}
+    runs = {}
     for _ in range(rounds):                                  # 1. off vs always, per B
         for B in batch_sizes:
             for mode in ("off", "always"):
-                best_of(sweep, (B, mode), serve_batch(model, *work(B), stop, k, min_ngram, mode=mode))
-    speedups = [sweep[B, "always"]["tokens_per_s"] / sweep[B, "off"]["tokens_per_s"] for B in batch_sizes]
+                best_of(runs, (B, mode), run(B, mode))
+    speedups = [runs[B, "always"]["decode_tokens_per_s"] / runs[B, "off"]["decode_tokens_per_s"]
+                for B in batch_sizes]
+    sweep = {m: [runs[B, m]["decode_tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
+    sweep_e2e = {m: [runs[B, m]["tokens_per_s"] for B in batch_sizes] for m in ("off", "always")}
     chosen = choose_threshold(batch_sizes, speedups) if threshold is None else threshold
-    modes = {}
-    for _ in range(rounds):                                  # 3. the three modes, low and high
-        for load, B in (("low", low), ("high", high)):
+    modes = {}                # 3. the three modes, each timed `rounds` times beside the others
+    for _ in range(rounds):
+        for B in (low, high):
             for mode in ("off", "always", "switch"):
-                best_of(modes, (load, mode), serve_batch(model, *work(B), stop, k, min_ngram,
-                                                         threshold=chosen, mode=mode))
-    same = all(r["outputs"] == sweep[B, "off"]["outputs"] for (B, _), r in sweep.items()) and all(
-        r["outputs"] == modes[load, "off"]["outputs"] for (load, _), r in modes.items())
-    table = {mode: {f"{load}_{key}": modes[load, mode][key] for load in ("low", "high")
-                    for key in ("tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped",
-                                "accepted_fraction")} for mode in ("off", "always", "switch")}
-    return {"batch_sizes": list(batch_sizes),
-            "sweep_tokens_per_s": {m: [sweep[B, m]["tokens_per_s"] for B in batch_sizes]
-                                   for m in ("off", "always")},
-            "sweep_speedup": speedups, "threshold": chosen,
-            "threshold_from": "measured" if threshold is None else "given",
+                best_of(modes, (B, mode), run(B, mode, chosen))
+    same = all(r["outputs"] == runs[B, "off"]["outputs"] for d in (runs, modes) for (B, _), r in d.items())
+    keys = ("tokens_per_s", "decode_tokens_per_s", "tpot_s", "steps_speculated", "steps_skipped",
+            "accepted_fraction")
+    table = {mode: {f"{load}_{key}": modes[B, mode][key] for load, B in (("low", low), ("high", high))
+                    for key in keys} for mode in ("off", "always", "switch")}
+    return {"batch_sizes": list(batch_sizes), "sweep_decode_tokens_per_s": sweep,
+            "sweep_tokens_per_s": sweep_e2e, "sweep_speedup": speedups,
+            "threshold": chosen, "threshold_from": "measured" if threshold is None else "given",
             "low": low, "high": high, "modes": table, "same_outputs": same,
             "settings": dict(max_tokens=max_tokens, k=k, min_ngram=min_ngram, rounds=rounds,
-                             prompts=list(SPEC_PROMPTS)),
+                             min_requests=min_requests, prompts=list(SPEC_PROMPTS)),
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
