@@ -162,3 +162,17 @@ def test_bad_combinations(model):
     with pytest.raises(ValueError, match="kv_offloading_size.*holds no KV block"):
         engine(model, True, kv_offloading_size=1e-9)
     assert EngineConfig(kv_offloading_size=0).kv_offloading_size == 0   # 0: off, no prefix cache needed
+
+
+def test_real_model_chat_is_identical_and_hits_the_host(smollm2):
+    """SmolLM2 with its chat template: one user, two turns after a system prompt that the
+    other traffic pushes out of the pool; greedy replies identical with the tier on and off."""
+    from minillm.lab.kv_tier import SYSTEM_PROMPT, multi_turn
+    model, tokenizer = smollm2
+    short = SYSTEM_PROMPT[:SYSTEM_PROMPT.index(" (4)")]        # rules 1-3: about 100 tokens
+    res = multi_turn(model, tokenizer, users=1, turns=2, max_tokens=4, block_size=8,
+                     system_prompt=short, costs=False)
+    assert res["identical"]
+    on, off = res["runs"]["on"], res["runs"]["off"]
+    assert on["host_hit_blocks"] > 0 and off["host_hit_blocks"] == 0
+    assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
