@@ -101,3 +101,32 @@ def test_08_9_logprob_gap_at_temperature():
 def test_08_10_choice_renormalized():
     assert exercises.check("08.10", 2 / 3)
     assert not exercises.check("08.10", 0.2)            # the unmasked probability
+
+
+def test_08_11_decisions_to_the_floor_as_the_controller_moves():
+    from types import SimpleNamespace
+    from minillm.engine.llm_engine import EngineConfig
+    from minillm.engine.slo_controller import SLOController
+    cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=8, slo_interval_s=1.0, slo_tpot_p95_ms=100)
+    ctl = SLOController(cfg, SimpleNamespace(max_num_batched_tokens=512))
+    ctl.tick(0.0)
+    decisions = 0
+    while ctl.budget > 8:                   # TPOT twice the target in every interval
+        for i in range(10):
+            ctl.record("tpot", decisions + (i + 1) / 11, 0.2)
+        decisions += 1
+        ctl.tick(float(decisions))
+    assert exercises.check("08.11", decisions)
+    assert not exercises.check("08.11", decisions - 1)
+
+
+def test_08_12_tier_blocks_from_the_layout():
+    per_block = 2 * 30 * 3 * 64 * 4 * 16
+    assert exercises.check("08.12", 2**28 // per_block)
+    assert not exercises.check("08.12", 2**28 / (per_block / 16))     # tokens, not blocks
+
+
+def test_08_13_recompute_over_restore():
+    restore = 2 * 30 * 3 * 64 * 4 * 16 / 8e9
+    assert exercises.check("08.13", 16 * 0.27e9 / 50e9 / restore)
+    assert not exercises.check("08.13", 0.27e9 / 50e9 / restore)        # one token, not 16

@@ -119,3 +119,34 @@ def screenshot(url: str, path, wait_s: float = 3.0, width: int = 1400, height: i
         time.sleep(wait_s)
         driver.save_screenshot(str(path))
     return str(path)
+
+
+def metrics_samples(url: str) -> list[tuple[str, dict, float]]:
+    """Every sample of the server's `/metrics` now: (name, labels, value), parsed by
+    prometheus_client's own parser. `url` is the server's root (no /v1)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples]
+
+
+def expected_value(samples, key: str) -> float | None:
+    """What the page must show for `key` (as `read_page` names it: a metric, maybe with labels):
+    the sum of the matching samples (a number with fewer labels adds up the rest), None if none."""
+    name, _, rest = key.partition("{")
+    want = {}
+    for part in filter(None, rest.rstrip("}").split(",")):
+        k, v = part.split("=", 1)
+        want[k] = json.loads(v)
+    hits = [v for n, labels, v in samples if n == name and want.items() <= labels.items()]
+    return sum(hits) if hits else None
+
+
+def compare_page(url: str, polls: int = 2) -> list[tuple[str, float | None, float | None]]:
+    """[(key, shown on the page, in /metrics)] for every raw number of the dashboard at `url`
+    (a page URL: .../dashboard), read once the page has polled `polls` times, /metrics right
+    after; call it when nothing runs, so the counts stand still between the two reads."""
+    shown = read_page(url, polls)
+    samples = metrics_samples(url.split("/dashboard", 1)[0])
+    return [(k, v, expected_value(samples, k)) for k, v in shown.items()]
