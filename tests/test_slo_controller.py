@@ -228,6 +228,9 @@ def test_bad_config(kw, match):
 def test_no_targets_no_controller():
     model = tiny_model(vocab_size=64, seed=0)
     assert LLMEngine(model, EngineConfig(num_blocks=16)).controller is None
+    from minillm import LLM                       # the offline front door passes the fields on
+    ctl = LLM(model, num_blocks=16, max_num_seqs=4, slo_tpot_p95_ms=50).llm_engine.controller
+    assert ctl.targets == {"ttft": None, "tpot": 0.05} and ctl.min_budget == 4
     with pytest.raises(ValueError, match="down"):
         _ctl(down=1.5)
 
