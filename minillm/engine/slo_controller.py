@@ -83,7 +83,7 @@ class SLOController:
         self.targets = {"ttft": ms(config.slo_ttft_p95_ms), "tpot": ms(config.slo_tpot_p95_ms)}
         self.max_budget = config.max_num_batched_tokens
         self.min_budget = max(config.max_num_seqs, 1 + config.num_speculative_tokens)
-        self.budget = self.max_budget
+        self.budget = self.max_budget                       # the scheduler's, from now on
         self.classes = config.priority_classes              # as configured
         self.configured_timeouts = {c.priority: c.max_queue_wait for c in self.classes
                                     if c.max_queue_wait is not None}
@@ -98,6 +98,15 @@ class SLOController:
         self._due: float | None = None                      # next decision (set by the first tick)
         self._since = -math.inf                             # time of the last move
         self._peak = 0                                      # largest step since the last decision
+
+    @property
+    def budget(self) -> int:
+        """The token budget in force: the scheduler's `max_num_batched_tokens`, read each step."""
+        return self.scheduler.max_num_batched_tokens
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.scheduler.max_num_batched_tokens = value
 
     # ---- what the engine tells it ------------------------------------------------------------
     def observe(self, outputs, step: int, num_timed_out: int = 0, num_tokens: int = 0) -> None:
@@ -172,7 +181,7 @@ class SLOController:
             new = self.budget
         if new != self.budget:
             moved.append(("budget", "down" if new < self.budget else "up"))
-            self.budget = self.scheduler.max_num_batched_tokens = new
+            self.budget = new
         if self.configured_timeouts and state["ttft"] == "over":
             moved += self._scale_timeouts(self.down, "down")
         elif self.configured_timeouts and self._calm["ttft"] >= self.up_after:
