@@ -1,5 +1,5 @@
 """The SLO controller under a load step (issue 37 item 2), the record: `minillm.lab.slo_step.compare`
-on the real model, rate r for 20 s, 2r for the issue's minute, r for 40 s, with the controller
+on the real model, rate r for 15 s, 2r for the issue's minute, r for 30 s, with the controller
 (budget <= the server's default 512) against the best fixed budget of chapter 8's sweep (read
 from priority_<device>.json: the largest budget whose interactive P95 TPOT met the SLA,
 `minillm.lab.priority.tune_budget`) and against the server's default budget; written to
@@ -9,7 +9,9 @@ slo_control_<device>.json.
 
 r comes from this machine's decode step (load 0.45 of what `seats` decodes can carry), the
 targets from a 20 s calibration run at r with budget 512 (1.4 x its P95 TPOT, 2 x its P95 TTFT),
-so they hold at r and are measured again at 2r. Runs use one torch thread (`--threads`): on a
+so they hold at r and are measured again at 2r. Two rounds, the second in reverse order (the
+record keeps every round's summary, their mean, and the first round's timelines for the figure:
+a machine shared with other work drifts, and one run per setting showed it). Runs use one torch thread (`--threads`): on a
 shared 2-core machine two threads fighting the other processes made steps several times slower.
 The load average before each run is in its config.
 """
@@ -22,8 +24,8 @@ from benchmarks.records import results_dir, write_result
 from minillm.lab.slo_step import compare
 from minillm.serve.cli import SERVER_DEFAULTS
 
-SETTINGS = {False: dict(base_s=20, step_s=60, after_s=40, calib_s=20),
-            True: dict(base_s=3, step_s=6, after_s=4, calib_s=4)}
+SETTINGS = {False: dict(base_s=15, step_s=60, after_s=30, calib_s=20, rounds=2),
+            True: dict(base_s=3, step_s=6, after_s=4, calib_s=4, rounds=1)}
 UNITS = {"rate": "requests per second (r; the step offers 2r)", "targets_ms": "milliseconds (P95)",
          "decode_step_s": "seconds", "goodput": "requests per second meeting both targets",
          "attainment": "fraction of requests meeting both targets", "p95_*": "seconds",
@@ -65,14 +67,18 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, threads: int
 def report(res: dict) -> str:
     lines = [f"rate r {res['rate']:.2f}/s (2r in the step), targets P95 TTFT {res['targets_ms']['ttft']} ms, "
              f"TPOT {res['targets_ms']['tpot']} ms"]
-    for name, r in res["runs"].items():
-        s, ph = r["summary"], r["summary"]["phases"]
-        lines.append(f"{name:12s} goodput {s['goodput']:.3f}/s attainment {s['attainment']:.2f} "
-                     f"{s['output_tokens_per_s']:.1f} tok/s; P95 TPOT before/step/after "
-                     + "/".join(f"{ph[p]['p95_tpot']:.3f}" for p in ph) + " s; back within SLA "
-                     f"{s['recovery_after_start_s']} s after the step starts, "
-                     f"{s['recovery_after_end_s']} s after it ends; min budget {s['budget_min_seen']}"
-                     f" (load {r['config']['load_avg_before']:.1f})")
+    for name, m in res["mean"].items():
+        lines.append(f"{name:12s} mean of {len(res['rounds'])} rounds: goodput {m['goodput']:.3f}/s "
+                     f"attainment {m['attainment']:.2f} {m['output_tokens_per_s']:.1f} tok/s")
+    for i, rnd in enumerate(res["rounds"]):
+        for name, s in rnd.items():
+            ph = s["phases"]
+            lines.append(f"{name:12s} goodput {s['goodput']:.3f}/s attainment {s['attainment']:.2f} "
+                         f"{s['output_tokens_per_s']:.1f} tok/s; P95 TPOT before/step/after "
+                         + "/".join(f"{ph[p]['p95_tpot']:.3f}" for p in ph) + " s; back within SLA "
+                         f"{s['recovery_after_start_s']} s after the step starts, "
+                         f"{s['recovery_after_end_s']} s after it ends; min budget {s['budget_min_seen']}"
+                         f" (round {i}, load {s['load_avg_before']:.1f})")
     return "\n".join(lines)
 
 

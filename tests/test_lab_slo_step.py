@@ -34,8 +34,10 @@ def test_rolling_p95_and_recovery():
 def test_compare_small_run_on_a_tiny_model():
     model = tiny_model(vocab_size=64)
     res = compare(model, budgets=(16,), max_budget=64, rate=4.0, targets_ms={"ttft": 50, "tpot": 10},
-                  base_s=0.5, step_s=1.0, after_s=0.5, seats=4, interval_s=0.2)
-    assert set(res["runs"]) == {"controller", "fixed_16"}
+                  base_s=0.3, step_s=0.6, after_s=0.3, seats=4, interval_s=0.2, rounds=2)
+    assert set(res["runs"]) == set(res["mean"]) == {"controller", "fixed_16"}
+    assert len(res["rounds"]) == 2 and res["rounds"][1]["fixed_16"]["requests"] == len(
+        [r for r in res["runs"]["fixed_16"]["timeline"] for _ in range(r["sent"])])
     ctl, fixed = res["runs"]["controller"], res["runs"]["fixed_16"]
     assert ctl["summary"]["requests"] == fixed["summary"]["requests"] > 0     # one workload
     assert sum(r["sent"] for r in ctl["timeline"]) == ctl["summary"]["requests"]
@@ -51,7 +53,7 @@ def test_slo_step_plot_draws_every_run():
     import matplotlib.pyplot as plt
     from minillm.viz.slo import slo_step_plot
     res = compare(tiny_model(vocab_size=64), budgets=(16,), max_budget=64, rate=4.0,
-                  targets_ms={"ttft": 50, "tpot": 10}, base_s=0.5, step_s=0.5, after_s=0.5, seats=4)
+                  targets_ms={"ttft": 50, "tpot": 10}, base_s=0.3, step_s=0.6, after_s=0.3, seats=4)
     fig = slo_step_plot(res)
     assert len(fig.axes) == 4 and len(fig.axes[1].lines) == 3       # 2 runs + the target
     plt.close(fig)

@@ -88,14 +88,27 @@ def test_too_few_samples_moves_nothing():
 
 
 def test_window_forgets_old_and_pre_move_samples():
-    ctl, _ = _ctl(window_intervals=3)
+    ctl, _ = _ctl(window_intervals=3, max_window_intervals=10, min_samples=8)
     ctl.tick(0.0)
     _interval(ctl, 1.0, tpot=0.5)                                # a move: older samples no longer count
     assert _interval(ctl, 2.0, n=0)["n_tpot"] == 0 and ctl.p95["tpot"] is None
-    _interval(ctl, 3.0, tpot=0.01)
+    _interval(ctl, 3.0, tpot=0.085)                              # in the band: no move
     assert ctl.num_samples["tpot"] == 10
-    ctl.tick(7.0)                                                # 3 intervals later: gone
+    _interval(ctl, 6.0, tpot=0.09)                               # 10 in the last 3 intervals: enough
+    assert ctl.num_samples["tpot"] == 10 and ctl.p95["tpot"] == pytest.approx(0.09)
+    ctl.tick(10.0)                                               # none in the last 3: the newest 8
+    assert ctl.num_samples["tpot"] == 8 and ctl.p95["tpot"] == pytest.approx(0.09)
+    ctl.tick(17.0)                                               # 10 intervals later: gone
     assert ctl.num_samples["tpot"] == 0 and not ctl.samples["tpot"]
+
+
+def test_slow_traffic_reaches_back_for_samples():
+    """2 finished requests an interval: 3 intervals hold 6 < 8, the decision reads back further."""
+    ctl, _ = _ctl(min_samples=8)
+    ctl.tick(0.0)
+    rows = [_interval(ctl, t, tpot=0.5, n=2) for t in range(1, 6)]
+    assert [r["action"] for r in rows] == ["hold"] * 3 + ["budget down", "hold"]
+    assert rows[3]["n_tpot"] == 8
 
 
 def test_ttft_wants_budget_tpot_wins():
@@ -228,6 +241,9 @@ def test_bad_config(kw, match):
 def test_no_targets_no_controller():
     model = tiny_model(vocab_size=64, seed=0)
     assert LLMEngine(model, EngineConfig(num_blocks=16)).controller is None
+    from minillm import LLM                       # the offline front door passes the fields on
+    ctl = LLM(model, num_blocks=16, max_num_seqs=4, slo_tpot_p95_ms=50).llm_engine.controller
+    assert ctl.targets == {"ttft": None, "tpot": 0.05} and ctl.min_budget == 4
     with pytest.raises(ValueError, match="down"):
         _ctl(down=1.5)
 

@@ -13,10 +13,12 @@ fake one).
 
 When it moves. `tick(now)` runs at the start of every `LLMEngine.step` and does nothing until
 `interval_s` (EngineConfig.slo_interval_s) has passed since the last decision. Then it takes the
-P95 of each metric over its window: the samples of the last `window_intervals` intervals, but
-none older than the last move (after a move the next decision reads only what was measured
-under the new setting, so one slow burst is not answered twice). A metric with fewer than
-`min_samples` samples in its window moves nothing.
+P95 of each metric over its window: the samples of the last `window_intervals` (3) intervals,
+or, when those are fewer than `min_samples` (8), the newest `min_samples` of the last
+`max_window_intervals` (10): a CPU server finishing under a request a second would otherwise
+never gather enough to decide. No sample older than the last move counts (after a move the
+next decision reads only what was measured under the new setting, so one slow burst is not
+answered twice). A metric with fewer than `min_samples` samples moves nothing.
 
 How it moves (T = the target; "calm" = P95 < `margin` x T, the hysteresis band is [margin x T, T]):
 - the token budget (`scheduler.max_num_batched_tokens`, read by `Scheduler.schedule` every step)
@@ -65,25 +67,28 @@ class SLOController:
     """Moves `scheduler.max_num_batched_tokens` (and the classes' queue bounds) towards the P95
     targets; see the module docstring for the rule."""
 
-    def __init__(self, config, scheduler, *, window_intervals: int = 3, min_samples: int = 8,
-                 down: float = 0.75, up: float = 1.25, margin: float = 0.8, up_after: int = 2):
+    def __init__(self, config, scheduler, *, window_intervals: int = 3, max_window_intervals: int = 10,
+                 min_samples: int = 8, down: float = 0.75, up: float = 1.25, margin: float = 0.8,
+                 up_after: int = 2):
         if config.scheduling == "static":
             raise ValueError("the SLO controller needs scheduling='continuous': a static batch "
                              "admits no one until it drains, so no budget changes its latency")
         if not (0 < down < 1 < up and 0 < margin < 1 and up_after >= 1 and min_samples >= 1
-                and window_intervals >= 1):
+                and 1 <= window_intervals <= max_window_intervals):
             raise ValueError(f"need 0 < down < 1 < up, 0 < margin < 1, up_after >= 1, "
-                             f"min_samples >= 1, window_intervals >= 1; got {down}, {up}, "
-                             f"{margin}, {up_after}, {min_samples}, {window_intervals}")
+                             f"min_samples >= 1, 1 <= window_intervals <= max_window_intervals; got "
+                             f"{down}, {up}, {margin}, {up_after}, {min_samples}, {window_intervals}, "
+                             f"{max_window_intervals}")
         self.scheduler = scheduler
         self.down, self.up, self.margin, self.up_after = down, up, margin, up_after
         self.min_samples, self.interval_s = min_samples, config.slo_interval_s
         self.window_s = window_intervals * config.slo_interval_s
+        self.max_window_s = max_window_intervals * config.slo_interval_s
         ms = lambda v: None if v is None else v / 1e3    # noqa: E731
         self.targets = {"ttft": ms(config.slo_ttft_p95_ms), "tpot": ms(config.slo_tpot_p95_ms)}
         self.max_budget = config.max_num_batched_tokens
         self.min_budget = max(config.max_num_seqs, 1 + config.num_speculative_tokens)
-        self.budget = self.max_budget
+        self.budget = self.max_budget                       # the scheduler's, from now on
         self.classes = config.priority_classes              # as configured
         self.configured_timeouts = {c.priority: c.max_queue_wait for c in self.classes
                                     if c.max_queue_wait is not None}
@@ -98,6 +103,15 @@ class SLOController:
         self._due: float | None = None                      # next decision (set by the first tick)
         self._since = -math.inf                             # time of the last move
         self._peak = 0                                      # largest step since the last decision
+
+    @property
+    def budget(self) -> int:
+        """The token budget in force: the scheduler's `max_num_batched_tokens`, read each step."""
+        return self.scheduler.max_num_batched_tokens
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self.scheduler.max_num_batched_tokens = value
 
     # ---- what the engine tells it ------------------------------------------------------------
     def observe(self, outputs, step: int, num_timed_out: int = 0, num_tokens: int = 0) -> None:
@@ -133,9 +147,12 @@ class SLOController:
         self._due = now + self.interval_s
         state = {}
         for metric, samples in self.samples.items():
-            while samples and samples[0][0] <= now - self.window_s:
-                samples.popleft()        # older than the window: gone for good
-            vals = [v for t, v in samples if t > self._since]
+            while samples and samples[0][0] <= now - self.max_window_s:
+                samples.popleft()        # older than the longest window: gone for good
+            fresh = [(t, v) for t, v in samples if t > self._since]
+            vals = [v for t, v in fresh if t > now - self.window_s]
+            if len(vals) < self.min_samples:        # too few: reach back for the newest ones
+                vals = [v for _, v in fresh[-self.min_samples:]]
             self.num_samples[metric] = len(vals)
             self.p95[metric] = percentile(vals, 95) if vals else None
             state[metric] = self._state(metric, len(vals))
@@ -172,7 +189,7 @@ class SLOController:
             new = self.budget
         if new != self.budget:
             moved.append(("budget", "down" if new < self.budget else "up"))
-            self.budget = self.scheduler.max_num_batched_tokens = new
+            self.budget = new
         if self.configured_timeouts and state["ttft"] == "over":
             moved += self._scale_timeouts(self.down, "down")
         elif self.configured_timeouts and self._calm["ttft"] >= self.up_after:

@@ -55,17 +55,22 @@ def step_workload(rate: float, base_s: float, step_s: float, after_s: float, voc
         out.append(WorkloadRequest(t, ids, rng.randint(*output_len)))
 
 
-def decode_step_seconds(model, seats: int = 8, prompt_len: int = 32, steps: int = 8) -> float:
-    """Median wall time of a decode-only step with `seats` sequences running."""
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=seats, max_num_batched_tokens=max(64, seats)))
-    for i in range(seats):
-        engine.add_request([1 + (i * 31 + j) % 1000 for j in range(prompt_len)],
-                           SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    times = [r["t_end"] - r["t_start"] for r in engine.trace
-             if r["num_prefill_tokens"] == 0 and r["num_seqs"] == seats]
-    return statistics.median(times[2:] or times)     # the first decodes warm the caches
+def decode_step_seconds(model, seats: int = 8, prompt_len: int = 32, steps: int = 8,
+                        repeats: int = 3) -> float:
+    """Wall time of a decode-only step with `seats` sequences running: the median step of a run,
+    the fastest of `repeats` runs (a shared machine's bursts only ever add time)."""
+    runs = []
+    for _ in range(repeats):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=seats, max_num_batched_tokens=max(64, seats)))
+        for i in range(seats):
+            engine.add_request([1 + (i * 31 + j) % 1000 for j in range(prompt_len)],
+                               SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        times = [r["t_end"] - r["t_start"] for r in engine.trace
+                 if r["num_prefill_tokens"] == 0 and r["num_seqs"] == seats]
+        runs.append(statistics.median(times[2:] or times))   # the first decodes warm the caches
+    return min(runs)
 
 
 def _sample(m) -> dict:
@@ -166,10 +171,13 @@ def calibrate(model, rate: float, budget: int, seconds: float = 10, seats: int =
 def compare(model, *, budgets=(512,), max_budget: int = 512, load: float = 0.45, rate=None,
             targets_ms=None, base_s: float = 5, step_s: float = 15, after_s: float = 10,
             calib_s: float = 8, seats: int = 8, interval_s: float = 2.0, seed: int = 0,
-            prompt_len=(16, 64), output_len=(8, 16)) -> dict:
-    """The controller (budget <= max_budget) and each fixed budget under one load step.
-    -> {"rate", "decode_step_s", "targets_ms", "runs": {"controller" | "fixed_<b>": load_step's
-    dict}}; `rate` / `targets_ms` given skip their measurement."""
+            prompt_len=(16, 64), output_len=(8, 16), rounds: int = 1) -> dict:
+    """The controller (budget <= max_budget) and each fixed budget under one load step, in
+    `rounds` interleaved rounds (the order reversed every other round, so a machine that drifts
+    slower or faster weighs on every setting alike). -> {"rate", "decode_step_s", "targets_ms",
+    "runs": {"controller" | "fixed_<b>": load_step's dict of the first round}, "rounds": [{name:
+    summary}, ...], "mean": {name: goodput, attainment, tokens/s averaged over the rounds}};
+    `rate` / `targets_ms` given skip their measurement."""
     step = None
     if rate is None:
         step = decode_step_seconds(model, seats)
@@ -179,7 +187,16 @@ def compare(model, *, budgets=(512,), max_budget: int = 512, load: float = 0.45,
     kw = dict(rate=rate, targets_ms=targets_ms, base_s=base_s, step_s=step_s, after_s=after_s,
               seats=seats, interval_s=interval_s, seed=seed, prompt_len=prompt_len,
               output_len=output_len)
-    runs = {"controller": load_step(model, budget=max_budget, controller=True, **kw)}
-    for b in budgets:
-        runs[f"fixed_{b}"] = load_step(model, budget=b, controller=False, **kw)
-    return {"rate": rate, "load": load, "decode_step_s": step, "targets_ms": targets_ms, "runs": runs}
+    settings = [("controller", max_budget, True)] + [(f"fixed_{b}", b, False) for b in budgets]
+    runs, per_round = {}, []
+    for i in range(rounds):
+        this = {}
+        for name, budget, ctl in (settings if i % 2 == 0 else settings[::-1]):
+            run = load_step(model, budget=budget, controller=ctl, **kw)
+            runs.setdefault(name, run)
+            this[name] = {**run["summary"], "load_avg_before": run["config"]["load_avg_before"]}
+        per_round.append(this)
+    keys = ("goodput", "attainment", "output_tokens_per_s")
+    mean = {name: {k: sum(r[name][k] for r in per_round) / rounds for k in keys} for name in runs}
+    return {"rate": rate, "load": load, "decode_step_s": step, "targets_ms": targets_ms,
+            "runs": runs, "rounds": per_round, "mean": mean}
