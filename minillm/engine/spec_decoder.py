@@ -18,7 +18,7 @@ One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=
 A sequence whose drafts do not fit the step's token budget simply decodes one token. This module
 proposes, and defines the record of the run's counts; it changes no sequence, block or metric.
 
-Speculation that steps aside (`SpecDecoder.select`, asked by the engine before step 1): drafts
+Speculation that steps aside (`SpecDecoder.select`, asked by the engine before 1. above): drafts
 cost B x (K + 1) verify rows against B plain ones, which pays while a decode step is bound by
 reading the weights (small batches) and stops paying once the batch makes it compute-bound.
 - `disable_by_batch_size` (vLLM's `speculative_disable_by_batch_size`, its V0 rule): no sequence

@@ -91,11 +91,13 @@ def choose_threshold(batch_sizes, speedups) -> int | None:
 
 def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k: int = 8,
             min_ngram: int = 2, rounds: int = 1, min_requests: int = 2,
-            threshold: int | None = None) -> dict:
+            threshold: int | None = None, prompts: dict[str, str] | None = None) -> dict:
     """The sweep, the threshold chosen from it, and the three modes at low load (the smallest of
     `batch_sizes`) and high load (the largest); see the module docstring. A run at concurrency B
-    serves max(B, min_requests) requests with max_num_seqs = B. Returns a plain dict of numbers."""
-    texts = list(SPEC_PROMPTS.values())
+    serves max(B, min_requests) requests with max_num_seqs = B; `prompts` {name: text}, default
+    chapter 6's `SPEC_PROMPTS`. Returns a plain dict of numbers."""
+    prompts = SPEC_PROMPTS if prompts is None else prompts
+    texts = list(prompts.values())
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     encoded = [encode_chat(tokenizer, t) for t in texts]
     low, high = min(batch_sizes), max(batch_sizes)
@@ -130,5 +132,5 @@ def compare(model, tokenizer, *, batch_sizes=(1, 4, 16), max_tokens: int = 16, k
             "threshold": chosen, "threshold_from": "measured" if threshold is None else "given",
             "low": low, "high": high, "modes": table, "same_outputs": same,
             "settings": dict(max_tokens=max_tokens, k=k, min_ngram=min_ngram, rounds=rounds,
-                             min_requests=min_requests, prompts=list(SPEC_PROMPTS)),
+                             min_requests=min_requests, prompts=list(prompts)),
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
