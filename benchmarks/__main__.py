@@ -30,6 +30,7 @@ BENCHMARKS = {
     "overhead": "benchmarks.overhead",   # ch 4: the engine's own cost per decode step
     "quant": "benchmarks.quant",         # ch 7: batch-1 decode per weight format vs its floor
     "priority": "benchmarks.priority",   # ch 8: priorities and SLOs, P95-driven token budget
+    "kv_tier": "benchmarks.kv_tier",     # ch 8: host KV tier on a multi-turn chat, restore vs recompute
     "attention": "benchmarks.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
     "attention_decode": "benchmarks.attention_decode",  # ch 9: paged / flash-decoding / SDPA decode, long context
     "parallel": "benchmarks.parallel",   # ch 11: gloo collectives, pipeline bubble, TP formulas at 70B

@@ -176,3 +176,12 @@ def test_real_model_chat_is_identical_and_hits_the_host(smollm2):
     on, off = res["runs"]["on"], res["runs"]["off"]
     assert on["host_hit_blocks"] > 0 and off["host_hit_blocks"] == 0
     assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
+
+
+def test_serve_flags():
+    from minillm.serve.cli import engine_options, parser
+    opts = engine_options(parser().parse_args(["--enable-prefix-caching", "--kv-offloading-size",
+                                               "0.5", "--offload-idle-s", "3"]))
+    cfg = EngineConfig(**opts)
+    assert (cfg.kv_offloading_size, cfg.offload_idle_s) == (0.5, 3.0)
+    assert EngineConfig(**engine_options(parser().parse_args([]))).kv_offloading_size is None

@@ -32,7 +32,9 @@ carries pickles, so it is for this machine's trusted processes (loopback, the ke
 $MINILLM_DISAGG_KEY).
 
 `--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
-the server.
+the server. `--enable-prefix-caching --kv-offloading-size 2` adds a 2 GiB KV tier in host memory
+(pinned on a GPU): evicted or idle (`--offload-idle-s`, default 2) prefix-cache blocks go there
+and come back on a later hit instead of being recomputed.
 
 Left out on purpose: vLLM's other flags (pipeline parallelism, LoRA, tool parsers, ...).
 """
@@ -59,6 +61,10 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
     "--tensor-parallel-size": ("tensor_parallel_size", int),   # ranks, as worker processes
 }
+# the host KV tier (paging/offload.py): vLLM's --kv-offloading-size, in GiB (with
+# --enable-prefix-caching), and how long a cached block sits idle before it is copied there
+ENGINE_FLAGS.update({"--kv-offloading-size": ("kv_offloading_size", float),
+                     "--offload-idle-s": ("offload_idle_s", float)})
 # The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
 # short request from waiting behind a long prompt's whole prefill (a quarter of the budget is left
