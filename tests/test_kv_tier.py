@@ -16,6 +16,8 @@ from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.model.loading import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # fixture in conftest.py
+
 TIER_GIB = 0.001          # ~1 MiB: hundreds of the tiny model's 8-token blocks
 BASE = dict(block_size=8, num_blocks=16, enable_prefix_caching=True, max_num_batched_tokens=64,
             max_num_seqs=4, offload_idle_s=1e9)
@@ -164,6 +166,7 @@ def test_bad_combinations(model):
     assert EngineConfig(kv_offloading_size=0).kv_offloading_size == 0   # 0: off, no prefix cache needed
 
 
+@pytest.mark.slow
 def test_real_model_chat_is_identical_and_hits_the_host(smollm2):
     """SmolLM2 with its chat template: one user, two turns after a system prompt that the
     other traffic pushes out of the pool; greedy replies identical with the tier on and off."""
