@@ -188,3 +188,29 @@ def test_serve_flags():
     cfg = EngineConfig(**opts)
     assert (cfg.kv_offloading_size, cfg.offload_idle_s) == (0.5, 3.0)
     assert EngineConfig(**engine_options(parser().parse_args([]))).kv_offloading_size is None
+
+
+def test_a_prefilled_handoff_into_an_engine_with_the_tier(model):
+    """import_prefilled writes the handed-over rows into fresh blocks at once: blocks it took by
+    evicting cached ones must reach the host tier before they are overwritten."""
+    from minillm.engine.kv_transfer import export_prompt_kv, import_prefilled
+    rng = random.Random(7)
+    a, noise = [rng.randrange(256) for _ in range(60)], [rng.randrange(256) for _ in range(100)]
+
+    def run(tier: bool):
+        pre, dec, outs = LLMEngine(model, EngineConfig(num_blocks=64)), engine(model, tier), []
+        for i, prompt in enumerate((a, a + [5, 6, 7])):
+            outs.append(dec.generate([noise], GREEDY)[0].outputs[0].token_ids)
+            rid = pre.add_request(prompt, GREEDY, request_id=f"handoff-{i}")
+            while not pre.step():
+                pass
+            h = export_prompt_kv(pre, rid)
+            pre.abort_request(rid)
+            import_prefilled(dec, h)
+            while dec.has_unfinished_requests():
+                dec.step()
+            outs.append(dec.requests[rid].seqs[0].output_token_ids)
+        outs.append(dec.generate([noise], GREEDY)[0].outputs[0].token_ids)
+        return outs, dec
+    (on, dec), (off, _) = run(True), run(False)
+    assert on == off and dec.block_manager.host_tier.stats["restored_blocks"] > 0
