@@ -44,7 +44,8 @@ def report(res: dict) -> str:
     for name, r in res["runs"].items():
         lines.append(f"tier {name:3s}: device hits {r['device_hit_rate']:.0%}, host hits "
                      f"{r['host_hit_rate']:.0%} of {r['queried_blocks']} blocks; prompt tokens "
-                     f"computed {r['computed_prompt_tokens']}/{r['prompt_tokens']}; mean TTFT by "
+                     f"computed {r['computed_prompt_tokens']}/{r['prompt_tokens']} (the chats' by "
+                     f"turn {r['computed_prompt_tokens_by_turn']}); mean TTFT by "
                      f"turn " + ", ".join(f"{t:.3f}" for t in r["ttft_mean_by_turn_s"]) + " s")
     lines.append(f"outputs identical: {res['identical']}; TTFT off/on by turn: "
                  + ", ".join(f"{x:.2f}x" for x in res["ttft_off_over_on_by_turn"]))
