@@ -32,6 +32,7 @@ BENCHMARKS = {
     "priority": "benchmarks.priority",   # ch 8: priorities and SLOs, P95-driven token budget
     "spec_switch": "benchmarks.spec_switch",   # ch 8: speculation off / always / stepping aside under load
     "slo_control": "benchmarks.slo_control",   # ch 8: the SLO controller under a load step
+    "kv_tier": "benchmarks.kv_tier",     # ch 8: host KV tier on a multi-turn chat, restore vs recompute
     "attention": "benchmarks.attention",  # ch 9: prefill attention, materialized vs tiled vs SDPA
     "attention_decode": "benchmarks.attention_decode",  # ch 9: paged / flash-decoding / SDPA decode, long context
     "parallel": "benchmarks.parallel",   # ch 11: gloo collectives, pipeline bubble, TP formulas at 70B

@@ -9,8 +9,8 @@ import importlib
 
 import pytest
 
-CORE = ["minillm.paging.block_manager", "minillm.model.sampling", "minillm.spec.rejection",
-        "minillm.spec.tree", "minillm._validate"]
+CORE = ["minillm.paging.block_manager", "minillm.paging.host_tier", "minillm.model.sampling",
+        "minillm.spec.rejection", "minillm.spec.tree", "minillm._validate"]
 
 
 @pytest.mark.parametrize("name", CORE)

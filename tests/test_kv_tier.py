@@ -16,6 +16,8 @@ from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.model.loading import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # fixture in conftest.py
+
 TIER_GIB = 0.001          # ~1 MiB: hundreds of the tiny model's 8-token blocks
 BASE = dict(block_size=8, num_blocks=16, enable_prefix_caching=True, max_num_batched_tokens=64,
             max_num_seqs=4, offload_idle_s=1e9)
@@ -164,6 +166,7 @@ def test_bad_combinations(model):
     assert EngineConfig(kv_offloading_size=0).kv_offloading_size == 0   # 0: off, no prefix cache needed
 
 
+@pytest.mark.slow
 def test_real_model_chat_is_identical_and_hits_the_host(smollm2):
     """SmolLM2 with its chat template: one user, two turns after a system prompt that the
     other traffic pushes out of the pool; greedy replies identical with the tier on and off."""
@@ -176,3 +179,38 @@ def test_real_model_chat_is_identical_and_hits_the_host(smollm2):
     on, off = res["runs"]["on"], res["runs"]["off"]
     assert on["host_hit_blocks"] > 0 and off["host_hit_blocks"] == 0
     assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
+
+
+def test_serve_flags():
+    from minillm.serve.cli import engine_options, parser
+    opts = engine_options(parser().parse_args(["--enable-prefix-caching", "--kv-offloading-size",
+                                               "0.5", "--offload-idle-s", "3"]))
+    cfg = EngineConfig(**opts)
+    assert (cfg.kv_offloading_size, cfg.offload_idle_s) == (0.5, 3.0)
+    assert EngineConfig(**engine_options(parser().parse_args([]))).kv_offloading_size is None
+
+
+def test_a_prefilled_handoff_into_an_engine_with_the_tier(model):
+    """import_prefilled writes the handed-over rows into fresh blocks at once: blocks it took by
+    evicting cached ones must reach the host tier before they are overwritten."""
+    from minillm.engine.kv_transfer import export_prompt_kv, import_prefilled
+    rng = random.Random(7)
+    a, noise = [rng.randrange(256) for _ in range(60)], [rng.randrange(256) for _ in range(100)]
+
+    def run(tier: bool):
+        pre, dec, outs = LLMEngine(model, EngineConfig(num_blocks=64)), engine(model, tier), []
+        for i, prompt in enumerate((a, a + [5, 6, 7])):
+            outs.append(dec.generate([noise], GREEDY)[0].outputs[0].token_ids)
+            rid = pre.add_request(prompt, GREEDY, request_id=f"handoff-{i}")
+            while not pre.step():
+                pass
+            h = export_prompt_kv(pre, rid)
+            pre.abort_request(rid)
+            import_prefilled(dec, h)
+            while dec.has_unfinished_requests():
+                dec.step()
+            outs.append(dec.requests[rid].seqs[0].output_token_ids)
+        outs.append(dec.generate([noise], GREEDY)[0].outputs[0].token_ids)
+        return outs, dec
+    (on, dec), (off, _) = run(True), run(False)
+    assert on == off and dec.block_manager.host_tier.stats["restored_blocks"] > 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.engine.args import request_state
+from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, SamplingParams, Sequence
 from minillm.paging.block_manager import NoFreeBlocksError
 
@@ -146,6 +147,8 @@ def import_prefilled(engine, h: Handoff) -> RequestOutput:
     seq = Sequence(engine._new_seq_id(), rid, ids, h.params, now, procs=procs, grammar=grammar)
     bm, cache = engine.block_manager, engine.cache
     cached = bm.allocate(seq.seq_id, ids)               # prefix-cache hits are already written
+    offload, restore = bm.take_kv_moves()               # host tier: copies first, then the rows
+    engine.runner.move_blocks(SchedulerOutput(offload=offload, restore=restore))
     rows = torch.cat(list(h.blocks), dim=2).to(cache.k.device, cache.k.dtype)   # (2, L, S, Hkv, D)
     slots = torch.tensor(bm.slot_mapping(seq.seq_id, cached, len(ids)), device=cache.k.device)
     L, N, P, Hkv, D = cache.k.shape

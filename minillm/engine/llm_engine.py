@@ -37,6 +37,11 @@ cumulative logprobs per token, prompt logprobs from the runner's prompt rows, an
 `enable_prefix_caching=True`: a prompt token found in the cache is never computed, so it has
 no logits (vLLM skips the cache for such a request instead).
 
+`kv_offloading_size` GiB adds a KV tier in host memory (paging/host_tier.py, offload.py; the
+runner's `HostKVPool`): prefix-cache blocks evicted from the pool, or idle for `offload_idle_s`
+(checked at the start of each step, on `self.clock`), are copied there and restored on a later
+prefix hit instead of being recomputed; `block_manager.host_tier` holds its counters.
+
 `tensor_parallel_size=n > 1` runs the model split over n processes (tp_runner.py: this process is
 rank 0 and drives the rest); `shutdown()` stops them.
 

@@ -67,7 +67,7 @@ def _serve(engine, tokenizer, system_prompt: str, users: int, turns: int, max_to
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     chats = [[{"role": "system", "content": system_prompt}] for _ in range(users)]
-    ttft, outputs, t0 = [], [], time.perf_counter()
+    ttft, computed, outputs, t0 = [], [], [], time.perf_counter()
     for turn in range(turns):
         for u, msgs in enumerate(chats):
             msgs.append({"role": "user", "content": QUESTIONS[(turn * users + u) % len(QUESTIONS)]})
@@ -75,6 +75,8 @@ def _serve(engine, tokenizer, system_prompt: str, users: int, turns: int, max_to
         while any(not engine.requests[r].finished for r in rids):
             engine.step()
         ttft.append([engine.requests[r].metrics.ttft for r in rids])
+        computed.append(sum(len(engine.requests[r].prompt_token_ids)
+                            - engine.requests[r].metrics.num_cached_tokens for r in rids))
         for r, msgs in zip(rids, chats):
             ids = engine.requests[r].seqs[0].output_token_ids
             outputs.append(ids)
@@ -86,6 +88,7 @@ def _serve(engine, tokenizer, system_prompt: str, users: int, turns: int, max_to
     host_hits = tier.stats["restored_blocks"] if tier else 0
     prompts = [r for r in engine.requests.values()]
     return {"ttft_s": ttft, "ttft_mean_by_turn_s": [statistics.fmean(t) for t in ttft],
+            "computed_prompt_tokens_by_turn": computed,      # what TTFT pays for; not timed
             "queried_blocks": queried, "device_hit_blocks": bm.stats["hit_blocks"],
             "host_hit_blocks": host_hits, "device_hit_rate": bm.stats["hit_blocks"] / max(queried, 1),
             "host_hit_rate": host_hits / max(queried, 1),
@@ -144,26 +147,36 @@ def block_costs(model, block_size: int = 16, num_blocks: int = 16, rounds: int =
 def multi_turn(model, tokenizer, users: int = 2, turns: int = 3, max_tokens: int = 6,
                block_size: int = 16, kv_offloading_size: float = 0.25,
                offload_idle_s: float = 2.0, system_prompt: str = SYSTEM_PROMPT, seed: int = 0,
-               costs: bool = True, cost_blocks: int = 16, cost_rounds: int = 5) -> dict:
+               costs: bool = True, cost_blocks: int = 16, cost_rounds: int = 5,
+               repeats: int = 1) -> dict:
     """The workload with the tier off and on (see the module docstring); a plain dict. The
     device pool holds one round of conversations with a little slack; the other traffic after
     each round is a prompt as long as the whole pool, so nothing cached survives it on the
-    device. `costs=False` skips `block_costs` (and its roofline measurement)."""
+    device. `costs=False` skips `block_costs` (and its roofline measurement). `repeats` > 1
+    runs the pair again, in alternating order, and reports each turn's median mean TTFT (the
+    hit counts are the same in every try; how many copies the idle path made depends on time)."""
     system = len(encode_chat(tokenizer, [{"role": "system", "content": system_prompt}]))
     num_blocks = -(-system // block_size) + users * (-(-turns * 40 // block_size) + 1)
     other_tokens = (num_blocks - 1) * block_size
-    runs = {}
-    for name, size in (("off", None), ("on", kv_offloading_size)):
-        eng = _engine(model, tokenizer, size, num_blocks, block_size, offload_idle_s)
-        runs[name] = _serve(eng, tokenizer, system_prompt, users, turns, max_tokens,
-                            other_tokens, seed)
+    tries = {"off": [], "on": []}
+    for r in range(repeats):       # interleaved: off, on, then on, off, ... (the load drifts)
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            eng = _engine(model, tokenizer, kv_offloading_size if name == "on" else None,
+                          num_blocks, block_size, offload_idle_s)
+            tries[name].append(_serve(eng, tokenizer, system_prompt, users, turns, max_tokens,
+                                      other_tokens, seed))
+    runs = {name: {**t[0], "ttft_mean_by_turn_s": [statistics.median(x) for x in
+                                                   zip(*(r["ttft_mean_by_turn_s"] for r in t))],
+                   "ttft_mean_by_turn_s_tries": [r["ttft_mean_by_turn_s"] for r in t]}
+            for name, t in tries.items()}
     off, on = runs["off"], runs["on"]
     return {"settings": {"users": users, "turns": turns, "max_tokens": max_tokens,
                          "block_size": block_size, "num_blocks": num_blocks,
                          "system_prompt_tokens": system, "other_tokens": other_tokens,
                          "kv_offloading_size": kv_offloading_size,
-                         "offload_idle_s": offload_idle_s, "seed": seed},
-            "runs": runs, "identical": off["outputs"] == on["outputs"],
+                         "offload_idle_s": offload_idle_s, "seed": seed, "repeats": repeats},
+            "runs": runs, "identical": all(t["outputs"] == off["outputs"]
+                                           for t in tries["off"] + tries["on"]),
             "costs": block_costs(model, block_size, cost_blocks, cost_rounds) if costs else None,
             "ttft_off_over_on_by_turn": [a / b for a, b in zip(off["ttft_mean_by_turn_s"],
                                                                on["ttft_mean_by_turn_s"])],

@@ -22,7 +22,8 @@ cache continues its chain there; the copies are handed out by `take_kv_moves` ea
 
 Left out on purpose: swapping whole sequences (the scheduler does that through the runner),
 sliding-window or per-layer tables, extra hash inputs (LoRA id, images, cache salt), and any
-scheduling policy: the manager only answers "can I?" and raises `NoFreeBlocksError` (before changing anything) when it cannot.
+scheduling policy: the manager only answers "can I?" and raises `NoFreeBlocksError` (before
+changing anything) when it cannot.
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field

@@ -32,7 +32,9 @@ carries pickles, so it is for this machine's trusted processes (loopback, the ke
 $MINILLM_DISAGG_KEY).
 
 `--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
-the server.
+the server. `--enable-prefix-caching --kv-offloading-size 2` adds a 2 GiB KV tier in host memory
+(pinned on a GPU): evicted or idle (`--offload-idle-s`, default 2) prefix-cache blocks go there
+and come back on a later hit instead of being recomputed.
 
 `--slo-ttft-p95-ms 2000 --slo-tpot-p95-ms 150 [--slo-interval-s 2]` start the SLO controller
 (engine/slo_controller.py): it moves the token budget, never above `--max-num-batched-tokens`,
@@ -66,6 +68,10 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--speculative-disable-by-batch-size": ("speculative_disable_by_batch_size", int),
     "--speculative-min-seq-len": ("speculative_min_seq_len", int),
 }
+# the host KV tier (paging/offload.py): vLLM's --kv-offloading-size, in GiB (with
+# --enable-prefix-caching), and how long a cached block sits idle before it is copied there
+ENGINE_FLAGS.update({"--kv-offloading-size": ("kv_offloading_size", float),
+                     "--offload-idle-s": ("offload_idle_s", float)})
 # The server's own defaults where they differ from EngineConfig's: a 512-token budget prefills a
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
 # short request from waiting behind a long prompt's whole prefill (a quarter of the budget is left
