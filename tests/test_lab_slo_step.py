@@ -6,7 +6,7 @@ import json
 import pytest
 
 from minillm import tiny_model
-from minillm.lab.slo_step import compare, recovery, rolling_p95, step_workload
+from minillm.lab.slo_step import calibrate, compare, recovery, rolling_p95, step_workload
 
 
 def test_step_workload_doubles_the_rate_in_the_step():
@@ -45,6 +45,13 @@ def test_compare_small_run_on_a_tiny_model():
     assert all(4 <= r["budget"] <= 64 for r in ctl["timeline"])
     assert 0 <= ctl["summary"]["attainment"] <= 1
     json.dumps(res)                                                    # a plain, JSON-ready dict
+
+
+def test_calibrate_returns_targets_between_or_above():
+    cal = calibrate(tiny_model(vocab_size=64), rate=8.0, budget=32, seconds=0.4, seats=4)
+    for k in ("ttft", "tpot"):
+        lo, hi = 1e3 * cal["p95_r"][k], 1e3 * cal["p95_2r"][k]
+        assert cal[k] > 0 and (lo - 1 <= cal[k] <= hi + 1 if hi > lo else cal[k] == round(1.2 * lo))
 
 
 def test_slo_step_plot_draws_every_run():

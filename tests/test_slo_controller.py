@@ -116,7 +116,8 @@ def test_ttft_wants_budget_tpot_wins():
     ctl.budget = 16
     ctl.tick(0.0)
     assert _interval(ctl, 1.0, tpot=0.2, ttft=5.0)["action"] == "budget down"      # TPOT wins
-    assert _interval(ctl, 2.0, tpot=0.09, ttft=5.0)["action"] == "hold"            # in the band: hold
+    assert _interval(ctl, 2.0, tpot=0.09, ttft=5.0)["action"] == "budget up"       # within target: TTFT
+    assert _interval(ctl, 3.0, tpot=0.09, ttft=0.5)["action"] == "hold"            # both fine: hold
     calm, _ = _ctl(budget=64)
     calm.budget = 16
     calm.tick(0.0)
