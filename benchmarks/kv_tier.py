@@ -15,7 +15,7 @@ from minillm.lab.kv_tier import multi_turn
 
 SETTINGS = {  # quick: a smoke run; full: the recorded numbers
     False: dict(users=3, turns=3, max_tokens=8, block_size=16, cost_blocks=32, cost_rounds=7,
-                repeats=2),
+                repeats=3),
     True: dict(users=1, turns=2, max_tokens=4, block_size=16, cost_blocks=8, cost_rounds=3),
 }
 UNITS = {"*_s / ttft_*": "seconds", "*_s_per_block": "seconds per KV block (all layers, K and V)",

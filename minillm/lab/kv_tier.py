@@ -153,8 +153,10 @@ def multi_turn(model, tokenizer, users: int = 2, turns: int = 3, max_tokens: int
     device pool holds one round of conversations with a little slack; the other traffic after
     each round is a prompt as long as the whole pool, so nothing cached survives it on the
     device. `costs=False` skips `block_costs` (and its roofline measurement). `repeats` > 1
-    runs the pair again, in alternating order, and reports each turn's median mean TTFT (the
-    hit counts are the same in every try; how many copies the idle path made depends on time)."""
+    runs the pair again, in alternating order, and reports each turn's mean TTFT from the try
+    that was least disturbed (the smallest: on a shared machine other processes only ever add
+    time; every try is kept in `ttft_mean_by_turn_s_tries`). The hit counts are the same in
+    every try; how many copies the idle path made depends on time."""
     system = len(encode_chat(tokenizer, [{"role": "system", "content": system_prompt}]))
     num_blocks = -(-system // block_size) + users * (-(-turns * 40 // block_size) + 1)
     other_tokens = (num_blocks - 1) * block_size
@@ -165,7 +167,7 @@ def multi_turn(model, tokenizer, users: int = 2, turns: int = 3, max_tokens: int
                           num_blocks, block_size, offload_idle_s)
             tries[name].append(_serve(eng, tokenizer, system_prompt, users, turns, max_tokens,
                                       other_tokens, seed))
-    runs = {name: {**t[0], "ttft_mean_by_turn_s": [statistics.median(x) for x in
+    runs = {name: {**t[0], "ttft_mean_by_turn_s": [min(x) for x in
                                                    zip(*(r["ttft_mean_by_turn_s"] for r in t))],
                    "ttft_mean_by_turn_s_tries": [r["ttft_mean_by_turn_s"] for r in t]}
             for name, t in tries.items()}
