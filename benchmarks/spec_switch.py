@@ -1,4 +1,4 @@
-"""Speculation that steps aside (chapter 8, issue 37), the record: `minillm.lab.spec_switch.compare`
+"""Speculation that steps aside (chapter 8), the record: `minillm.lab.spec_switch.compare`
 on the real model at a bigger size than the chapter's, written to spec_switch_<device>.json.
 
     python -m benchmarks spec_switch [--quick]

@@ -1,7 +1,7 @@
 """`GET /dashboard` over plain HTTP (no browser: tests/test_dashboard_browser.py opens it), and the
 metrics it draws: the page and its files, their types and Content-Security-Policy, nothing from
 another origin, its query parameters (a bad or unknown one is a 400 naming `param`), the same
-key rule as /metrics, and the metric contract of issue 37 (the SLO controller, the speculation
+key rule as /metrics, and the metric contract (the SLO controller, the speculation
 switch and the host KV tier export the same names with 0 when off, and what the engine keeps
 when on; per-priority gauges; queue timeouts in their own counter)."""
 import re

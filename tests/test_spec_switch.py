@@ -1,4 +1,4 @@
-"""Speculation that steps aside (issue 37): `speculative_disable_by_batch_size` (vLLM's) and
+"""Speculation that steps aside: `speculative_disable_by_batch_size` (vLLM's) and
 `speculative_min_seq_len` (seed 001's length condition), decided per step by `SpecDecoder.select`.
 
 References: greedy tokens of plain `generate` (no engine, no drafts) for every drafter (n-gram,

@@ -5,7 +5,7 @@ R = B * T rows, F d_ff.
 
 At batch 1 on a CPU a 135M model's arithmetic is one read of its weights, about 20 ms, and the
 eager Python around it (nine module calls per layer, a dozen small tensor ops in each rotation)
-added about as much again (issue 13; `bench overhead` measures it on a many-layer tiny model).
+added about as much again (`bench overhead` measures it on a many-layer tiny model).
 `FlatTransformer` is the same model: the same parameters, state_dict and cache protocol. Only
 its `forward` differs: one loop over the layers that calls no module (each layer's weights are read
 once per pass), looks the matmul route up once per pass instead of once

@@ -1,4 +1,4 @@
-"""Speculation that steps aside (chapter 8, issue 37): off, always on, and switched per step by
+"""Speculation that steps aside (chapter 8): off, always on, and switched per step by
 `speculative_disable_by_batch_size`, on chapter 6's input-grounded prompts, measured here.
 
 `compare(model, tokenizer)` does three things in one run, greedy (so every mode must give the
