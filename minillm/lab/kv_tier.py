@@ -144,12 +144,14 @@ def block_costs(model, block_size: int = 16, num_blocks: int = 16, rounds: int =
             "rounds": {"restore": restore, "recompute": recompute}}
 
 
-def multi_turn(model, tokenizer, users: int = 2, turns: int = 3, max_tokens: int = 6,
+def multi_turn(model, tokenizer, users: int = 1, turns: int = 2, max_tokens: int = 6,
                block_size: int = 16, kv_offloading_size: float = 0.25,
                offload_idle_s: float = 2.0, system_prompt: str = SYSTEM_PROMPT, seed: int = 0,
-               costs: bool = True, cost_blocks: int = 16, cost_rounds: int = 5,
+               costs: bool = True, cost_blocks: int = 16, cost_rounds: int = 3,
                repeats: int = 1) -> dict:
     """The workload with the tier off and on (see the module docstring); a plain dict. The
+    defaults take about a minute on 2 busy cores (load average 6-8) with SmolLM2-135M; the
+    benchmark (benchmarks/kv_tier.py) runs 3 users x 3 turns, 3 times. The
     device pool holds one round of conversations with a little slack; the other traffic after
     each round is a prompt as long as the whole pool, so nothing cached survives it on the
     device. `costs=False` skips `block_costs` (and its roofline measurement). `repeats` > 1
