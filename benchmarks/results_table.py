@@ -130,6 +130,20 @@ HEADLINES = [
              "ITL p90 of that run, disaggregated", "ms"),
     Headline("disaggregation", "layouts.colocated.rows.1.measured.itl_ms.p90",
              "ITL p90 of that run, colocated", "ms"),
+    Headline("spec_switch", "ratios.low_tpot_off_over_switch",
+             "n-gram speculation that steps aside, batch 1: TPOT off / switched", "x"),
+    Headline("spec_switch", "ratios.high_decode_tokens_per_s_switch_over_always",
+             "the same at 32 running requests: decode tokens/s switched / always-on", "x"),
+    Headline("spec_switch", "open.ratios.high_decode_tokens_per_s_switch_over_always",
+             "open questions (drafts rarely kept), 32 running: switched / always-on", "x"),
+    Headline("slo_control", "mean.controller.goodput",
+             "SLO controller under a one-minute load step: goodput (2 rounds, mean)", "req/s"),
+    Headline("slo_control", "mean.fixed_128.goodput",
+             "the same step, chapter 8's chosen fixed budget (128)", "req/s"),
+    Headline("kv_tier", "costs.recompute_over_restore",
+             "host KV tier: recomputing a block / restoring it from host memory", "x"),
+    Headline("kv_tier", "runs.on.host_hit_rate",
+             "multi-turn chat, pool too small for the system prompt: host-tier hit rate", "%", 100),
 ]
 
 

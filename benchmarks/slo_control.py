@@ -1,4 +1,4 @@
-"""The SLO controller under a load step (issue 37 item 2), the record: `minillm.lab.slo_step.compare`
+"""The SLO controller under a load step, the record: `minillm.lab.slo_step.compare`
 on the real model, rate r for 15 s, 2r for the issue's minute, r for 30 s, with the controller
 (budget <= the server's default 512) against the best fixed budget of chapter 8's sweep (read
 from priority_<device>.json: the largest budget whose interactive P95 TPOT met the SLA,

@@ -1,6 +1,16 @@
-"""Shared fixtures."""
+"""Shared fixtures, and torch's threads when `make test` runs the tests in several processes."""
+import os
+
 import pytest
 import torch
+
+# pytest-xdist (make test: `-n auto`) runs the test files in one process per core: each takes its
+# share of the cores, so N processes never run N x the cores' threads (oversubscribed, a 2-core
+# machine ran 8-token tests 4x slower). Tokens never depend on it; a test that needs a thread
+# count sets its own, and OMP_NUM_THREADS, when set, is left to rule.
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 @pytest.fixture(scope="module")

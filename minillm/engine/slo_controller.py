@@ -1,4 +1,4 @@
-"""The SLO controller (issue 37, seed 001's "when P95 latency exceeds the SLA, lower the max batch
+"""The SLO controller (seed 001's "when P95 latency exceeds the SLA, lower the max batch
 tokens or shorten the queue timeouts"): a closed loop over the engine's own latencies.
 
     engine = LLMEngine(model, EngineConfig(slo_tpot_p95_ms=120, slo_ttft_p95_ms=2000))

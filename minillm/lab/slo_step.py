@@ -1,4 +1,4 @@
-"""The SLO controller under a load step (chapter 8, issue 37): Poisson arrivals at rate r, then
+"""The SLO controller under a load step (chapter 8): Poisson arrivals at rate r, then
 2r for `step_s` seconds (the issue's minute; the notebook shortens it and says so), then r again,
 replayed on the wall clock into one `LLMEngine` (`workloads.replay`, as a server's loop feeds
 it: requests join between steps), with the controller on or with a fixed token budget.
