@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from engine_configs import workload
-from minillm import EagleDrafter, MedusaHeads, generate, tiny_model
+from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.serve.cli import engine_options, parser
 from test_engine_laws import SPEC, pvalue
+from test_engine_trained_drafters import drafter_for
 from test_spec_stats import LENGTH, PROMPT, SMALL, V
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,13 +44,6 @@ def work(model):
     arrivals = [0, 3, 3, 3, 3, 16]
     return prompts, max_tokens, arrivals, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
-
-def drafter_for(model, method):
-    if method == "medusa":
-        return MedusaHeads(model.config, num_heads=3, seed=0).to(torch.float64)
-    if method == "eagle":
-        return EagleDrafter(model.config, seed=0).to(torch.float64)
-    return None
 
 
 def make_engine(model, method, **switch):
