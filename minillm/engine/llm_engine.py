@@ -192,14 +192,7 @@ class LLMEngine(StepUpdate):
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run -> sample -> update. Returns the requests it advanced."""
         t0 = self.clock()
-        ctl = self.controller
-        if ctl is not None:
-            ctl.tick(t0)               # a decision every slo_interval_s; nothing in between
-        classes = self.config.priority_classes if ctl is None else ctl.priority_classes
-        timed_out = (apply_queue_timeouts(self.scheduler, self.requests, classes, t0,
-                                          self.step_count) if classes else [])
-        if self.block_manager.host_tier is not None:   # idle cached blocks -> host (offload.py)
-            self.block_manager.offload_idle(t0, self.config.offload_idle_s)
+        timed_out = self._operate(t0)  # controller, queue bounds, host KV tier; no-ops when off
         self._draft()                  # speculative decoding only; a no-op otherwise
         out = self.scheduler.schedule()
         try:
@@ -216,8 +209,8 @@ class LLMEngine(StepUpdate):
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
         outputs = self.update_from_output(out, rows, sampled, t0, prompt_lps, hidden)
-        if ctl is not None:            # this step's first tokens and finished requests
-            ctl.observe(outputs, self.step_count - 1, len(timed_out), out.num_tokens)
+        if self.controller is not None:    # this step's first tokens and finished requests
+            self.controller.observe(outputs, self.step_count - 1, len(timed_out), out.num_tokens)
         return [self._output(r) for r in timed_out] + outputs
 
     def generate(self, prompts, params=None, use_tqdm: bool = False, *,
@@ -258,6 +251,21 @@ class LLMEngine(StepUpdate):
         return data
 
     # ---- internals --------------------------------------------------------------------------
+    def _operate(self, now: float) -> list:
+        """What runs before a step is scheduled (chapter 8's appendix): the SLO controller's
+        decision when one is due, the priority classes' queue-wait bounds (as the controller set
+        them), idle prefix-cache blocks copied to the host tier. Returns the requests a bound
+        rejected."""
+        ctl = self.controller
+        if ctl is not None:
+            ctl.tick(now)              # a decision every slo_interval_s; nothing in between
+        classes = self.config.priority_classes if ctl is None else ctl.priority_classes
+        timed_out = (apply_queue_timeouts(self.scheduler, self.requests, classes, now,
+                                          self.step_count) if classes else [])
+        if self.block_manager.host_tier is not None:   # idle cached blocks -> host (offload.py)
+            self.block_manager.offload_idle(now, self.config.offload_idle_s)
+        return timed_out
+
     def _draft(self) -> None:
         """Propose drafts for the decoding sequences the switch lets draft this step
         (`SpecDecoder.select`), before the scheduler books their blocks; the others decode
