@@ -26,11 +26,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m minillm demo
 
-# The tests run in one process per core (at most 4: each loads the model); the notebooks one after
-# another, as a reader runs them (their timing checks see a machine that runs nothing else of ours).
+# The tests run in one process per core (at most 4: each loads the model), then the notebooks, two
+# at a time (each one's cells in order in one process; the chapters run torch on one thread).
 test: setup
 	$(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile tests --durations=15
-	$(PY) -m pytest -q notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 --durations=15
+	$(PY) -m pytest -q -n auto --maxprocesses=2 --dist loadfile notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 --durations=15
 
 bench: setup
 	$(PY) -m benchmarks all
