@@ -68,7 +68,15 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the suite")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: the course's policy, one, as in every chapter)")
     args = parser.parse_args(argv)
+    import torch
+    from minillm.lab.machine import COURSE_THREADS
+    threads = COURSE_THREADS if args.threads is None else args.threads
+    if not 1 <= threads <= 1024:
+        parser.error(f"--threads must be in [1, 1024], got {threads}")
+    torch.set_num_threads(threads)
     from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     names = list(BENCHMARKS) if args.name == "all" else [args.name]

@@ -9,7 +9,8 @@ Course labs and self-learners call two names:
 - `check(key, answer)` returns True or False and prints one line. A numeric answer is compared,
   within the exercise's tolerance, with a value computed on the reader's machine by minillm's own
   functions (so a machine-dependent answer is judged against that machine). The expected value is
-  never printed. A code exercise takes the reader's function (or class) and runs a named test on
+  never printed, and a wrong answer is only called wrong (never "too high" or "too low", which
+  would let any number be found by bisection); the hint says what to recompute. A code exercise takes the reader's function (or class) and runs a named test on
   it that fails on a broken version and passes on a fixed one.
 - `list_exercises(chapter=None)` returns the keys and questions, chapter by chapter.
 
@@ -30,6 +31,9 @@ class Exercise:
     key: str
     question: str
     judge: Callable[[Any], tuple[bool, str]]    # answer -> (right?, a line that never holds the answer)
+    expected: Callable[[], float] | None = None  # numeric exercises: the answer, for the course's own tests
+    rtol: float = 0.0
+    atol: float = 0.0
 
 
 _REGISTRY: dict[str, Exercise] = {}
@@ -54,9 +58,17 @@ def numeric(key: str, question: str, expected: Callable[[], float], *, rtol: flo
         want = float(expected())
         if math.isclose(float(answer), want, rel_tol=rtol, abs_tol=atol):
             return True, "right"
-        side = "high" if answer > want else "low"
-        return False, f"not yet: too {side}" + (f". Hint: {hint}" if hint else "")
-    return _register(Exercise(key, question, judge))
+        # right or wrong only: saying "too high" or "too low" would let any answer be found by bisection
+        return False, f"not yet: that is not it ({_tolerance(rtol, atol)}); recompute" + (
+            f". Hint: {hint}" if hint else "")
+    return _register(Exercise(key, question, judge, expected=expected, rtol=rtol, atol=atol))
+
+
+def _tolerance(rtol: float, atol: float) -> str:
+    if rtol == 0 and atol == 0:
+        return "checked exactly"
+    parts = ([f"within {rtol * 100:g}%"] if rtol else []) + ([f"within {atol:g}"] if atol else [])
+    return "checked " + " or ".join(parts)
 
 
 def code(key: str, question: str, test: Callable[[Any], None], *, hint: str = "") -> Exercise:

@@ -4,7 +4,7 @@ the code exercise runs the reader's cached greedy loop against `generate_naive` 
 
     >>> from minillm import exercises
     >>> exercises.check("00.4", 1.0)              # doctest: +SKIP
-    00.4 not yet: too low
+    00.4 not yet: that is not it (...); recompute. Hint: ...
 """
 import functools
 

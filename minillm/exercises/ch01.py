@@ -4,7 +4,7 @@ reader's lower-bound function against the package's `op_time` on random ops.
 
     >>> from minillm import exercises
     >>> exercises.check("01.1", 1)                # doctest: +SKIP
-    01.1 not yet: too low
+    01.1 not yet: that is not it (...); recompute. Hint: ...
 """
 import random
 

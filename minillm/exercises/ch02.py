@@ -4,7 +4,7 @@ its MHA / GQA / MQA variants against the package's `kv_bytes_per_token`.
 
     >>> from minillm import exercises
     >>> exercises.check("02.1", 0)                # doctest: +SKIP
-    02.1 not yet: too low
+    02.1 not yet: that is not it (...); recompute. Hint: ...
 """
 from minillm.analysis.kv_math import (attention_variants, kv_bytes_per_token, kv_crossover_tokens,
                                       plan_capacity, reservation_waste, sample_output_lengths,

@@ -4,7 +4,7 @@ test that a planted-broken version fails.
 
     >>> from minillm import exercises
     >>> exercises.check("03.1", 0.5)              # doctest: +SKIP
-    03.1 not yet: too high
+    03.1 not yet: that is not it (...); recompute. Hint: ...
 """
 import random
 

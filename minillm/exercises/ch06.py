@@ -5,7 +5,7 @@ a planted-broken version fails.
 
     >>> from minillm import exercises
     >>> exercises.check("06.2", 0.5)              # doctest: +SKIP
-    06.2 not yet: too low
+    06.2 not yet: that is not it (...); recompute. Hint: ...
 """
 import json
 from unittest import mock
