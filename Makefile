@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench figures notebooks clean
+.PHONY: setup demo test bench figures sitting notebooks clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,12 @@ figures: setup
 	MINILLM_FIGURES_DIR=$(CURDIR)/figures $(VENV)/bin/jupyter nbconvert --to notebook --execute \
 		--ExecutePreprocessor.timeout=1200 --output-dir build/notebooks notebooks/*.ipynb
 	MINILLM_FIGURES_DIR=$(CURDIR)/figures $(PY) -m minillm demo
+
+# The course in one sitting: the records the chapters quote, then every notebook (outputs in place,
+# figures into figures/) and the demo, with the load before and after each (benchmarks/sitting.py).
+# It rewrites committed files on purpose, like `make figures`.
+sitting: setup
+	$(PY) -m benchmarks sitting
 
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks

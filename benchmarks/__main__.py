@@ -53,7 +53,8 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
 
 
 CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare",
-           "serve_defaults": "benchmarks.serve_defaults", "disaggregation": "benchmarks.disaggregation"}
+           "serve_defaults": "benchmarks.serve_defaults", "disaggregation": "benchmarks.disaggregation",
+           "sitting": "benchmarks.sitting"}
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,115 @@
+"""The course in one sitting: every record the chapters quote, then every notebook and the demo, run one
+after another on one machine with one thread policy, the load average taken before and after each.
+
+    python -m benchmarks sitting                     # records, then notebooks (stored outputs and figures/)
+    python -m benchmarks sitting --no-records        # the notebooks only
+    python -m benchmarks sitting --size              # only count the course (words, code, figures, minutes)
+
+The notebooks are executed in place (their stored outputs are replaced) with MINILLM_FIGURES_DIR
+pointed at figures/, so the committed figures come from the same run. The record
+`sitting_<device>.json` holds, for each item, its wall time and the load before and after, and the
+course's size: prose words, code lines and figures per notebook, and an estimate of the time to
+read, run and think through it (80 words and 8 code lines a minute, rounded to 5 minutes; the
+exercises not counted). The README's reading times come from it.
+
+Left out on purpose: the records that need a second server or several processes to be started by
+hand (`serve_compare`, `disaggregation`: their commands are printed instead), and `make test`'s
+nbval run (a sitting writes the outputs that nbval then compares).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.records import REPO_ROOT, write_result
+
+# the records the chapters quote, in chapter order (each a `python -m benchmarks NAME` run)
+RECORDS = ["kernels", "serving", "lockout", "spec", "quant", "priority", "spec_switch", "slo_control",
+           "kv_tier", "attention", "attention_decode", "drafting", "parallel"]
+BY_HAND = {
+    "serve_compare": "python -m benchmarks serve_compare   (starts minillm and `transformers serve`)",
+    "disaggregation": "python -m benchmarks disaggregation (colocated and disaggregated servers)",
+}
+WORDS_PER_MIN, CODE_LINES_PER_MIN = 80, 8
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def notebook_size(path: Path) -> dict:
+    """Prose words, code lines and figures (stored PNG outputs) of one notebook, and the minutes."""
+    cells = json.loads(path.read_text())["cells"]
+    words = sum(len(re.findall(r"[A-Za-z0-9][\w'.,/-]*", "".join(c["source"])))
+                for c in cells if c["cell_type"] == "markdown")
+    code = sum(1 for c in cells if c["cell_type"] == "code"
+               for line in "".join(c["source"]).splitlines() if line.strip() and not line.strip().startswith("#"))
+    figures = sum(1 for c in cells for o in c.get("outputs", []) if "image/png" in (o.get("data") or {}))
+    minutes = words / WORDS_PER_MIN + code / CODE_LINES_PER_MIN
+    return {"notebook": path.name, "words": words, "code_lines": code, "figures": figures,
+            "minutes": int(5 * max(1, round(minutes / 5)))}
+
+
+def course_size(notebooks=None) -> list[dict]:
+    paths = notebooks or sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+    return [notebook_size(Path(p)) for p in paths]
+
+
+def _run(label: str, cmd: list[str], env: dict, log: list) -> bool:
+    before, t0 = _load(), time.perf_counter()
+    print(f"[sitting] {label} ... (load {before})", flush=True)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    ok = done.returncode == 0
+    log.append({"item": label, "ok": ok, "wall_s": round(wall, 1), "load_before": before, "load_after": _load()})
+    print(f"[sitting] {label}: {'ok' if ok else 'FAILED'} in {wall:.0f} s (load {_load()})", flush=True)
+    if not ok:
+        print((done.stdout + done.stderr)[-3000:], flush=True)
+    return ok
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks sitting", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-records", action="store_true", help="skip the records, run the notebooks only")
+    ap.add_argument("--no-notebooks", action="store_true", help="run the records only")
+    ap.add_argument("--records", nargs="*", default=None, help=f"which records (default: {' '.join(RECORDS)})")
+    ap.add_argument("--size", action="store_true", help="only print the course's size and reading times")
+    args = ap.parse_args(argv)
+    size = course_size()
+    if args.size:
+        for s in size:
+            print(f"{s['notebook']:<38} {s['words']:>6} words {s['code_lines']:>4} code lines "
+                  f"{s['figures']:>2} figures  ~{s['minutes']} min")
+        print(f"{'total':<38} {sum(s['words'] for s in size):>6} words, ~{sum(s['minutes'] for s in size) / 60:.1f} h")
+        return
+    env = dict(os.environ, MINILLM_FIGURES_DIR=str(REPO_ROOT / "figures"), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("OMP_NUM_THREADS", None)
+    py = sys.executable
+    log, start = [], _load()
+    if not args.no_records:
+        for name in (RECORDS if args.records is None else args.records):
+            _run(f"record {name}", [py, "-m", "benchmarks", name], env, log)
+        for name, cmd in BY_HAND.items():
+            print(f"[sitting] not run here ({name}): {cmd}")
+    if not args.no_notebooks:
+        jupyter = str(Path(py).parent / "jupyter")
+        for s in size:
+            _run(f"notebook {s['notebook']}", [jupyter, "nbconvert", "--to", "notebook", "--execute", "--inplace",
+                                                "--ExecutePreprocessor.timeout=1200", f"notebooks/{s['notebook']}"],
+                 env, log)
+        size = course_size()      # the stored figures are counted from the new outputs
+        _run("demo (its figures)", [py, "-m", "minillm", "demo"], env, log)
+    path = write_result("sitting", {"load_at_start": start, "load_at_end": _load(), "items": log,
+                                    "course": size, "by_hand": BY_HAND,
+                                    "units": {"minutes": f"{WORDS_PER_MIN} prose words and {CODE_LINES_PER_MIN} "
+                                                         "code lines a minute, rounded to 5; exercises not counted"}})
+    print(f"[sitting] wrote {path}; {sum(not x['ok'] for x in log)} failed of {len(log)}")
+
+
+if __name__ == "__main__":
+    main()
