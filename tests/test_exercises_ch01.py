@@ -25,10 +25,12 @@ def _decode_intensity(cfg, B, S, w=2):
 
 def test_01_1_crossover_by_brute_force():
     cfg, ridge = get_config("llama-3-70b"), 989.4e12 / 4.8e12        # the H200's datasheet
-    b = next(b for b in range(1, 10_000) if _decode_intensity(cfg, b, 0) >= ridge)
+    b = next(b for b in range(1, 10_000) if _decode_intensity(cfg, b, 512) >= ridge)
     assert exercises.check("01.1", b)
     assert not exercises.check("01.1", b - 1)                  # still below the ridge
     assert not exercises.check("01.1", round(ridge))           # "B equals the ridge" (bf16 = 2 bytes)
+    b0 = next(b for b in range(1, 10_000) if _decode_intensity(cfg, b, 0) >= ridge)
+    assert b0 < b and not exercises.check("01.1", b0)         # the cache's reads forgotten
 
 
 def test_01_2_intensity_limit():
@@ -67,5 +69,5 @@ def test_01_4_roofline_time_right_and_broken(capsys):
 
 
 def test_bad_answers_are_rejected_not_crashing():
-    assert not exercises.check("01.1", "215")
+    assert not exercises.check("01.1", "285")
     assert not exercises.check("01.2", float("nan"))

@@ -15,10 +15,12 @@ def test_all_keys_registered():
 
 def test_02_1_vocabulary():
     l3, mi = get_config("llama-3-8b"), get_config("mistral-7b")
-    right = (l3.num_params - mi.num_params) * 2 / 1e9
+    per_token = 2 * mi.n_layer * mi.n_kv_head * mi.head_dim * 2   # K and V, bf16
+    right = (l3.num_params - mi.num_params) * 2 / per_token
     assert exercises.check("02.1", right)
     assert not exercises.check("02.1", -right)                 # Mistral has the more room
-    assert not exercises.check("02.1", right / 2)              # forgot bf16's 2 bytes
+    assert not exercises.check("02.1", right / 2)              # forgot bf16's 2 bytes of weights
+    assert not exercises.check("02.1", (l3.num_params - mi.num_params) * 2 / 1e9)   # GB, not tokens
 
 
 def test_02_2_fp8_70b_on_h200():

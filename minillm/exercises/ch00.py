@@ -55,12 +55,14 @@ numeric("00.2", f"Greedy-decode 32 tokens of {PROMPT!r} in float32 and with "
 def _kv_bytes() -> int:
     from minillm.model.config import get_config
     from minillm.model.kv_cache import KVCache
-    return KVCache(get_config("smollm2-135m"), 1, 2048, device="meta").nbytes
+    return KVCache(get_config("smollm2-135m"), 3, 700, device="meta").nbytes
 
 
-numeric("00.3", "How many bytes does minillm.KVCache(cfg, 1, 2048) allocate for SmolLM2-135M in "
-        "float32 (keys and values, every layer)?", _kv_bytes, rtol=0.001,
-        hint="2 (K and V) x n_layer x n_kv_head x head_dim x tokens x 4 bytes")
+numeric("00.3", "How many bytes does minillm.KVCache(cfg, 3, 700) (3 sequences of up to 700 "
+        "tokens) allocate for SmolLM2-135M in float32, keys and values of every layer?",
+        _kv_bytes, rtol=0.001,
+        hint="read the shapes of the two tensors KVCache allocates (its source is shown in section 4) "
+             "and count their elements; a float32 is 4 bytes")
 
 
 def _floor_ms() -> float:
@@ -70,7 +72,8 @@ def _floor_ms() -> float:
 
 numeric("00.4", "A decode step reads every weight once. What is the bandwidth floor, in ms per "
         "step, of llama-3-8b in bf16 on a GPU that reads 3.35 TB/s (use cfg.num_params)?",
-        _floor_ms, rtol=0.02, hint="bytes = num_params x 2; time = bytes / (3.35e12 bytes/s)")
+        _floor_ms, rtol=0.02,
+        hint="redo section 5's floor for this model and card: which bytes one step reads, over the read rate")
 
 
 def _test_cached_greedy(fn) -> None:

@@ -15,10 +15,12 @@ from minillm.exercises import call_reader as _call, code, numeric
 from minillm.model.config import get_config
 
 
-numeric("01.1", "Llama-3-70B decodes in bf16 on an H200 with no cached context (S=0). From which "
-        "batch size B on is a decode step compute-bound (total intensity >= the ridge point)?",
-        lambda: decode_compute_bound_batch(get_config("llama-3-70b"), get_hardware("h200"), 0, "bf16"),
-        rtol=0, atol=0.5, hint="decode_compute_bound_batch, or bisect total_cost(decode_costs(...)).intensity")
+numeric("01.1", "Llama-3-70B decodes in bf16 on an H200, every sequence with 512 cached tokens "
+        "(S=512). From which batch size B on is a decode step compute-bound (total intensity >= "
+        "the ridge point)?",
+        lambda: decode_compute_bound_batch(get_config("llama-3-70b"), get_hardware("h200"), 512, "bf16"),
+        rtol=0, atol=0.5, hint="as in section 3, the step's total intensity grows with B; find the first B at which it "
+        "reaches this card's ridge, counting the cache's reads at S=512")
 
 numeric("01.2", "The same model and card with S=8192 cached tokens: what intensity (FLOP/byte) does "
         "a decode step tend to as B grows without bound? (It is why no batch turns it compute-bound.)",
@@ -30,7 +32,7 @@ numeric("01.3", "Llama-3-8B in bf16 on an H200 (its real 141 GiB), gpu_memory_ut
         "new one) fit at once? Batches above it cannot be run, whatever the roofline predicts.",
         lambda: plan_capacity(get_config("llama-3-8b"), get_hardware("h200"), 0.9, 16, 1025,
                               "bf16").max_num_seqs,
-        rtol=0, atol=0.5, hint="plan_capacity(..., max_model_len=1025).max_num_seqs")
+        rtol=0, atol=0.5, hint="redo section 3's capacity line for the H200: its memory, not the H100's")
 
 
 def _show(value) -> str:

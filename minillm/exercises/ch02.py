@@ -14,18 +14,20 @@ from minillm.exercises import call_reader as _call, code, numeric
 from minillm.model.config import PRESETS, get_config
 
 
-numeric("02.1", "Mistral-7B and Llama-3-8B have the same KV bytes per token. In bf16, how many GB "
-        "(1e9 bytes) more KV room does Mistral-7B leave on the same card (its weights are smaller)?",
+numeric("02.1", "Mistral-7B and Llama-3-8B have the same KV bytes per token. In bf16 (weights and "
+        "KV), how many more tokens of KV cache does Mistral-7B leave room for on the same card "
+        "(its weights are smaller)?",
         lambda: (weight_bytes(get_config("llama-3-8b"), "bf16")
-                 - weight_bytes(get_config("mistral-7b"), "bf16")) / 1e9,
-        rtol=0.01, hint="the difference of the two weight_bytes; the vocabularies differ most")
+                 - weight_bytes(get_config("mistral-7b"), "bf16")) / kv_bytes_per_token(get_config("mistral-7b"), "bf16"),
+        rtol=0.01, hint="the room the smaller weights free, in bytes, spent on KV tokens; "
+                        "the vocabularies differ most")
 
 numeric("02.2", "Llama-3-70B with weights and KV in fp8 on one H200 (gpu_memory_utilization=0.9, "
         "blocks of 16, no activation reserve), max_model_len=32768: how many full-length "
         "sequences fit at once?",
         lambda: plan_capacity(get_config("llama-3-70b"), get_hardware("h200"), 0.9, 16, 32768,
                               "fp8").max_num_seqs,
-        rtol=0, atol=0.5, hint="plan_capacity(..., dtype='fp8').max_num_seqs")
+        rtol=0, atol=0.5, hint="the capacity planner of section 3, with both the weights and the KV at one byte")
 
 
 def _static_waste(sigma: float) -> float:
@@ -42,7 +44,8 @@ numeric("02.4", "A KV cache in int4 (half a byte per element, no overhead): at w
         "(tokens per sequence) does Llama-2-7B's cache for a batch of 32 weigh as much as its "
         "bf16 weights?",
         lambda: kv_crossover_tokens(get_config("llama-2-7b"), 32, kv_dtype="int4"),
-        rtol=0.01, hint="weights / (B * KV bytes per token)")
+        rtol=0.01, hint="set the KV bytes of the whole batch equal to the weight bytes and solve for S; "
+                        "int4 is half a byte per element")
 
 
 def _test_bytes_per_token(fn) -> None:

@@ -6,6 +6,7 @@ Left out on purpose: styling beyond what makes the figure readable.
 """
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
 from minillm.model.config import ModelConfig
 from minillm.analysis.kv_math import Reservation, attention_variants, kv_cache_bytes, weight_bytes
@@ -62,6 +63,21 @@ def plot_roofline(hardware, dtype="bf16", predicted=(), measured=(), title=None)
     return fig
 
 
+def _plain_log_ticks(ax, xticks=None) -> None:
+    """Label log axes with plain numbers ("5", "20", "1024"), never "6x10^0": the x axis at the
+    given values, the y axis at 1, 2 and 5 per decade when it spans under two decades."""
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    if xticks is not None:
+        ax.xaxis.set_major_locator(FixedLocator(list(xticks)))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+    lo, hi = ax.get_ylim()
+    narrow = lo > 0 and hi / lo < 100
+    ax.yaxis.set_minor_formatter(plain if narrow else NullFormatter())
+
+
 def plot_decode_vs_batch(batches, predicted_s, measured_s=None, title=None, max_batch=None):
     """Decode step time vs batch: flat while weight reads dominate, then rising.
 
@@ -81,6 +97,7 @@ def plot_decode_vs_batch(batches, predicted_s, measured_s=None, title=None, max_
         ax.axvline(max_batch, color="0.6", ls=":", lw=1)
     ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="decode step time (ms)",
            title=title or "One decode step vs batch size")
+    _plain_log_ticks(ax, xticks=batches)
     ax.legend()
     ax.grid(True, which="both", alpha=0.2)
     return fig
