@@ -26,19 +26,23 @@ def _continuous(r, c):
 def test_04_1_static_steps_from_lengths_alone():
     work = poisson_workload(24, math.inf, 256, seed=0, prompt_len=(8, 64), output_len=(4, 96))
     lens = [w.max_tokens for w in work]
-    by_hand = sum(max(lens[i:i + 6]) for i in range(0, 24, 6))   # each batch lasts its longest
+    by_hand = sum(max(lens[i:i + 4]) for i in range(0, 24, 4))   # each batch of 4 lasts its longest
     assert exercises.check("04.1", by_hand)
     assert not exercises.check("04.1", by_hand + 1)
     assert not exercises.check("04.1", max(lens))          # that is continuous batching's floor
+    assert not exercises.check("04.1", sum(max(lens[i:i + 6]) for i in range(0, 24, 6)))  # the chapter's 6
 
 
 def test_04_2_saturation_rate():
-    lens = [w.max_tokens for w in poisson_workload(120, math.inf, 256, seed=0, prompt_len=(8, 64),
-                                                   output_len=(4, 96))]
-    rate = 8 * len(lens) / sum(lens)
+    lens = [w.max_tokens for w in poisson_workload(256, math.inf, 256, seed=0, prompt_len=(8, 64),
+                                                   output_len=(4, 128))]
+    rate = 16 * len(lens) / sum(lens)
     assert exercises.check("04.2", rate)
     assert not exercises.check("04.2", 1.1 * rate)
     assert not exercises.check("04.2", "fast")
+    sweep = [w.max_tokens for w in poisson_workload(120, math.inf, 256, seed=0, prompt_len=(8, 64),
+                                                    output_len=(4, 96))]
+    assert not exercises.check("04.2", 8 * len(sweep) / sum(sweep))    # the load sweep's, printed
 
 
 def test_04_3_accepts_static_rejects_continuous_and_over_admission():

@@ -11,21 +11,23 @@ from minillm.model.config import get_config
 
 
 def test_05_1_ridge_chunk_by_linear_scan():
-    cfg, hw = get_config("llama-3-8b"), get_hardware("a100-80gb-sxm")
+    cfg, hw = get_config("llama-3-8b"), get_hardware("h200")
     t = 1                          # the first T whose step intensity reaches the ridge, one by one
     while total_cost(step_costs(cfg, 1, t, 0, "bf16")).intensity < hw.ridge("bf16"):
         t += 1
     assert exercises.check("05.1", t)
-    assert not exercises.check("05.1", round(hw.ridge("bf16")))    # weights-only estimate: 153
+    assert not exercises.check("05.1", round(hw.ridge("bf16")))    # the weights-only estimate
 
 
 def test_05_2_and_05_3_steps_by_hand():
-    # decode-first: each step 64 - 4 = 60 prompt tokens -> ceil(256 / 60) = 5 steps
-    assert exercises.check("05.2", math.ceil(256 / (64 - 4)))
-    assert not exercises.check("05.2", math.ceil(256 / 64))
-    # prefill-first: 4 steps of 64 prompt tokens and no decodes -> next token 4 + 1 steps later
-    assert exercises.check("05.3", math.ceil(256 / 64) + 1)
+    # decode-first: each step 64 - 4 = 60 prompt tokens -> ceil(400 / 60) = 7 steps
+    assert exercises.check("05.2", math.ceil(400 / (64 - 4)))
+    assert not exercises.check("05.2", math.ceil(256 / (64 - 4)))   # the chapter's 256 tokens
+    # prefill-first: 6 steps of 64 prompt tokens and no decodes, then the last 16 tokens share a
+    # step with the decodes -> a running request's next token comes 6 + 1 steps later
+    assert exercises.check("05.3", 400 // 64 + 1)
     assert not exercises.check("05.3", 1)
+    assert not exercises.check("05.3", math.ceil(256 / 64) + 1)     # the chapter's 256 tokens
 
 
 def test_05_6_cached_prefix_by_hand():
@@ -35,11 +37,11 @@ def test_05_6_cached_prefix_by_hand():
 
 
 def test_05_4_h100_stall_by_hand():
-    cfg, hw, T = get_config("llama-3-8b"), get_hardware("h100-sxm"), 4096
+    cfg, hw, T = get_config("llama-3-8b"), get_hardware("h100-sxm"), 8192
     d, D, H, Hkv, L = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.n_layer
     per_layer = d * (H + 2 * Hkv) * D + H * D * d + 3 * d * cfg.d_ff      # linear weights
     flops = 2 * per_layer * L * T + 4 * L * H * T * T * D                  # matmuls + QK^T, PV
-    # every op but lm_head is compute-bound at 4,096 tokens; lm_head (one row) is a weight read
+    # every op but lm_head is compute-bound at 8,192 tokens; lm_head (one row) is a weight read
     lm_head = (d * cfg.vocab_size + d + cfg.vocab_size) * 2 / hw.mem_bandwidth
     ms = 1e3 * (flops / hw.peak("bf16") + lm_head)
     assert exercises.check("05.4", ms)

@@ -30,7 +30,8 @@ def _waste() -> float:
 
 numeric("03.1", f"Sequences of {WASTE_LENGTHS} tokens are stored in blocks of P={WASTE_P}. What "
         "fraction of the allocated KV slots is empty (a number between 0 and 1)?",
-        _waste, rtol=0.005, hint="count ceil(length / P) blocks per sequence")
+        _waste, rtol=0.005, hint="recount in whole blocks: each sequence holds all of its last "
+        "block, full or not")
 
 
 def _cached_tokens() -> int:
@@ -85,7 +86,8 @@ def _test_slot_mapping(fn) -> None:
 
 code("03.4", "Write slot_mapping(table, block_size, start, end) -> list of the physical KV slots "
      "of token positions start..end-1 of a sequence with that block table.",
-     _test_slot_mapping, hint="logical block pos // P, offset pos % P")
+     _test_slot_mapping, hint="a position's slot comes from its block's physical id in "
+     "the table and its offset inside that block (section 1)")
 
 
 def _test_release(fn) -> None:

@@ -1,7 +1,9 @@
 """Chapter 4's exercises (continuous batching). Keys as numbered in the notebook:
 
-- 04.1 (numeric): static batching's step count for the Gantt chart's workload, from lengths alone;
-- 04.2 (numeric): the arrival rate (requests per step) at which offered load reaches 1;
+- 04.1 (numeric): static batching's step count for section 1's workload in batches of 4, from
+  lengths alone;
+- 04.2 (numeric): the arrival rate (requests per step) at which the benchmark's workload (256
+  requests, 16 slots) reaches an offered load of 1;
 - 04.3 (code): an admission rule that turns the chapter's loop into static batching;
 - 04.4 (numeric): the bytes a swap-out moves for one SmolLM2-135M sequence.
 
@@ -15,9 +17,13 @@ import torch
 
 from minillm.exercises import code, numeric
 
-# the Gantt chart's workload (section 2) and the load sweep's (section 4)
+# section 1's workload (the Gantt chart's) and the serving benchmark's (section 3). The questions
+# ask about settings the chapter does not print (batches of 4, the benchmark's 16 slots), so the
+# answers never appear in its outputs.
 GANTT = dict(num_requests=24, seed=0, prompt_len=(8, 64), output_len=(4, 96))
-SWEEP = dict(num_requests=120, seed=0, prompt_len=(8, 64), output_len=(4, 96))
+STATIC_SEATS = 4
+BENCH = dict(num_requests=256, seed=0, prompt_len=(8, 64), output_len=(4, 128))
+BENCH_SEATS = 16
 
 
 def _workload(spec: dict, rate: float = math.inf, vocab_size: int = 256):
@@ -59,15 +65,15 @@ def _static_steps() -> int:
     from minillm.lab.workloads import replay
     from minillm.engine.config import EngineConfig
     from minillm.engine.llm_engine import LLMEngine
-    eng = LLMEngine(_tiny(), EngineConfig(block_size=16, num_blocks=200, max_num_seqs=6,
+    eng = LLMEngine(_tiny(), EngineConfig(block_size=16, num_blocks=200, max_num_seqs=STATIC_SEATS,
                                           max_num_batched_tokens=512, scheduling="static"))
     replay(eng, _workload(GANTT), time_unit="steps")
     return len(eng.trace)
 
 
 def _saturation_rate() -> float:
-    work = _workload(SWEEP)
-    return 8 / (sum(w.max_tokens for w in work) / len(work))
+    work = _workload(BENCH)
+    return BENCH_SEATS / (sum(w.max_tokens for w in work) / len(work))
 
 
 def _swap_bytes() -> float:
@@ -96,15 +102,17 @@ def _test_static_rule(admit) -> None:
         raise AssertionError(f"your loop took {steps} steps; static batching takes a different number")
 
 
-numeric("04.1", "Static batching, max_num_seqs=6, the Gantt chart's 24 requests: how many engine "
-        "steps? Work it out from the output lengths alone.", _static_steps, rtol=0, atol=0.5,
-        hint="a batch of 6 runs as long as its longest member; batches form in arrival order")
-numeric("04.2", "The load sweep's workload with max_num_seqs=8: at what arrival rate (requests per "
-        "engine step) is the offered load 1?", _saturation_rate, rtol=0.01,
-        hint="a request holds one slot for one step per output token")
+numeric("04.1", "Static batching, max_num_seqs=4, section 1's 24 requests: how many engine steps? "
+        "Work it out from the output lengths alone.", _static_steps, rtol=0, atol=0.5,
+        hint="recount batch by batch: what decides how long one batch of 4 holds the engine?")
+numeric("04.2", "The serving benchmark's workload (256 requests, outputs of 4 to 128 tokens) with "
+        "max_num_seqs=16: at what arrival rate (requests per engine step) is the offered load 1?",
+        _saturation_rate, rtol=0.01,
+        hint="recompute the capacity from this workload's own output lengths and its 16 slots")
 code("04.3", "Write admit(num_running, max_num_seqs) -> int so that the chapter's loop does static "
      "batching: same tokens and same step count as LLMEngine(scheduling='static').",
      _test_static_rule, hint="a new batch forms only when the previous one has completely left")
 numeric("04.4", "Swap preemption: how many bytes move to CPU when one SmolLM2-135M sequence of 100 "
         "computed tokens is swapped out (fp32 KV, block_size=16, whole blocks move)?", _swap_bytes,
-        rtol=0.001, hint="kv_bytes_per_token (chapter 2), times the slots of the blocks it holds")
+        rtol=0.001, hint="whole blocks move: recount the slots the sequence's blocks hold, not its "
+        "tokens, and the bytes of one token's K and V in every layer (chapter 2)")
