@@ -99,4 +99,5 @@ code("10.2", "Write tree_mask(parents) -> (N, N) bool: row i is True at i and at
      "i (parents[0] = -1 is the root).", _test_mask)
 code("10.3", "Write tau(parents, depths, ranks, a) -> the expected tokens of one step, with "
      "a(depth, rank) the probability a node is accepted given its parent was.", _test_tau,
-     hint="a node is accepted only if its whole path is; every step also emits one token of its own")
+     hint="recompute each node's chance along its whole path, as section 6 does, and count the "
+          "token every step emits of its own")
