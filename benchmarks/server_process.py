@@ -4,7 +4,10 @@
 session (so a Ctrl-C in the terminal reaches us first), polls `health_url` until it answers 200
 (failing early, with the log's tail, if the process exits), and on the way out sends SIGTERM,
 waits, then kills. The child gets HF_HUB_OFFLINE=1 and, first on PYTHONPATH, the folder holding
-the `minillm` package this process imported, so `python -m minillm serve` runs this checkout.
+the `minillm` package this process imported, so `python -m minillm serve` runs this checkout; and,
+unless they are set already, OMP_NUM_THREADS and MKL_NUM_THREADS = this process's torch threads
+(`python -m benchmarks --threads`, one by default), so a server that picks its own thread count
+(`transformers serve`) runs under the same thread policy as the record says.
 
 Left out on purpose: restarting crashed servers, ports other than loopback.
 """
@@ -27,7 +30,10 @@ def free_port() -> int:
 
 
 def child_env() -> dict:
+    import torch
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, str(torch.get_num_threads()))
     root = str(Path(minillm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     return env

@@ -97,3 +97,38 @@ def test_replay_step_seconds_is_a_simulated_clock(model):
     for bad, unit in ((0, "steps"), (-1.0, "steps"), (True, "steps"), (0.1, "seconds")):
         with pytest.raises(ValueError, match="step_seconds"):
             replay(engine, work, unit, step_seconds=bad)
+
+
+def test_overload_mix_spans_the_seconds_asked_with_three_classes(model):
+    work = lp.overload_mix(model, seconds=1.0, step_seconds=0.02, seats=4, load=2.0, seed=0)
+    assert {w.priority for w in work} == {0, 1, 2}
+    assert 0 < work[-1].arrival < 50 and [w.arrival for w in work] == sorted(w.arrival for w in work)
+    slow = lp.overload_mix(model, seconds=1.0, step_seconds=0.5, seats=4, load=2.0, seed=0)
+    assert slow[-1].arrival < 40 <= slow[-1].arrival + 5          # at least min_steps=40 steps of arrivals
+    with pytest.raises(ValueError):
+        lp.overload_mix(model, seconds=0, step_seconds=0.02)
+
+
+def test_seed_bounds_fire_under_sustained_overload_and_reject_keeps_interactive_first(model):
+    """Three classes at twice what 4 seats serve for 60 steps of 50 ms: the 200 ms and 1000 ms
+    bounds fire (as rejections or promotions), and promotion never helps the interactive tail."""
+    work = lp.overload_mix(model, seconds=3.0, step_seconds=0.05, seats=4, load=2.0, seed=0)
+    rej = lp.try_seed_bounds(model, work, 0.05, "reject")["classes"]
+    pro = lp.try_seed_bounds(model, work, 0.05, "promote")["classes"]
+    assert sum(c["n"] for c in rej.values()) == len(work)
+    assert rej["standard"]["rejected"] > 0 and rej["batch"]["rejected"] > 0
+    assert all(c["promoted"] == 0 for c in rej.values())
+    assert pro["batch"]["promoted"] > 0 and all(c["rejected"] == 0 for c in pro.values())
+    assert rej["interactive"]["ttft_p95_s"] <= pro["interactive"]["ttft_p95_s"]
+    assert [rej[n]["bound_s"] for n in ("interactive", "standard", "batch")] == [0.05, 0.2, 1.0]
+
+
+def test_offered_load_plot_draws_three_panels_with_the_burst_at_the_edge():
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.viz.serve import offered_load_plot
+    summ = lambda r: {"request_throughput": r, "ttft_ms": {"median": 1.0, "p99": 2.0},
+                      "tpot_ms": {"median": 1.0, "p99": 2.0}}
+    rows = [{"offered_rate": 0.5, "summary": summ(0.5)}, {"offered_rate": float("inf"), "summary": summ(2.0)}]
+    fig = offered_load_plot(rows, capacity=2.0)
+    assert len(fig.axes) == 3 and fig.axes[0].get_xticklabels()[-1].get_text() == "all at\nonce"

@@ -53,8 +53,10 @@ def test_08_3_stream_text():
 
 
 def test_08_4_gamma_gap_spread():
-    assert exercises.check("08.4", 0.5)             # mean 1/4 s, CV 1/sqrt(0.25) = 2
-    assert not exercises.check("08.4", 0.25)        # the Poisson (burstiness 1) answer
+    # one gap: mean 1/4 s, CV 1/sqrt(0.25) = 2, so sd 0.5 s; two independent gaps: variances add
+    assert exercises.check("08.4", (2 * 0.5 ** 2) ** 0.5)
+    assert not exercises.check("08.4", 2 * 0.5)     # standard deviations added
+    assert not exercises.check("08.4", 0.5)         # one gap only
 
 
 def test_08_5_tpot():

@@ -235,3 +235,13 @@ def test_sweep_offers_fractions_of_the_saturation_rate():
     assert len(sweep_table(rows).splitlines()) == 4
     with pytest.raises(ValueError, match="fractions"):
         sweep(url, "stub", fractions=(0,))
+
+
+def test_server_children_inherit_the_thread_policy(monkeypatch):
+    import torch
+    from benchmarks.server_process import child_env
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    env = child_env()
+    assert env["OMP_NUM_THREADS"] == str(torch.get_num_threads())
+    assert env["MKL_NUM_THREADS"] == "3"                   # a setting already there is kept

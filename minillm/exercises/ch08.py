@@ -1,15 +1,16 @@
 """Chapter 8's exercises (serving over HTTP). Keys "08.N" as numbered in the notebook.
 
-08.1 and 08.4 are judged against the formulas on the numbers in their questions (Little's law, a
-gamma distribution's spread), 08.6 against the engine on a tiny model with a simulated clock. The
-code exercises run the reader's function on inputs made when they check: Prometheus' histogram
-quantile (08.2, against a plain implementation here, on histograms filled by prometheus_client
-with the server's buckets), the text of a streamed chat answer (08.3, on event streams written by
-`serve.responses` with interleaved completions, multi-byte characters and a usage chunk), the load
-generator's TPOT (08.5, against `lab.serve_metrics.RequestResult`) and the priority scheduler's
-memory-pressure victim (08.7, against `PriorityScheduler`) and an answer's perplexity from its
-logprobs (08.8, on random logprob lists). 08.9 (logprobs at a temperature) and 08.10 (a choice
-under a token mask) are judged against the formula on their numbers.
+08.1 is judged against a count of requests inside a steady server (Little's law, without its
+formula), 08.4 against a gamma distribution's spread (the sum of two gaps), 08.6 against the
+engine on a tiny model with a simulated clock. The code exercises run the reader's function on
+inputs made when they check: Prometheus' histogram quantile (08.2, against a plain implementation
+here, on histograms filled by prometheus_client with the server's buckets), the text of a
+streamed chat answer (08.3, on event streams written by `serve.responses` with interleaved
+completions, multi-byte characters and a usage chunk), the load generator's TPOT (08.5, against
+`lab.serve_metrics.RequestResult`) and the priority scheduler's memory-pressure victim (08.7,
+against `PriorityScheduler`) and an answer's perplexity from its logprobs (08.8, on random logprob
+lists). 08.9 (logprobs at a temperature) and 08.10 (a choice under a token mask) are judged
+against the formula on their numbers.
 """
 import json
 import math
@@ -98,10 +99,19 @@ def _test_stream_text(candidate) -> None:
             raise AssertionError(f"a stream of {len(texts)} completion(s): the texts differ")
 
 
+def _requests_inside(rate: float = 3.0, stay: float = 4.0, horizon: float = 100.0) -> float:
+    """The time-average number of requests inside a server where one arrives every 1/rate s and
+    each stays `stay` s, counted over a long steady stretch (no formula: a count)."""
+    arrivals = [k / rate for k in range(int(horizon * rate))]
+    probes = [stay + (horizon - 2 * stay) * i / 997 for i in range(997)]
+    return sum(sum(a <= t < a + stay for a in arrivals) for t in probes) / len(probes)
+
+
 numeric("08.1", "A server receives 3 requests per second on average, and a request spends 4 s on "
         "average between arriving and its last token. How many requests are inside the server "
-        "(waiting or running) on average?", lambda: 3 * 4, rtol=1e-6,
-        hint="Little's law: L = lambda * W")
+        "(waiting or running) on average?", _requests_inside, rtol=0.01,
+        hint="recompute section 9's L column from these two numbers: what does it multiply, and "
+             "are both in the same unit of time?")
 code("08.2", "Write quantile(bounds, cumulative, q): the q-quantile of a Prometheus histogram "
      "(bounds: the bucket upper bounds, the last float('inf'); cumulative: requests at or under "
      "each bound), as Prometheus computes it.", _test_quantile,
@@ -133,12 +143,15 @@ def _test_tpot_ms(candidate) -> None:
 
 
 numeric("08.4", "Arrivals at 4 requests/s with --burstiness 0.25 (gamma gaps of shape 0.25, mean "
-        "1/rate): the standard deviation of the gap between two requests, in seconds.",
-        lambda: math.sqrt(0.25) / (4.0 * 0.25), rtol=0.01,
-        hint="the coefficient of variation of a gamma distribution of shape k is 1/sqrt(k)")
+        "1/rate, independent of each other): the standard deviation, in seconds, of the time from "
+        "one request to the second request after it (two gaps).",
+        lambda: math.sqrt(2 * 0.25) * (1.0 / (4.0 * 0.25)), rtol=0.01,
+        hint="get one gap's mean and spread as section 9 does for its burstiness table, then add "
+             "two independent gaps: what adds, the standard deviations or the variances?")
 code("08.5", "Write tpot_ms(ttft_s, e2e_s, output_tokens) -> the time per output token after the "
      "first, in ms, as the load generator defines it (nan with fewer than 2 output tokens).",
-     _test_tpot_ms, hint="the first token's wait is TTFT; the other n - 1 tokens share e2e - TTFT")
+     _test_tpot_ms, hint="recompute what section 9's TPOT column averages: which tokens it counts "
+     "(the first is TTFT's), which stretch of time they share, and what is left with one token")
 
 
 # ---- section 8: priorities -----------------------------------------------------------------------
@@ -190,7 +203,8 @@ numeric("08.6", "Seed 001's 200 ms queue timeout with on_timeout='reject' on the
         "arrives (between two steps) when the only seat is taken for the next 20 steps. How many "
         "steps after it arrived is it rejected (1 = at the very next step)?",
         _steps_until_rejected, rtol=0, atol=0.01,
-        hint="it is rejected at the first step that starts after strictly more than 200 ms of waiting")
+        hint="list the start times of the steps after its arrival, 30 ms apart, and find the first "
+             "whose wait is over the bound (a wait equal to it is not over)")
 code("08.7", "Write victim(running) -> the index of the request a priority scheduler preempts when the "
      "KV pool is empty. running: a list of dicts with 'priority' (lower = more important), 'arrival' "
      "(seconds, all different) and 'promoted' (waited past its class's bound); checked against "
@@ -232,13 +246,14 @@ code("08.8", "Write perplexity(content) -> float: the perplexity of a chat answe
 numeric("08.9", "At temperature 0.5 the model's logits for two tokens differ by 1.0. By how much do "
         "the logprobs the server reports for those two tokens differ (the log-probabilities of "
         "the distribution the token is sampled from)?", lambda: 1.0 / 0.5, rtol=1e-6,
-        hint="temperature divides the logits before the softmax; a softmax keeps differences of "
-             "its inputs as differences of log-probabilities")
+        hint="recompute both logprobs from the logits the sampler really used (section 7 checks "
+             "this against a forward pass); what does their difference keep of the normalizer?")
 numeric("08.10", "A request with guided_choice ['yes', 'no'], sampled at temperature 1. At the first "
         "position the model gives the token 'yes' probability 0.2, the token 'no' 0.1, and 0.7 to "
         "everything else (each answer is one token). What is the probability the answer is 'yes'?",
         lambda: 0.2 / (0.2 + 0.1), rtol=1e-6,
-        hint="the mask sets every other token's logit to -inf; the softmax renormalizes what is left")
+        hint="recompute the distribution after section 8's mask: which probabilities are left, and "
+             "what must they add up to?")
 
 
 # ---- appendix 08b: operating the server --------------------------------------------------------

@@ -23,6 +23,12 @@ the step counts are not.
 The benchmark (`python -m benchmarks priority [--quick]`) runs both on the real model and
 writes the record; chapter 8 calls these functions on its own mix.
 
+Chapter 8 also runs seed 001's own assignment of bounds (`SEED_CLASSES`: interactive 50 ms,
+standard 200 ms, batch 1000 ms) under sustained overload, on a simulated clock whose step lasts as
+long as a measured step of this machine: `overload_mix` (three kinds of traffic, arrivals spread
+over a given number of simulated seconds) and `try_seed_bounds` (per class: how many hit their
+bound, promoted or rejected, and the TTFT p95 in simulated ms).
+
 Left out on purpose: a closed-loop controller that retunes a live server (the sweep shows the
 rule; the server can apply it), and the standard class (the mix has two kinds of traffic).
 """
@@ -150,3 +156,56 @@ def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name=
         rows[-1]["meets"] = rows[-1]["tpot_p95"] <= sla_tpot_p95
     ok = [r["budget"] for r in rows if r["meets"]]
     return {"sla_tpot_p95": sla_tpot_p95, "rows": rows, "chosen": max(ok) if ok else None}
+
+
+def overload_mix(model, seconds: float, step_seconds: float, seats: int = 4, load: float = 2.0,
+                 kinds: dict | None = None, seed: int = 0, min_steps: int = 40,
+                 max_requests: int = 2000) -> list:
+    """Three classes of traffic (interactive, standard, batch: one third each) arriving at `load`
+    times what `seats` can serve, for `seconds` of a simulated clock whose steps last
+    `step_seconds` (and for at least `min_steps` steps): a sustained overload as long in seconds
+    on every machine. Arrivals are in steps. kinds: name -> (prompt_len range, output_len range,
+    priority)."""
+    import math
+    import random
+    from minillm.lab.workloads import WorkloadRequest, _tokens
+    kinds = kinds or {"interactive": ((8, 16), (2, 4), 0), "standard": ((8, 24), (4, 8), 1),
+                      "batch": ((16, 32), (6, 12), 2)}
+    if not (seconds > 0 and step_seconds > 0 and load > 0 and math.isfinite(seconds)):
+        raise ValueError(f"need seconds, step_seconds and load > 0, got {seconds}, {step_seconds}, {load}")
+    mean_out = np.mean([(lo + hi) / 2 for _, (lo, hi), _ in kinds.values()])
+    rate = load * seats / mean_out                       # requests per step
+    span = max(seconds / step_seconds, min_steps)        # steps of arrivals
+    rng = random.Random(seed)
+    t, out, names = 0.0, [], sorted(kinds, key=lambda k: kinds[k][2])
+    while t < span and len(out) < max_requests:
+        (plo, phi), (olo, ohi), prio = kinds[rng.choice(names)]
+        out.append(WorkloadRequest(t, _tokens(rng, rng.randint(plo, phi), model.config.vocab_size),
+                                   rng.randint(olo, ohi), prio))
+        t += rng.expovariate(rate)
+    return out
+
+
+def try_seed_bounds(model, workload, step_seconds: float, on_timeout: str = "promote", seats: int = 4,
+                    budget: int = 32, classes=SEED_CLASSES) -> dict:
+    """Serve `workload` under priority with every class's bound as given (default: seed 001's
+    50 / 200 / 1000 ms) and `on_timeout`, on a clock of `step_seconds` per step. Per class: n,
+    how many passed their bound (promoted or rejected), TTFT p50 / p95 in simulated seconds of
+    those served, and the longest wait for a first seat (s)."""
+    from dataclasses import replace
+    classes = tuple(replace(c, on_timeout=on_timeout) for c in classes)
+    outs, engine = serve(model, workload, "priority", budget, seats, classes, step_seconds)
+    table = {}
+    for c in classes:
+        mine = [(o, w) for o, w in zip(outs, workload) if w.priority == c.priority]
+        if not mine:
+            continue
+        served = [ttft_steps(o) * step_seconds for o, _ in mine if ttft_steps(o) is not None]
+        waits = [o.metrics.queue_time for o, _ in mine if o.metrics.queue_time is not None]
+        table[c.name] = {"n": len(mine), "bound_s": c.max_queue_wait,
+                         "promoted": sum(o.metrics.num_promotions > 0 for o, _ in mine),
+                         "rejected": sum(bool(o.error) for o, _ in mine),
+                         "ttft_p50_s": float(np.percentile(served, 50)) if served else None,
+                         "ttft_p95_s": float(np.percentile(served, 95)) if served else None,
+                         "max_wait_s": max(waits) if waits else None}
+    return {"steps": len(engine.trace), "classes": table}
