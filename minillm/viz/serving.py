@@ -13,6 +13,7 @@ a matplotlib Figure (save it with `minillm.viz.plotting.save_figure`).
   interactive P95 TPOT per token budget (a record of `python -m benchmarks priority`).
 """
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 import numpy as np
 
 
@@ -164,6 +165,9 @@ def step_cost_plot(tokens, measured_ms, floor_ms, ridge_tokens: int | None = Non
         ax.axvline(ridge_tokens, color="C3", ls="--", lw=1, label=f"ridge: {ridge_tokens} tokens")
     ax.set(xlabel="new tokens in the step", ylabel="ms per forward", xscale="log", yscale="log",
            title="one step: its time against its new tokens")
+    ax.set_xticks(list(tokens), [str(t) for t in tokens])   # plain numbers, not 4x10^2
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "25" else ""))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
