@@ -9,21 +9,23 @@ from minillm import exercises
 from minillm.model.config import get_config
 
 
-def test_07_1_q4_1_bytes_by_hand():
+def test_07_1_q4_1_g64_bytes_by_hand():
     cfg = get_config("smollm2-135m")
     C, F, D = cfg.d_model, cfg.d_ff, cfg.head_dim
     weights = cfg.n_layer * (C * (cfg.n_head + 2 * cfg.n_kv_head) * D + cfg.n_head * D * C + 3 * C * F)
-    assert exercises.check("07.1", weights // 32 * 20)                # 20 bytes per 32 weights
+    assert exercises.check("07.1", weights // 64 * 36)                # 32 + 4 bytes per 64 weights
+    assert not exercises.check("07.1", weights // 32 * 20)            # the file's groups of 32
     assert not exercises.check("07.1", weights // 2)                  # the scales are not free
 
 
-def test_07_2_llama_3_70b_int4_by_hand():
+def test_07_2_llama_3_70b_int4_g64_by_hand():
     cfg = get_config("llama-3-70b")
     C, F, D = cfg.d_model, cfg.d_ff, cfg.head_dim
     proj = cfg.n_layer * (C * (cfg.n_head + 2 * cfg.n_kv_head) * D + cfg.n_head * D * C + 3 * C * F)
     rest = 2 * cfg.vocab_size * C + (2 * cfg.n_layer + 1) * C          # embed, lm_head, norms
-    gb = (proj * (4 + 32 / 128) / 8 + 2 * rest) / 1e9
+    gb = (proj * (4 + 32 / 64) / 8 + 2 * rest) / 1e9
     assert exercises.check("07.2", gb)
+    assert not exercises.check("07.2", (proj * (4 + 32 / 128) / 8 + 2 * rest) / 1e9)   # groups of 128
     assert not exercises.check("07.2", cfg.num_params * 0.5 / 1e9)    # "4 bits, nothing else"
 
 

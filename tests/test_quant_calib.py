@@ -310,3 +310,19 @@ def test_plot_outliers_draws_every_projection():
     fig = plot_outliers(rows)
     left, right = fig.axes
     assert len(left.patches) == 3 * 4 and len(right.lines) == 4
+
+
+def test_quant_figures_draw_one_bar_per_row():
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.viz.quant import plot_kv_error, plot_quality, plot_quant_roofline
+    roof = {"fp32": dict(mb=538, floor_ms=10, ms=30), "int4": dict(mb=180, floor_ms=3, ms=15)}
+    left, right = plot_quant_roofline(roof).axes
+    assert len(left.patches) == 2 and len(right.patches) == 4            # MB; floor and measured
+    rows = [{"model": "fp32 (reference)", "ppl": 15.0, "kl": 0.0},
+            {"model": "int8", "ppl": 15.1, "kl": 0.003}, {"model": "int4", "ppl": 20.0, "kl": 0.2}]
+    ppl_ax, kl_ax = plot_quality(rows).axes
+    assert len(ppl_ax.patches) == 3 and len(kl_ax.patches) == 2          # the reference's KL 0 left out
+    err = {(t, k): 0.01 for t in "KV" for k in ("int8", "fp8")}
+    (ax,) = plot_kv_error(err).axes
+    assert len(ax.patches) == 4

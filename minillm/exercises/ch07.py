@@ -1,4 +1,5 @@
-"""Chapter 7's exercises (quantization). Keys "07.N" as numbered in the notebook.
+"""Chapter 7's exercises (quantization). Keys "07.N": 07.1-07.3 in 07_quantization.ipynb (formats
+and bytes), 07.4-07.7 in 07b_quantization_quality.ipynb (the KV cache, outliers, GPTQ).
 
 07.1, 07.2 and 07.4 are judged against `analysis.quant_math` / `analysis.kv_math` on the configs
 (no machine dependence); 07.6 against the outlier census of the real model, run on the reader's
@@ -51,13 +52,16 @@ def _test_dequantize_q4_1(candidate) -> None:
 
 
 numeric("07.1", "Bytes of SmolLM2-135M's 120 projection weights (qkv, o, gate_up, down of 30 "
-        "layers) stored as Q4_1: groups of 32, an fp16 scale and an fp16 minimum per group.",
-        lambda: model_bytes(get_config("smollm2-135m"), "int4", 32)["projections"],
-        rtol=0.005, hint="a block of 32 weights is 16 bytes of codes plus two fp16 numbers")
-numeric("07.2", "Llama-3-70B with every projection in int4, groups of 128 (fp16 scale and minimum), "
+        "layers) stored with Q4_1's rule in groups of 64 (instead of the file's 32): 4-bit codes, "
+        "an fp16 scale and an fp16 minimum per group.",
+        lambda: model_bytes(get_config("smollm2-135m"), "int4", 64)["projections"],
+        rtol=0.005, hint="count the projection weights from the config, then what one group of 64 "
+        "takes, codes and its two fp16 numbers")
+numeric("07.2", "Llama-3-70B with every projection in int4, groups of 64 (fp16 scale and minimum), "
         "the embedding, lm_head (untied) and norms kept in bf16: total GB (1e9 bytes) of weights.",
-        lambda: model_bytes(get_config("llama-3-70b"), "int4", 128, "bf16")["total"] / 1e9,
-        rtol=0.01, hint="4 + 32/128 bits per projection weight; 2 bytes for everything else")
+        lambda: model_bytes(get_config("llama-3-70b"), "int4", 64, "bf16")["total"] / 1e9,
+        rtol=0.01, hint="redo the chapter's groups-of-128 row with the scale bits of groups of 64; "
+        "what is not a projection stays as it was")
 code("07.3", "Write dequantize_q4_1(block: bytes) -> the 32 weights of one 20-byte Q4_1 block "
      "(fp16 d, fp16 m, 16 bytes of 4-bit codes); checked against quant.gguf on random blocks.",
      _test_dequantize_q4_1, hint="byte j holds weight j in its low nibble and weight j + 16 in its high")
@@ -119,7 +123,9 @@ def _test_compensate(candidate) -> None:
 numeric("07.4", "Bytes per token of Llama-3-8B's KV cache (32 layers, 8 KV heads, head_dim 128) "
         "in int8 with one fp16 scale per token per KV head.",
         lambda: kv_bytes_per_token(get_config("llama-3-8b"), "int8", scale_bytes=2),
-        rtol=0.0, atol=0.0, hint="2 (K and V) x layers x KV heads x (codes + scale bytes)")
+        rtol=0.0, atol=0.0, hint="redo chapter 7b's bytes-per-token table for this model's shape: "
+        "what one head's K vector takes in int8 with its scale, and how many such vectors a token "
+        "stores")
 code("07.5", "Write fake_quant_int8(x) -> what the int8 KV cache returns for vectors x (..., D): "
      "symmetric, one absmax scale per vector stored in fp16, codes in [-127, 127].",
      _test_fake_quant_int8,
