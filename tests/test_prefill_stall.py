@@ -47,3 +47,16 @@ def test_bad_layout_and_injection_point():
         simulate_token_times(run, "split", StepCosts(0, 0, 0, 0.1, 0, 0))
     with pytest.raises(ValueError, match="inject_after"):
         token_times(None, [[1]], [2], inject_after=0)
+
+
+def test_the_simulated_long_prompt_arrives_by_the_runs_rule():
+    # a run slowed by other work: its long prompt came at 100 s, long after the simulated shorts
+    # would have finished; the replay puts it where the rule puts it (each short has 4 tokens)
+    costs = StepCosts(1.0, 0.01, 0.0, 0.1, 0.0, 0.0)
+    run = {"long_arrival_s": 100.0, "prompt_tokens": {"short-0": 10, "short-1": 10, "long": 100},
+           "max_tokens": {"short-0": 24, "short-1": 24, "long": 1}, "times": {}, "inject_after": 4}
+    cfg = SimConfig(max_num_batched_tokens=512, long_prefill_token_threshold=0)
+    for layout in ("colocated", "disaggregated"):
+        sim = simulate_token_times(run, layout, costs, config=cfg)
+        assert all(sum(t <= sim["long_arrival_s"] for t in sim["times"][k]) == 4 for k in ("short-0", "short-1"))
+        assert stall_summary(sim)["max_gap_s"] > 0

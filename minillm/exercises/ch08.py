@@ -268,7 +268,7 @@ def _tier_blocks() -> float:
     from minillm.analysis.kv_math import kv_cache_bytes
     from minillm.model.config import get_config
     from minillm.paging.host_pool import host_num_blocks
-    return host_num_blocks(0.25, kv_cache_bytes(get_config("smollm2-135m"), 16, dtype="fp32"))
+    return host_num_blocks(0.3, kv_cache_bytes(get_config("smollm2-135m"), 16, dtype="fp32"))
 
 
 def _recompute_over_restore() -> float:
@@ -282,14 +282,16 @@ numeric("08.11", "The SLO controller's budget is 512 and its floor 8. TPOT stays
         "every decision and every step used the whole budget. After how many decisions does the "
         "budget first sit at the floor? (Each move multiplies by 0.75 and rounds down, never "
         "below the floor.)", _decisions_to_floor, rtol=0, atol=0.01,
-        hint="repeat b = max(8, floor(0.75 b)) and count")
+        hint="play the decisions one by one as section 2 describes them; the rounding down "
+             "matters on the way to the floor")
 numeric("08.12", "SmolLM2-135M keeps K and V in fp32 for 30 layers, 3 KV heads of 64 dims. How "
-        "many blocks of 16 tokens does a host tier of kv_offloading_size=0.25 GiB hold?",
+        "many blocks of 16 tokens does a host tier of kv_offloading_size=0.3 GiB hold?",
         _tier_blocks, rtol=0, atol=0.01,
-        hint="bytes per block = 2 (K and V) x layers x KV heads x head dim x 4 bytes x 16 tokens; "
-             "a GiB is 2**30 bytes; whole blocks only")
+        hint="recompute one block's bytes (what section 4 says a restore copies, in fp32), "
+             "check which gigabyte the flag counts in, and count only whole blocks")
 numeric("08.13", "Restoring one such block from the host tier copies it at 8 GB/s (1e9 bytes); "
         "recomputing it is a prefill of its 16 tokens at 0.27 GFLOP per token (about 2 x the "
         "parameters) on a machine doing 50 GFLOP/s. How many times longer does the recompute take?",
         _recompute_over_restore, rtol=0.01,
-        hint="time = bytes / bandwidth for the copy, FLOPs / FLOP rate for the prefill")
+        hint="time each side on its own: the copy is limited by the bandwidth, the prefill "
+             "by the FLOP rate; the block's bytes are those of 08.12")

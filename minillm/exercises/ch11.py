@@ -15,8 +15,8 @@ from minillm.model.config import get_config
 numeric("11.1", "SmolLM2-135M with tensor_parallel_size=3 decodes a batch of 8 sequences (one new "
         "token each) in fp32. How many bytes does one rank hand to all-reduces in that step?",
         lambda: tp_collectives(get_config("smollm2-135m"), 3, 8, 8)["all_reduce"]["bytes"],
-        rtol=0, atol=0.5, hint="count the all-reduces per layer, the one after the embedding, "
-        "and the size of the activations each one sums")
+        rtol=0, atol=0.5, hint="redo section 3's count of a decode step for 8 sequences: how many "
+        "all-reduces, and how big is the tensor each one sums")
 
 
 def _fewest_microbatches(p: int, bubble: float) -> int:
@@ -29,13 +29,13 @@ def _fewest_microbatches(p: int, bubble: float) -> int:
 numeric("11.2", "A pipeline of 4 stages fed equal micro-batches (GPipe, forward only): what is the "
         "fewest micro-batches that brings the bubble below 10%?",
         lambda: _fewest_microbatches(4, 0.10), rtol=0, atol=0.5,
-        hint="solve (p-1)/(m+p-1) < 0.1 for the smallest integer m")
+        hint="recompute section 5's bubble for 4 stages and growing m; below means strictly below")
 
 numeric("11.3", "Disaggregated serving of Llama-2-70B with a bf16 KV cache: how many GB (1e9 "
         "bytes) does the prefill instance ship to the decode instance for one 2,000-token prompt?",
         lambda: kv_cache_bytes(get_config("llama-2-70b"), 2000, dtype="bf16") / 1e9,
-        rtol=0.01, hint="chapter 2's bytes per token times the prompt: K and V, every layer, "
-        "the KV heads only")
+        rtol=0.01, hint="recompute chapter 2's KV bytes for this model and prompt (section 6 "
+        "checked that they are exactly what moves); mind the dtype and that GB is 1e9")
 
 
 def _vllm_kv_heads(num_kv_heads: int, tp: int, rank: int) -> list[int]:

@@ -51,25 +51,34 @@ def token_times(engine, shorts: list[list[int]], long_prompt: list[int], inject_
             engine.add_request(long_prompt, greedy(long_max_tokens), request_id="long")
             arrival = time.perf_counter() - t0
     return {"times": times, "long_arrival_s": arrival, "prompt_tokens": lengths,
-            "max_tokens": {k: long_max_tokens if k == "long" else max_tokens for k in lengths}}
+            "max_tokens": {k: long_max_tokens if k == "long" else max_tokens for k in lengths},
+            "inject_after": inject_after}
 
 
 def simulate_token_times(run: dict, layout: str, costs, decode_costs=None, transfer_s=0.0,
                          config: SimConfig | None = None) -> dict:
-    """The simulator's `token_times` for the same requests: shorts at 0, the long prompt at the
-    measured arrival; `layout` "colocated" (costs) or "disaggregated" (prefill costs, decode
+    """The simulator's `token_times` for the same requests: shorts at 0, the long prompt by the
+    run's own rule (once every short has `inject_after` tokens, in simulated time, so a run slowed
+    by other work on the machine replays the same event; a run without `inject_after`: at its
+    `long_arrival_s`); `layout` "colocated" (costs) or "disaggregated" (prefill costs, decode
     costs, KV transfer seconds or a function of L)."""
-    ids = list(run["prompt_tokens"])
-    reqs = [SimRequest(run["long_arrival_s"] if k == "long" else 0.0, run["prompt_tokens"][k],
-                       run["max_tokens"][k]) for k in ids]
-    if layout == "colocated":
-        res = simulate_colocated(reqs, costs, config)
-    elif layout == "disaggregated":
-        res = simulate_disaggregated(reqs, costs, decode_costs or costs, transfer_s, config,
-                                     transfer_blocks_prefill=True)
-    else:
+    if layout not in ("colocated", "disaggregated"):
         raise ValueError(f"layout must be 'colocated' or 'disaggregated', got {layout!r}")
-    return {**run, "times": {k: list(r.token_times) for k, r in zip(ids, res)}}
+
+    def simulate(ids: list[str], long_at: float) -> list:
+        reqs = [SimRequest(long_at if k == "long" else 0.0, run["prompt_tokens"][k], run["max_tokens"][k])
+                for k in ids]
+        if layout == "colocated":
+            return simulate_colocated(reqs, costs, config)
+        return simulate_disaggregated(reqs, costs, decode_costs or costs, transfer_s, config,
+                                      transfer_blocks_prefill=True)
+    ids, arrival = list(run["prompt_tokens"]), run["long_arrival_s"]
+    n = run.get("inject_after")
+    shorts = [k for k in ids if k != "long"]
+    if n is not None and shorts:          # until the long prompt arrives, the shorts run alone
+        arrival = max(r.token_times[n - 1] for r in simulate(shorts, 0.0))
+    res = simulate(ids, arrival)
+    return {**run, "long_arrival_s": arrival, "times": {k: list(r.token_times) for k, r in zip(ids, res)}}
 
 
 def stall_summary(run: dict) -> dict:
