@@ -3,7 +3,7 @@
 - 04.1 (numeric): static batching's step count for section 1's workload in batches of 4, from
   lengths alone;
 - 04.2 (numeric): the arrival rate (requests per step) at which the benchmark's workload (256
-  requests, 16 slots) reaches an offered load of 1;
+  requests), served with 8 slots instead of its 16, reaches an offered load of 1;
 - 04.3 (code): an admission rule that turns the chapter's loop into static batching;
 - 04.4 (numeric): the bytes a swap-out moves for one SmolLM2-135M sequence.
 
@@ -18,12 +18,12 @@ import torch
 from minillm.exercises import code, numeric
 
 # section 1's workload (the Gantt chart's) and the serving benchmark's (section 3). The questions
-# ask about settings the chapter does not print (batches of 4, the benchmark's 16 slots), so the
-# answers never appear in its outputs.
+# ask about settings the chapter does not run (batches of 4; the benchmark's workload on 8 slots),
+# so the answers never appear in its outputs.
 GANTT = dict(num_requests=24, seed=0, prompt_len=(8, 64), output_len=(4, 96))
 STATIC_SEATS = 4
 BENCH = dict(num_requests=256, seed=0, prompt_len=(8, 64), output_len=(4, 128))
-BENCH_SEATS = 16
+BENCH_SEATS = 8
 
 
 def _workload(spec: dict, rate: float = math.inf, vocab_size: int = 256):
@@ -105,10 +105,10 @@ def _test_static_rule(admit) -> None:
 numeric("04.1", "Static batching, max_num_seqs=4, section 1's 24 requests: how many engine steps? "
         "Work it out from the output lengths alone.", _static_steps, rtol=0, atol=0.5,
         hint="recount batch by batch: what decides how long one batch of 4 holds the engine?")
-numeric("04.2", "The serving benchmark's workload (256 requests, outputs of 4 to 128 tokens) with "
-        "max_num_seqs=16: at what arrival rate (requests per engine step) is the offered load 1?",
+numeric("04.2", "The serving benchmark's workload (256 requests, outputs of 4 to 128 tokens) served "
+        "with max_num_seqs=8: at what arrival rate (requests per engine step) is the offered load 1?",
         _saturation_rate, rtol=0.01,
-        hint="recompute the capacity from this workload's own output lengths and its 16 slots")
+        hint="recompute the capacity from this workload's own output lengths and its 8 slots")
 code("04.3", "Write admit(num_running, max_num_seqs) -> int so that the chapter's loop does static "
      "batching: same tokens and same step count as LLMEngine(scheduling='static').",
      _test_static_rule, hint="a new batch forms only when the previous one has completely left")
