@@ -61,4 +61,5 @@ def _test_kv_heads(fn) -> None:
 code("11.4", "Write kv_heads_for_rank(num_kv_heads, tp, rank) -> the list of KV-head indices that "
      "rank holds: split them evenly when tp divides num_kv_heads, and when tp is a multiple of "
      "num_kv_heads give each rank one head, replicated over consecutive ranks (vLLM's rule).",
-     _test_kv_heads, hint="each group of tp // num_kv_heads neighbouring ranks shares one head")
+     _test_kv_heads, hint="with more ranks than KV heads, neighbouring ranks share a head: work out how many "
+     "share each one")
