@@ -7,17 +7,17 @@ from minillm import exercises
 
 
 def test_09_1_tiles_by_hand():
-    n = math.ceil(1000 / 64)                     # 16 tiles per side; query tile i needs key tiles 0..i
+    n = math.ceil(1300 / 64)                     # 21 tiles per side; query tile i needs key tiles 0..i
     assert exercises.check("09.1", n * (n + 1) // 2)
     assert not exercises.check("09.1", n * n)    # no skipping
     assert not exercises.check("09.1", n * n / 2)
 
 
 def test_09_2_io_ratio_by_hand():
-    N, d, M = 8192, 64, 2 ** 17
+    N, d, M = 20480, 64, 2 ** 18
     standard = 4 * N * d + 4 * N * N             # Q, K, V read, O written; S, P written and read
-    B_c = math.ceil(M / (4 * d))                 # 512
-    T_c = math.ceil(N / B_c)                     # 16 key tiles
+    B_c = math.ceil(M / (4 * d))                 # 1024
+    T_c = math.ceil(N / B_c)                     # 20 key tiles
     flash = 2 * N * d + T_c * N * (2 * d + 2 + d + 2)
     assert exercises.check("09.2", standard / flash)
     assert not exercises.check("09.2", N / 1)    # "reads drop from N^2 to N"
@@ -53,12 +53,13 @@ def test_09_3_online_step():
 
 def test_09_4_crossover_by_hand():
     from minillm.model.config import get_config
-    cfg = get_config("smollm2-135m")
+    cfg = get_config("llama-3-8b")
     kv_per_token = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 2          # K and V, bf16
     weights = cfg.num_params * 2
-    assert exercises.check("09.4", weights / (8 * kv_per_token))
+    assert exercises.check("09.4", weights / (4 * kv_per_token))
     assert not exercises.check("09.4", weights / kv_per_token)                 # one sequence
-    assert not exercises.check("09.4", weights / (8 * kv_per_token / 2))       # K only
+    assert not exercises.check("09.4", weights / (4 * kv_per_token / 2))       # K only
+    assert not exercises.check("09.4", weights / (4 * kv_per_token * 4))       # all 32 heads, not 8
 
 
 def test_09_5_merge():

@@ -199,6 +199,7 @@ BAD = [
     (dict(block_k=-3), ValueError, "block_k must be an int >= 1"),
     (dict(block_q=16.0), TypeError, "block_q must be an int"),
     (dict(block_k=True), TypeError, "block_k must be an int"),
+    (dict(block_k=2.5), TypeError, "block_k must be an int >= 1, got float 2.5"),
     (dict(scale=0.0), ValueError, "scale must be a real number > 0"),
     (dict(mask=torch.ones(2, 9, 5, 11, dtype=torch.bool)), ValueError, r"mask must be broadcastable to \(B, H, T, S\)"),
     (dict(mask=torch.ones(1, 1, 1, 1, 11, dtype=torch.bool)), ValueError, "mask must be broadcastable"),

@@ -209,3 +209,20 @@ def test_real_model_flash_decoding_matches_paged_and_generate(smollm2):
         outs[backend] = [o.token_ids for o in engine.generate(
             prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
     assert outs["flash_decoding"] == outs["paged"] == refs
+
+
+def test_chapter9_figures_draw_from_the_rows_the_chapter_measures():
+    """viz.attention's three plots take the lab's rows (and a record's, dashed) and return a Figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from minillm.viz.attention import plot_attention_share, plot_decode_attention, plot_peak_memory
+    rows = [{"batch": b, "context": s, "paged_ms": 1.0 * s, "flashdec_ms": 0.8 * s, "sdpa_ms": 0.5 * s}
+            for b in (1, 8) for s in (128, 1024)]
+    share = [{"context": s, "paged": {"share": f}, "roofline_share": f / 2} for s, f in ((128, 0.1), (2048, 0.4))]
+    figs = [plot_peak_memory([1024, 2048], [4e6, 16e6], [1e6, 2e6], record_points=[(4096, 64e6, 4e6)]),
+            plot_decode_attention(rows, record_rows=rows[:2]), plot_decode_attention(rows[:2]),
+            plot_attention_share(share, record_rows=share), plot_attention_share(share)]
+    assert [len(f.axes) for f in figs] == [1, 2, 1, 1, 1]
+    for f in figs:
+        plt.close(f)
