@@ -64,7 +64,7 @@ numeric("09.1", "Causal FlashAttention with 64 x 64 tiles over T = S = 1300 toke
 numeric("09.2", "N = 20480, d = 64, on-chip memory M = 2^18 elements: by what factor does standard "
         "attention move more elements between main memory and on-chip memory than FlashAttention "
         "(Algorithm 1, B_c = ceil(M/4d), B_r = min(B_c, d))? Count reads and writes.", _io_ratio,
-        rtol=0.02, hint="recompute both totals with the new M: the tile sizes change, so does the "
+        rtol=0.02, hint="recount both totals for this N and M: the tile sizes change, so does the "
                         "number of key tiles, and each key tile re-reads and re-writes the queries' "
                         "side (Q, O and the running l, m)")
 code("09.3", "Write step(m, l, acc, s, v) -> (m, l, acc): fold one tile of scores s (rows, bk) and "
