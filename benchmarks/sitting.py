@@ -86,6 +86,9 @@ def main(argv=None) -> None:
                   f"{s['figures']:>2} figures  ~{s['minutes']} min")
         print(f"{'total':<38} {sum(s['words'] for s in size):>6} words, ~{sum(s['minutes'] for s in size) / 60:.1f} h")
         return
+    import torch
+    from minillm.lab.machine import COURSE_THREADS
+    torch.set_num_threads(COURSE_THREADS)     # the record's metadata names the policy its runs used
     env = dict(os.environ, MINILLM_FIGURES_DIR=str(REPO_ROOT / "figures"), HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     env.pop("OMP_NUM_THREADS", None)

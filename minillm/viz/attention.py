@@ -9,6 +9,16 @@ import matplotlib.pyplot as plt
 MiB = 2 ** 20
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str | None = None) -> None:
+    """The axes' labels, a light grid on both tick levels and a small legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot_peak_memory(ns, dense_bytes, tiled_bytes, record_points=None):
     """Peak extra memory of one attention call against N, log-log: dense (the N x N scores) and
     tiled. A slope-2 and a slope-1 guide through the first point show O(N^2) and O(N).
@@ -27,11 +37,8 @@ def plot_peak_memory(ns, dense_bytes, tiled_bytes, record_points=None):
     ticks = sorted({*ns, *(n for n, _, _ in record_points or [])})
     ax.set_xticks(ticks, [f"{n:,}" for n in ticks], fontsize=8)
     ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.set_xlabel("sequence length N (tokens)")
-    ax.set_ylabel("peak extra memory (MiB)")
-    ax.set_title("one layer's attention (9 heads, fp32, causal)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    _label(ax, "sequence length N (tokens)", "peak extra memory (MiB)",
+           "one layer's attention (9 heads, fp32, causal)")
     fig.tight_layout()
     return fig
 
@@ -54,11 +61,7 @@ def plot_decode_attention(rows, record_rows=None):
                 ax.loglog([r["context"] for r in mine], [r[f"{name}_ms"] for r in mine], ls,
                           marker="o" if not tag else None, color=color, label=label + tag,
                           alpha=1.0 if not tag else 0.6)
-        ax.set_title(f"batch {B}")
-        ax.set_xlabel("context S (tokens)")
-        ax.set_ylabel("ms per layer")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        _label(ax, "context S (tokens)", "ms per layer", f"batch {B}")
     fig.tight_layout()
     return fig
 
@@ -78,10 +81,6 @@ def plot_attention_share(decode_rows, record_rows=None):
                     alpha=alpha, label="roofline prediction" + tag)
     ax.axhline(0.5, color="k", lw=0.6, ls=":")
     ax.set_ylim(0, 1)
-    ax.set_xlabel("context S (tokens)")
-    ax.set_ylabel("attention / decode step")
-    ax.set_title("SmolLM2-135M, batch 1, fp32")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    _label(ax, "context S (tokens)", "attention / decode step", "SmolLM2-135M, batch 1, fp32")
     fig.tight_layout()
     return fig
