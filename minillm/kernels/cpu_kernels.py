@@ -5,8 +5,8 @@ Letters: R rows (tokens) in one call, I in_features, O out_features, s splits (=
 `model/llama.py` builds every projection from plain `nn.Linear`: `F.linear` on a weight stored
 (O, I), the reference. A decode step, a verify step or a small batch multiplies a few rows by
 each weight, and how close that gets to one read of the weight from memory depends on the CPU,
-its BLAS build and the weight's layout, in ways no constant captures: the two CPU records of chapter 1's appendix show two CPUs
-that rank the same routes in opposite orders. So `cpu_tuning` times a few candidate routes for
+its BLAS build and the weight's layout, in ways no constant captures: chapter 1's appendix shows
+two CPUs that rank the same routes in opposite orders. So `cpu_tuning` times a few candidate routes for
 each weight shape and row bucket on this machine (when asked: `python -m minillm.kernels`),
 keeps the fastest, caches the table on disk (keyed by CPU model, instruction set, torch version
 and thread count), and `accelerate(model)` turns every `nn.Linear` into a `RoutedLinear` that
