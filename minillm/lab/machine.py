@@ -44,8 +44,9 @@ class Machine:
 
     @property
     def busy(self) -> bool:
-        """True when the 1-minute load average was at least half the cores: timings are shared."""
-        return bool(self.load) and self.load[0] >= max(1.0, self.cores / 2)
+        """True when the 1-minute load average, less the one core the chapter itself keeps busy,
+        was at least half the cores: other work shares the CPU and the timings."""
+        return bool(self.load) and self.load[0] - 1.0 >= max(1.0, self.cores / 2)
 
     def line(self) -> str:
         load = " / ".join(f"{x:.2f}" for x in self.load) if self.load else "n/a"
