@@ -12,9 +12,11 @@ course's size: prose words, code lines and figures per notebook, and an estimate
 read, run and think through it (80 words and 8 code lines a minute, rounded to 5 minutes; the
 exercises not counted). The README's reading times come from it.
 
-Left out on purpose: the records that need a second server or several processes to be started by
-hand (`serve_compare`, `disaggregation`: their commands are printed instead), and `make test`'s
-nbval run (a sitting writes the outputs that nbval then compares).
+Left out of the default list on purpose: the records that start servers of their own
+(`serve_compare`, `disaggregation`: their commands are printed; name them in `--records` to take
+them in the sitting), `kernels` (chapter 1b sets the records of two other CPUs side by side, so
+it is re-taken on the machine it names, with `--threads 2`), and `make test`'s nbval run (a
+sitting writes the outputs that nbval then compares).
 """
 import argparse
 import json
@@ -28,7 +30,7 @@ from pathlib import Path
 from benchmarks.records import REPO_ROOT, write_result
 
 # the records the chapters quote, in chapter order (each a `python -m benchmarks NAME` run)
-RECORDS = ["kernels", "serving", "lockout", "spec", "quant", "priority", "spec_switch", "slo_control",
+RECORDS = ["serving", "lockout", "spec", "quant", "priority", "spec_switch", "slo_control",
            "kv_tier", "attention", "attention_decode", "drafting", "parallel"]
 BY_HAND = {
     "serve_compare": "python -m benchmarks serve_compare   (starts minillm and `transformers serve`)",
@@ -76,7 +78,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks sitting", description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-records", action="store_true", help="skip the records, run the notebooks only")
     ap.add_argument("--no-notebooks", action="store_true", help="run the records only")
-    ap.add_argument("--records", nargs="*", default=None, help=f"which records (default: {' '.join(RECORDS)})")
+    ap.add_argument("--records", nargs="*", default=None,
+                    help=f"which records (default: {' '.join(RECORDS)}; also {' '.join(BY_HAND)})")
     ap.add_argument("--size", action="store_true", help="only print the course's size and reading times")
     args = ap.parse_args(argv)
     size = course_size()
@@ -98,7 +101,8 @@ def main(argv=None) -> None:
         for name in (RECORDS if args.records is None else args.records):
             _run(f"record {name}", [py, "-m", "benchmarks", name], env, log)
         for name, cmd in BY_HAND.items():
-            print(f"[sitting] not run here ({name}): {cmd}")
+            if name not in (args.records or ()):
+                print(f"[sitting] not run here ({name}): {cmd}")
     if not args.no_notebooks:
         jupyter = str(Path(py).parent / "jupyter")
         for s in size:
