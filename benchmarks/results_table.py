@@ -138,8 +138,8 @@ HEADLINES = [
              "open questions (drafts rarely kept), 32 running: switched / always-on", "x"),
     Headline("slo_control", "mean.controller.goodput",
              "SLO controller under a one-minute load step: goodput (2 rounds, mean)", "req/s"),
-    Headline("slo_control", "mean.fixed_128.goodput",
-             "the same step, chapter 8's chosen fixed budget (128)", "req/s"),
+    Headline("slo_control", "mean.fixed_{best_fixed_budget}.goodput",
+             "the same step, chapter 8's chosen fixed budget ({best_fixed_budget})", "req/s"),
     Headline("kv_tier", "costs.recompute_over_restore",
              "host KV tier: recomputing a block / restoring it from host memory", "x"),
     Headline("kv_tier", "runs.on.host_hit_rate",
@@ -199,12 +199,16 @@ def results_table(records: list[dict], headlines: list[Headline] = HEADLINES) ->
     for h in headlines:
         matching = [r for r in records if r.get("benchmark") == h.benchmark]
         for r in sorted(matching, key=lambda r: r.get("machine", {}).get("device", "")):
-            value = get_metric(r, h.metric_path)
+            try:                  # "{key}" in a path or label is filled from the record's top level
+                path, label = h.metric_path.format_map(r), h.label.format_map(r)
+            except (KeyError, IndexError):
+                continue
+            value = get_metric(r, path)
             if value is None:
                 continue
             m = r.get("machine", {})
             shown = format_value(value * h.scale) + (f" {h.unit}" if h.unit else "")
-            rows.append(f"| {h.benchmark} | {h.label} | {shown}{_notes(r)} | "
+            rows.append(f"| {h.benchmark} | {label} | {shown}{_notes(r)} | "
                         f"{m.get('device_name', m.get('device', '?'))} | "
                         f"{str(m.get('date', '?'))[:10]} | {str(m.get('git_commit', '?')).split('+')[0]} |")
     if len(rows) == 2:

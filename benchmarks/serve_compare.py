@@ -42,6 +42,10 @@ def transformers_cli() -> str:
     found = str(here) if here.is_file() else shutil.which("transformers")
     if not found:
         raise FileNotFoundError("the `transformers` command is missing; pip install 'transformers[serving]'")
+    from transformers.utils.import_utils import is_serve_available
+    if not is_serve_available():       # checked here, not after minillm's half of the run
+        raise ImportError("`transformers serve` needs its serving extra (fastapi, uvicorn, pydantic, openai): "
+                          "pip install '.[compare]' in this checkout")
     return found
 
 

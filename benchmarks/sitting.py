@@ -4,6 +4,8 @@ after another on one machine with one thread policy, the load average taken befo
     python -m benchmarks sitting                     # records, then notebooks (stored outputs and figures/)
     python -m benchmarks sitting --no-records        # the notebooks only
     python -m benchmarks sitting --size              # only count the course (words, code, figures, minutes)
+    python -m benchmarks sitting --append --records serve_compare --notebooks 08_serving.ipynb
+                                                     # finish a sitting: add items to its record
 
 The notebooks are executed in place (their stored outputs are replaced) with MINILLM_FIGURES_DIR
 pointed at figures/, so the committed figures come from the same run. The record
@@ -80,6 +82,10 @@ def main(argv=None) -> None:
     ap.add_argument("--no-notebooks", action="store_true", help="run the records only")
     ap.add_argument("--records", nargs="*", default=None,
                     help=f"which records (default: {' '.join(RECORDS)}; also {' '.join(BY_HAND)})")
+    ap.add_argument("--notebooks", nargs="*", default=None,
+                    help="which notebooks, by file name (default: all of them, then the demo)")
+    ap.add_argument("--append", action="store_true",
+                    help="add this run's items to the existing sitting record instead of replacing it")
     ap.add_argument("--size", action="store_true", help="only print the course's size and reading times")
     args = ap.parse_args(argv)
     size = course_size()
@@ -105,14 +111,28 @@ def main(argv=None) -> None:
                 print(f"[sitting] not run here ({name}): {cmd}")
     if not args.no_notebooks:
         jupyter = str(Path(py).parent / "jupyter")
+        names = {s["notebook"] for s in size}
+        unknown = sorted(set(args.notebooks or ()) - names)
+        if unknown:
+            raise ValueError(f"--notebooks: no such notebook {', '.join(unknown)}; choose from {', '.join(sorted(names))}")
         for s in size:
+            if args.notebooks is not None and s["notebook"] not in args.notebooks:
+                continue
             _run(f"notebook {s['notebook']}", [jupyter, "nbconvert", "--to", "notebook", "--execute", "--inplace",
                                                 "--ExecutePreprocessor.timeout=1200", f"notebooks/{s['notebook']}"],
                  env, log)
         size = course_size()      # the stored figures are counted from the new outputs
-        _run("demo (its figures)", [py, "-m", "minillm", "demo"], env, log)
+        if args.notebooks is None:
+            _run("demo (its figures)", [py, "-m", "minillm", "demo"], env, log)
+    earlier = []
+    if args.append:               # the record's earlier part(s) first, with the machine each ran on
+        from benchmarks.records import results_dir, device_tag
+        old = json.loads((results_dir() / f"sitting_{device_tag('cpu')}.json").read_text())
+        start = old["load_at_start"]
+        earlier = old.get("earlier_parts", []) + [{"machine": old["machine"], "items": len(old["items"])}]
+        log = old["items"] + log
     path = write_result("sitting", {"load_at_start": start, "load_at_end": _load(), "items": log,
-                                    "course": size, "by_hand": BY_HAND,
+                                    "earlier_parts": earlier, "course": size, "by_hand": BY_HAND,
                                     "units": {"minutes": f"{WORDS_PER_MIN} prose words and {CODE_LINES_PER_MIN} "
                                                          "code lines a minute, rounded to 5; exercises not counted"}})
     print(f"[sitting] wrote {path}; {sum(not x['ok'] for x in log)} failed of {len(log)}")
