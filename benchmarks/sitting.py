@@ -95,6 +95,14 @@ def main(argv=None) -> None:
                   f"{s['figures']:>2} figures  ~{s['minutes']} min")
         print(f"{'total':<38} {sum(s['words'] for s in size):>6} words, ~{sum(s['minutes'] for s in size) / 60:.1f} h")
         return
+    names = {s["notebook"] for s in size}      # bad arguments fail before an hour of records, not after
+    unknown = sorted(set(args.notebooks or ()) - names)
+    if unknown:
+        raise ValueError(f"--notebooks: no such notebook {', '.join(unknown)}; choose from {', '.join(sorted(names))}")
+    from benchmarks.records import results_dir, device_tag
+    record_path = results_dir() / f"sitting_{device_tag('cpu')}.json"
+    if args.append and not record_path.is_file():
+        raise ValueError(f"--append: there is no sitting record to add to ({record_path})")
     import torch
     from minillm.lab.machine import COURSE_THREADS
     torch.set_num_threads(COURSE_THREADS)     # the record's metadata names the policy its runs used
@@ -111,10 +119,6 @@ def main(argv=None) -> None:
                 print(f"[sitting] not run here ({name}): {cmd}")
     if not args.no_notebooks:
         jupyter = str(Path(py).parent / "jupyter")
-        names = {s["notebook"] for s in size}
-        unknown = sorted(set(args.notebooks or ()) - names)
-        if unknown:
-            raise ValueError(f"--notebooks: no such notebook {', '.join(unknown)}; choose from {', '.join(sorted(names))}")
         for s in size:
             if args.notebooks is not None and s["notebook"] not in args.notebooks:
                 continue
@@ -126,8 +130,7 @@ def main(argv=None) -> None:
             _run("demo (its figures)", [py, "-m", "minillm", "demo"], env, log)
     earlier = []
     if args.append:               # the record's earlier part(s) first, with the machine each ran on
-        from benchmarks.records import results_dir, device_tag
-        old = json.loads((results_dir() / f"sitting_{device_tag('cpu')}.json").read_text())
+        old = json.loads(record_path.read_text())
         start = old["load_at_start"]
         earlier = old.get("earlier_parts", []) + [{"machine": old["machine"], "items": len(old["items"])}]
         log = old["items"] + log

@@ -44,3 +44,19 @@ def test_readme_reading_times_match_the_count():
         seen.update(nbs)
         assert abs(int(m.group(1)) - sum(size[n] for n in nbs)) <= 10, (row[:60], sum(size[n] for n in nbs))
     assert seen == set(size), "every notebook has a row in the README's chapter table"
+
+
+def test_bad_arguments_fail_before_any_run(tmp_path, monkeypatch):
+    """A misspelt notebook, or --append with no record to add to, stops the sitting at once
+    (ValueError naming the flag), not after the records have run."""
+    import pytest
+    from benchmarks import sitting
+    ran = []
+    monkeypatch.setattr(sitting, "_run", lambda *a, **k: ran.append(a) or True)
+    with pytest.raises(ValueError, match="--notebooks: no such notebook 99_nope.ipynb"):
+        sitting.main(["--records", "spec", "--notebooks", "99_nope.ipynb"])
+    import benchmarks.records as records
+    monkeypatch.setattr(records, "results_dir", lambda: tmp_path / "results")
+    with pytest.raises(ValueError, match="--append: there is no sitting record"):
+        sitting.main(["--append", "--records", "spec", "--no-notebooks"])
+    assert ran == []
