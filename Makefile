@@ -28,6 +28,8 @@ demo: setup
 
 # The tests run in one process per core (at most 4: each loads the model), then the notebooks, two
 # at a time (each one's cells in order in one process; the chapters run torch on one thread).
+# No background tuner during the tests (they time what they test; tests/conftest.py says the same).
+test: export MINILLM_BACKGROUND_TUNING := 0
 test: setup
 	$(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile tests --durations=15
 	$(PY) -m pytest -q -n auto --maxprocesses=2 --dist loadfile notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 --durations=15

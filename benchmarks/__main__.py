@@ -14,7 +14,11 @@ it measured in that one run. `all` runs every one of them in turn.
 import argparse
 import importlib
 import json
+import os
 import time
+
+# A benchmark measures the routes it is given: no background tuner beside it (minillm/kernels/background.py).
+os.environ.setdefault("MINILLM_BACKGROUND_TUNING", "0")
 
 BENCHMARKS = {
     "decode": "benchmarks.decode",       # ch 0: minillm vs transformers, batch 1 and 8
@@ -54,7 +58,8 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
 
 CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare",
            "serve_defaults": "benchmarks.serve_defaults", "disaggregation": "benchmarks.disaggregation",
-           "sitting": "benchmarks.sitting"}
+           "sitting": "benchmarks.sitting", "route_priors": "benchmarks.route_priors",
+           "first_start": "benchmarks.first_start"}
 
 
 def main(argv=None) -> None:

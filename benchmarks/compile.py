@@ -52,6 +52,6 @@ def report(r: dict) -> str:
     if "skipped" in r:
         return f"compile: skipped ({r['skipped']})"
     load = r["load"]
-    return (f"{r['model']}, {r['context']} cached tokens, eager = {r['eager_forward']}; load "
-            f"{load['before']:.1f} before, {load['after']:.1f} after on {load['cores']} cores\n"
-            + r["report"])
+    said = (f"other work used {load['others']:.1f} of {load['cores']} cores while it timed" if "others" in load
+            else f"load {load['before']:.1f} before, {load['after']:.1f} after on {load['cores']} cores")
+    return f"{r['model']}, {r['context']} cached tokens, eager = {r['eager_forward']}; {said}\n" + r["report"]

@@ -48,13 +48,14 @@ def _figure(rows):
 
 
 def demo(max_new_tokens: int = 48) -> None:
-    from minillm.llm import load_model
+    from minillm.llm import load_model, routes_summary
     from minillm.viz.plotting import use_headless_backend
     use_headless_backend()
     t0 = time.perf_counter()
     model, tok = load_model()
     print(f"loaded {model.config.name} ({model.config.num_params / 1e6:.1f}M params) on "
           f"{model.device} in {time.perf_counter() - t0:.1f}s, dtype {model.dtype}")
+    print(routes_summary(model))
     rows = _decode_demo(model, tok, max_new_tokens)
     print(f"\nwrote {_figure(rows)}")
     from minillm.lab.demo import run_demo, run_drafting_demo, run_quant_demo, run_spec_demo

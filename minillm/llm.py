@@ -42,6 +42,7 @@ from minillm.engine.args import apply_speculative_config
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import RequestOutput, SamplingParams
 from minillm.kernels.cpu_kernels import ROUTES
+from minillm.kernels.background import start_background_tuning
 from minillm.kernels.cpu_tuning import accelerate
 from minillm.model import loading
 from minillm.model.chat import encode_chat
@@ -58,9 +59,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtyp
     `accelerate(model, route=kernels)` (a no-op on GPUs and for dtypes other than fp32).
 
     kernels="auto": this machine's tuned matmul routes (`python -m minillm.kernels` tunes them;
-    until then a quick probe of a few seconds, said in one line); "plain": the reference model
-    as loaded, plain nn.Linear and llama.py's forward; a route name ("F.linear", "x@W", ...)
-    pins that route.
+    until then a quick probe of a few seconds, said in one line, and one background tuner that
+    times every route at the first quiet moment for later runs: `minillm.kernels.background`,
+    off with MINILLM_BACKGROUND_TUNING=0); "plain": the reference model as loaded, plain
+    nn.Linear and llama.py's forward; a route name ("F.linear", "x@W", ...) pins that route.
+    `routes_summary(model)` says in one line which routes the model runs and how to tune.
 
     >>> model, tok = load_model()                     # SmolLM2-135M-Instruct, cuda if present
     >>> model, tok = load_model("path/to/llama_folder", device="cpu", dtype=torch.bfloat16)
@@ -70,7 +73,24 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device=None, dtype: torch.dtyp
     model, tok = loading.load_model(name_or_path, device=device, dtype=dtype)
     if kernels != "plain":
         accelerate(model, route=kernels)
+        if kernels == "auto" and model.__dict__.get("linear_plan_source", "").startswith("quick"):
+            model.background_tuning = start_background_tuning(name_or_path)[1]
     return model, tok
+
+
+def routes_summary(model) -> str:
+    """One line: which CPU matmul routes `model` runs (a tuned table, the quick probe, an untimed
+    guess, pinned or plain) and how to get the tuned table."""
+    source = model.__dict__.get("linear_plan_source")
+    if source is None:
+        return "CPU matmul routes: none (plain nn.Linear, or not a CPU fp32 model)"
+    if source == "tuned":
+        return "CPU matmul routes: this machine's tuned table"
+    if not source.startswith("quick"):
+        return f"CPU matmul routes: {source}"
+    later = model.__dict__.get("background_tuning") or "no background tuner"
+    return (f"CPU matmul routes: {source.removeprefix('quick: ')}. {later}; or tune now (about a "
+            f"minute): python -m minillm.kernels")
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:

@@ -4,6 +4,11 @@ import os
 import pytest
 import torch
 
+# Tests time what they test themselves: no background tuner of the CPU routes (the front door
+# starts one on a first start, minillm/kernels/background.py), in these processes or the servers
+# and workers they start. tests/test_background_tuning.py runs one on purpose.
+os.environ.setdefault("MINILLM_BACKGROUND_TUNING", "0")
+
 # pytest-xdist (make test: `-n auto`) runs the test files in one process per core: each takes its
 # share of the cores, so N processes never run N x the cores' threads (oversubscribed, a 2-core
 # machine ran 8-token tests 4x slower). Tokens never depend on it; a test that needs a thread

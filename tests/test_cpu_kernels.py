@@ -17,15 +17,16 @@ import minillm
 from minillm.kernels import cpu_kernels as ck
 from minillm.kernels import cpu_tuning as ct
 from minillm.kernels import route_timing as rt
+from fake_load import fake_load
 
 ROUTES = [r for r in ck.ROUTES if r != "auto"]
 
 
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
-    """A machine with nothing else running (its load, and rounds that never count as noise: the
+    """A machine with nothing else running (its CPU counters, and rounds that never count as noise: the
     real rounds on a shared test machine may not settle), and no quick probe remembered."""
-    monkeypatch.setattr(ct, "machine_load", lambda: (0.0, 64))
+    fake_load(monkeypatch, others=0.0, cores=64)
     monkeypatch.setattr(ct, "UNSETTLED_OK", 1.0)
     monkeypatch.setattr(ct, "_QUICK", {})
 

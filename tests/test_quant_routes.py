@@ -11,6 +11,7 @@ from minillm.quant import routes, w8a8
 from minillm.quant.api import quantize, quantized_bytes, set_path
 from minillm.quant.formats import quantize_int8
 from minillm.quant.linear import Int4Linear, Int8Linear
+from fake_load import fake_load
 
 from test_quant_weights import dequantized_twin, weight
 
@@ -79,7 +80,7 @@ def test_routes_are_checked_and_reads_counted():
 @pytest.fixture
 def quiet(monkeypatch):
     """The route table is only saved from a quiet machine: pretend this one is."""
-    monkeypatch.setattr(routes, "machine_load", lambda: (0.0, 64))
+    fake_load(monkeypatch, others=0.0, cores=64)
     monkeypatch.setattr(routes, "_PROCESS", {})
 
 

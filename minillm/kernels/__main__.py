@@ -8,6 +8,9 @@ cached is read back, not timed again (--retune times again). On a machine busy b
 starts nothing is timed; one that turns busy while timing saves the table marked busy and not
 used. The run says so; run it again when the machine is quiet.
 (`python -m minillm.kernels.cpu_tuning` is the earlier spelling of the same command.)
+
+`--background --model NAME` is the background tuner the front door starts (`background.py`):
+low priority, timing only while nothing else runs, saving the table once every shape is timed.
 """
 import argparse
 import logging
@@ -25,11 +28,26 @@ def main(argv=None) -> None:
     p.add_argument("--retune", action="store_true", help="time again and overwrite the cache")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--allow-copies", action="store_true", help="let prepacked copies win")
+    p.add_argument("--background", action="store_true",
+                   help="time only while the machine is quiet, at low priority (what the front door starts)")
+    p.add_argument("--model", default=None, help="with --background: the model's name or path")
+    p.add_argument("--cache-dir", default=None, help="with --background: the tuning cache folder")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="with --background: give up after this many seconds without a quiet moment")
     args = p.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
             p.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.background:
+        from minillm.kernels.background import DEADLINE_S, run_background
+        from minillm.model.loading import DEFAULT_MODEL
+        deadline = DEADLINE_S if args.deadline_s is None else args.deadline_s
+        if deadline <= 0:
+            p.error(f"--deadline-s must be > 0, got {deadline}")
+        print(run_background(args.model or DEFAULT_MODEL, torch.get_num_threads(), args.cache_dir,
+                             deadline), flush=True)
+        return
     log = logging.getLogger("minillm")
     if not log.handlers:                                  # tuning's one-line notices, on stderr
         handler = logging.StreamHandler(sys.stderr)

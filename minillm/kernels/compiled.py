@@ -43,7 +43,8 @@ import torch
 import torch.nn as nn
 
 from minillm._validate import check_int
-from minillm.kernels.tuning_cache import is_busy, machine_load
+from minillm.kernels.load_now import Watch
+from minillm.kernels.tuning_cache import running_tuners
 from minillm.model.kv_cache import KVCache, StaticKVCache
 from minillm.model.llama import Transformer
 
@@ -195,7 +196,7 @@ def compile_if_faster(model: nn.Module, rows=(1, 9), context: int = 64, rounds: 
     prompt = torch.randint(cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     model(prompt.to(dev), torch.arange(context, device=dev), eager_cache)
     compiled.model(prompt.to(dev), torch.arange(context, device=dev), compiled.cache)   # eager fill
-    load0, cores = machine_load()
+    watch = Watch(exclude=running_tuners())          # other work while this times
     timings = []
     for T in rows:
         x = torch.randint(cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).to(dev)
@@ -218,18 +219,18 @@ def compile_if_faster(model: nn.Module, rows=(1, 9), context: int = 64, rounds: 
         choice, won = _pick(t_e, t_c, equal, min_gain)
         timings.append(StepTiming(T, round(statistics.median(t_e), 3), round(statistics.median(t_c), 3),
                                   won, rounds, round(compiled.compile_s[T], 2), diff, equal, choice))
-    load1, _ = machine_load()
-    busy = is_busy(load0, cores, torch.get_num_threads()) or is_busy(load1, cores)
-    return CompileChoice(model, compiled, timings, {"before": round(load0, 2), "after": round(load1, 2),
-                                                    "cores": cores, "busy": busy})
+    during = watch.read()
+    return CompileChoice(model, compiled, timings, {**during.as_record(),
+                                                    "busy": during.busy(torch.get_num_threads())})
 
 
 def format_choice(choice: CompileChoice) -> str:
     """One line per row count: eager and compiled ms, the ratio, compile seconds, the choice."""
     lines = [f"torch.compile (inductor) vs eager, batch 1, {torch.get_num_threads()} thread(s), "
              f"median of {choice.timings[0].rounds} alternating rounds"
-             + (f"; the machine was busy (load {choice.load['after']:.1f} on {choice.load['cores']} "
-                f"cores): these times measure the other work too" if choice.load.get("busy") else "")]
+             + (f"; the machine was busy (other work used {choice.load['others']:.1f} of "
+                f"{choice.load['cores']} cores): these times measure the other work too"
+                if choice.load.get("busy") else "")]
     for t in choice.timings:
         kind = "decode step" if t.rows == 1 else f"verify of {t.rows}"
         lines.append(f"  {kind:>13}: eager {t.eager_ms:7.2f} ms, compiled {t.compiled_ms:7.2f} ms "

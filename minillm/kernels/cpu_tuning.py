@@ -12,19 +12,26 @@ function: the same file gives the same routes on every run.
 `accelerate(model)` applies a plan, in place and in plain sight (the front door's
 `minillm.load_model` calls it on a CPU): this machine's tuned table when a quiet one is cached;
 otherwise a quick probe (`quick_plan`: the routes timed at one row, a few seconds, kept for this
-process only) and one line saying so and how to tune. `plain(model)` undoes it.
+process only) and one line saying so and how to tune. `plain(model)` undoes it. The front door
+also starts one background tuning (`background.py`) that times everything at the first quiet
+moment and saves the table for later processes.
 
-A measurement taken under noise is not a measurement. A tuning during which the load average
-(with its own threads) was above the core count (`tuning_cache.is_busy`), or where more than UNSETTLED_OK of the winning times never settled, is
-saved marked "busy" and not used: `accelerate` keeps the quick choice (F.linear on a busy machine)
-and says so, and the next tuning times everything again. `accelerate(tune=True)` on a machine
-already busy before the timing starts times nothing: its table could only be saved marked busy. A corrupt, foreign or malformed cache
-file is ignored with one line; a folder that cannot be written keeps the table in memory for this
-process. Every candidate is checked against float64 before it is timed, so a route that is
+A measurement taken under noise is not a measurement, and "busy" means other work now: the CPU
+time every other process used during the timing or just before it (`load_now.py`), never the
+1-minute load average, which still counts a build that ended a minute ago and this process's
+own loading. On a busy machine the quick probe times nothing and takes the best untimed guess,
+the routes that won most often on CPUs of this vendor and instruction set in the committed records
+(`route_priors.py`). A tuning during which other work wanted the cores its threads timed on, or
+where more than UNSETTLED_OK of the winning times never settled, is saved marked "busy" and not
+used, and the next tuning times everything again. `accelerate(tune=True)` on a machine already
+busy times nothing: its table could only be saved marked busy. A corrupt, foreign or malformed
+cache file is ignored with one line; a folder that cannot be written keeps the table in memory for
+this process. Every candidate is checked against float64 before it is timed, so a route that is
 missing or wrong on this platform is dropped, never chosen; and every route computes x @ W^T, so
 a wrong table costs speed, never correctness.
 
-Left out on purpose: re-tuning in the background, timing under the exact load a server will see.
+Left out on purpose: switching a running process to a table tuned after it started (a run never
+changes routes midway), timing under the exact load a server will see.
 """
 import json
 import math
@@ -37,12 +44,14 @@ from tqdm.auto import tqdm
 from minillm.kernels.cpu_kernels import (BUCKETS, LAYOUT_OF, TABLE_VERSION, RoutedLinear, check_route,
                                          cpu_name, kernel_isa, relayout)
 from minillm.kernels.flat_forward import flatten, unflatten
+from minillm.kernels.load_now import Watch, load_now
+from minillm.kernels.route_priors import prior_plan
 # settled, time_rows, CANDIDATES: also importable from here
 from minillm.kernels.route_timing import (CANDIDATES, _time_shape, race, settled, time_rows,  # noqa: F401
                                           time_shape)
 # the cache helpers: also importable from here
-from minillm.kernels.tuning_cache import (_MEMORY, is_busy, machine_load, notice, read_tuned,  # noqa: F401
-                                          read_tuned_why, tuning_file, write_tuned)
+from minillm.kernels.tuning_cache import (_MEMORY, notice, read_tuned, read_tuned_why,  # noqa: F401
+                                          running_tuners, tuning_file, write_tuned)
 
 QUICK_CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io")   # no copies
 UNSETTLED_OK = 0.25     # a tuning with more of its winning times unsettled than this is noise
@@ -118,35 +127,41 @@ def tune(model: nn.Module, cache_dir=None, retune: bool = False, rounds: int = 3
          progress: bool = False) -> dict:
     """Timings for every weight group of `model` on this machine: from the cache file when it
     holds them (a quiet table), else measured now (minutes for a 135M model on a 2-core machine;
-    `progress` shows a bar) and saved with the load it was timed under. A busy machine (load
-    above the cores before or after, or over UNSETTLED_OK of the winning times unsettled) saves
-    the table marked "busy": `accelerate` does not use it, and the next `tune` times it all again."""
+    `progress` shows a bar) and saved with the other work measured while it timed. A busy
+    machine (other work wanting the cores the timing threads ran on, or over UNSETTLED_OK of the
+    winning times unsettled) saves the table marked "busy": `accelerate` does not use it, and
+    the next `tune` times it all again."""
     path, key = cache_path(cache_dir), cache_key()
     data = None if retune else read_tuned(path, key)
     table = dict(_shapes(data) or {}) if data is not None and not data.get("busy") else {}
     groups = linears(model)
     missing = {k: ms for k, ms in groups.items() if k not in table}
     if missing:
-        load0, cores = machine_load()
-        bad = total = 0
+        watch, bad, total = Watch(exclude=running_tuners(cache_dir)), 0, 0
         for group, mods in tqdm(missing.items(), desc="timing matmul routes", unit="weight shape",
                                 disable=not progress):
             table[group], b, n = _time_shape([m.weight.detach() for m in mods], rounds=rounds)
             bad, total = bad + b, total + n
-        load1, _ = machine_load()                  # our timing threads are in this one
-        busy = []
-        if is_busy(load0, cores, torch.get_num_threads()) or is_busy(load1, cores):
-            busy.append(f"load {load0:.1f} before and {load1:.1f} after timing with "
-                        f"{torch.get_num_threads()} threads on {cores} cores")
-        if bad > UNSETTLED_OK * total:
-            busy.append(f"{bad} of {total} winning times never settled")
-        write_tuned(path, key, {"shapes": table, "busy": "; ".join(busy) or None,
-                                "load": {"before": round(load0, 2), "after": round(load1, 2),
-                                         "cores": cores}})
+        busy = save_table(path, key, table, watch.read(), bad, total)
         if busy:
             notice(f"the machine was busy while timing ({'; '.join(busy)}): the table is saved "
                    f"marked busy and not used; time again on a quiet machine")
     return {k: table[k] for k in groups}
+
+
+def save_table(path, key: dict, table: dict, during, bad: int, total: int) -> list[str]:
+    """Write a tuning's table with `during` (a `LoadNow` over the timing) beside it, marked busy
+    when other work wanted the timing threads' cores or too many winning times never settled;
+    returns the reasons it is busy ([] for a quiet table)."""
+    threads = torch.get_num_threads()
+    busy = []
+    if during.busy(threads):
+        busy.append(f"{during.describe()}, beside {threads} timing thread(s)")
+    if bad > UNSETTLED_OK * total:
+        busy.append(f"{bad} of {total} winning times never settled")
+    write_tuned(path, key, {"shapes": table, "busy": "; ".join(busy) or None,
+                            "load": during.as_record()})
+    return busy
 
 
 def read_table(model: nn.Module, cache_dir=None) -> tuple[dict | None, str]:
@@ -172,38 +187,55 @@ def _pinned(route: str) -> dict:
     return {"layout": LAYOUT_OF.get(route, "out_in"), "routes": {b: route for b in BUCKETS}}
 
 
+def _with_prior(best: str, prior: dict) -> dict:
+    """A group's plan: `best` at one row; more rows take the prior's routes when the prior lays
+    the weight out as `best` does, F.linear otherwise."""
+    layout = LAYOUT_OF[best]
+    same = prior["layout"] == layout
+    return {"layout": layout, "routes": {b: best if b == 1 else prior["routes"][b] if same else "F.linear"
+                                         for b in BUCKETS}}
+
+
 def quick_plan(model: nn.Module, rounds: int = 3, budget_s: float = QUICK_BUDGET_S) -> tuple[dict, str]:
-    """({weights: plan}, what was done, in words): the safe choice for a first start. On a busy
-    machine F.linear everywhere, untimed. Otherwise each group's single-copy routes timed at one
-    row (batch-1 decode, the case a first start meets; `rounds` rounds, no more: about a second
-    for a 135M model on a quiet 2-core machine): the fastest takes bucket 1 if its time settled,
-    F.linear otherwise; more rows take F.linear. Groups not reached within `budget_s` (a machine
-    slower or busier than its load average says) keep F.linear. Made once per process, never
-    saved."""
+    """({weights: plan}, what was done, in words): the choice for a first start, in seconds.
+
+    First a quarter of a second of watching what other work does (`load_now`). On a busy machine
+    (other work wanting the cores the timing threads need) nothing is timed: every group takes
+    the untimed prior (`route_priors.prior_plan`: the routes that won most often on this CPU's
+    vendor and instruction set in the committed records). Otherwise each group's single-copy
+    routes are timed at one row (batch-1 decode, the case a first start meets; `rounds` rounds,
+    no more: about two seconds for a 135M model on a quiet 2-core machine): the fastest takes
+    bucket 1, and more rows follow the prior where it uses the same layout (F.linear where not).
+    A group whose winner never settled, or that the probe did not reach within `budget_s`, takes
+    the prior. Made once per process, never saved."""
     groups = linears(model)
-    load, cores = machine_load()
-    if is_busy(load, cores, torch.get_num_threads()):
-        return ({g: _pinned("F.linear") for g in groups},
-                f"other work keeps the cores busy (load {load:.1f} on {cores} cores, "
-                f"{torch.get_num_threads()} threads to time with), so nothing was timed: F.linear")
     memo = (json.dumps(cache_key(), sort_keys=True), tuple(groups))
-    if memo not in _QUICK:
-        t0, plan, late = time.perf_counter(), {}, 0
-        for group, mods in groups.items():
-            best = "F.linear"
-            if time.perf_counter() - t0 < budget_s:
-                times, unsettled = race([m.weight.detach() for m in mods], [1], rounds,
-                                        QUICK_CANDIDATES, max_rounds=rounds)
-                best = min(times, key=lambda r: times[r][1])
-                best = "F.linear" if (best, 1) in unsettled else best
-            else:
-                late += 1
-            plan[group] = {"layout": LAYOUT_OF[best],
-                           "routes": {b: best if b == 1 else "F.linear" for b in BUCKETS}}
-        chosen = sorted({p["routes"][1] for p in plan.values()})
-        what = (f"a {time.perf_counter() - t0:.1f} s probe at 1 row chose {', '.join(chosen)} "
-                f"(F.linear for more rows{f'; {late} weight shapes past the time budget' if late else ''})")
-        _QUICK[memo] = plan, what
+    if memo in _QUICK:                                      # this process probed already
+        return _QUICK[memo]
+    threads = torch.get_num_threads()
+    prior, whence = prior_plan(threads)
+    now = load_now(exclude=running_tuners())
+    if now.busy(threads):
+        return ({g: prior for g in groups},
+                f"other work keeps the cores busy ({now.describe()}; {threads} thread(s) to time "
+                f"with), so nothing was timed: {whence}")
+    t0, plan, fallback = time.perf_counter(), {}, 0
+    for group, mods in groups.items():
+        best = None
+        if time.perf_counter() - t0 < budget_s:
+            times, unsettled = race([m.weight.detach() for m in mods], [1], rounds,
+                                    QUICK_CANDIDATES, max_rounds=rounds)
+            best = min(times, key=lambda r: times[r][1])
+            best = None if (best, 1) in unsettled else best
+        if best is None:
+            fallback += 1
+        plan[group] = prior if best is None else _with_prior(best, prior)
+    chosen = sorted({p["routes"][1] for p in plan.values()})
+    more = sorted({r for p in plan.values() for b, r in p["routes"].items() if b > 1})
+    what = (f"a {time.perf_counter() - t0:.1f} s probe at 1 row chose {', '.join(chosen)} "
+            f"({', '.join(more)} for more rows"
+            f"{f'; {fallback} weight shapes unsettled or past the time budget took the prior' if fallback else ''})")
+    _QUICK[memo] = plan, what
     return _QUICK[memo]
 
 
@@ -234,11 +266,11 @@ def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False
         plan, source = {g: _pinned(route) for g in groups}, f"pinned {route}"
     else:
         if tune or retune:
-            load, cores = machine_load()
-            if is_busy(load, cores, torch.get_num_threads()):   # its table would be marked busy
-                notice(f"not timing the matmul routes: other work keeps the cores busy (load {load:.1f} "
-                       f"on {cores} cores, {torch.get_num_threads()} threads to time with), so a table "
-                       f"timed now would be marked busy and not used; tune again on a quiet machine")
+            now = load_now(exclude=running_tuners(cache_dir))
+            if now.busy(torch.get_num_threads()):                # its table would be marked busy
+                notice(f"not timing the matmul routes: other work keeps the cores busy ({now.describe()}; "
+                       f"{torch.get_num_threads()} thread(s) to time with), so a table timed now would "
+                       f"be marked busy and not used; tune again on a quiet machine")
             else:
                 _full_tuning(model, cache_dir, retune)
         times, why = read_table(model, cache_dir)

@@ -18,6 +18,10 @@ from minillm.kernels.cpu_kernels import BUCKETS, LAYOUT_OF, PREPACK_OK, matmul, 
 CANDIDATES = ("F.linear", "nsplit", "x@W", "ksplit", "onednn", "onednn_io", "prepacked")
 
 
+class Interrupted(Exception):
+    """`race`'s `interrupt` said stop: other work began, and what was timed so far is dropped."""
+
+
 def _works(route, w, splits, packed) -> bool:
     """The route gives x @ W^T on this platform (float64 reference, 3 rows)."""
     x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device)
@@ -50,7 +54,7 @@ def time_rows(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
 
 @torch.inference_mode()
 def race(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
-         max_rounds: int | None = None, tol: float = 0.1) -> tuple[dict, set]:
+         max_rounds: int | None = None, tol: float = 0.1, interrupt=None) -> tuple[dict, set]:
     """({route: {R: ms}}, {(route, R) still racing whose samples never settled}): one pass over `weights` (each (O, I), laid out as the route wants) with
     R rows, the fastest of at least `rounds` interleaved rounds. On a busy machine the rounds go
     on (up to `max_rounds`, default 3x `rounds`) until every case still in the race has
@@ -68,7 +72,10 @@ def race(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
     fit in it (30 weights of 576x576 are 40 MB; a 2-core Xeon slice reports a 105 MiB L3). On
     that Xeon, reading 256 MB before every sample to empty the cache moved SmolLM2's 1- and 2-row
     times by under 10%, reordered only routes within that of each other and did not change
-    which layout wins, so the samples are not preceded by such a read."""
+    which layout wins, so the samples are not preceded by such a read.
+
+    `interrupt`, when given, is called before every sample; when it returns True the race stops
+    and raises `Interrupted` (the background tuner's way of giving the cores back at once)."""
     splits = torch.get_num_threads()
     max_rounds = max(rounds, 3 * rounds if max_rounds is None else max_rounds)
     layouts = {"out_in": [w.contiguous() for w in weights],
@@ -98,6 +105,8 @@ def race(weights: list, rows, rounds: int = 3, candidates=CANDIDATES,
             for route, ws in runnable:
                 if (route, r) not in racing:
                     continue
+                if interrupt is not None and interrupt():
+                    raise Interrupted
                 sync()
                 t0 = time.perf_counter()
                 for w, p in zip(ws[:part[r]], packs[:part[r]]):
@@ -119,10 +128,11 @@ def time_shape(weights: list, buckets=BUCKETS, rounds: int = 3, candidates=CANDI
     return _time_shape(weights, buckets, rounds, candidates)[0]
 
 
-def _time_shape(weights, buckets=BUCKETS, rounds=3, candidates=CANDIDATES) -> tuple[dict, int, int]:
+def _time_shape(weights, buckets=BUCKETS, rounds=3, candidates=CANDIDATES,
+                interrupt=None) -> tuple[dict, int, int]:
     """(time_shape's table, row counts whose fastest single-copy time never settled, row counts)."""
     rows = sorted({r for b in buckets for r in probe_rows(b)})
-    times, unsettled = race(weights, rows, rounds, candidates)
+    times, unsettled = race(weights, rows, rounds, candidates, interrupt=interrupt)
     single = [route for route in times if route != "prepacked"] or list(times)
     bad = sum((min(single, key=lambda route: times[route][r]), r) in unsettled for r in rows)
     table = {route: {str(b): round(sum(t[r] for r in probe_rows(b)), 4) for b in buckets}

@@ -8,10 +8,11 @@ foreign file reads as None (with the reason, for the one line the user sees), ne
 `write_tuned` writes atomically; a folder that cannot be written keeps the result for this
 process and says so once.
 
-A measurement taken under noise is not a measurement: `machine_load()` reads the 1-minute load
-average and the cores this process may use, and `is_busy` calls a machine busy when the threads
-that want to run (the load, plus the timing threads about to start) are above the core count.
-Tuners record the load beside their timings and refuse to trust a table timed on a busy machine.
+A measurement taken under noise is not a measurement: tuners judge how busy the machine is from
+what other work does now (`load_now.py`, never the lagging load average), record it beside their
+timings, and refuse to trust a table timed on a busy machine. A background tuner (`background.py`)
+holds a lock file while it runs (`tuner_lock`); `running_tuners` lists them, so that other
+processes' measurements of "other work" leave out a tuner that gives way to them anyway.
 
 `notice(line)` is how tuning talks: one line, logged on the "minillm.kernels" logger at INFO (a
 server that configures logging shows it), and printed to stderr when stderr is a terminal and no
@@ -83,29 +84,34 @@ def write_tuned(path: Path, key: dict, body: dict) -> bool:
         return False
 
 
-def machine_load() -> tuple[float, int]:
-    """(1-minute load average, cores this process may run on); load 0.0 where the OS has none."""
+def tuner_lock(key: dict, cache_dir=None) -> Path:
+    """The file a background tuner of the table `key` holds while it runs (its pid inside)."""
+    return tuning_file("linear", key, cache_dir).with_suffix(".tuning")
+
+
+def running_tuners(cache_dir=None) -> list[int]:
+    """The pids of minillm's background tuners alive now (any table under `cache_dir`): their
+    work gives way to everything else, so a measurement of "other work" leaves them out."""
+    base = Path(cache_dir) if cache_dir is not None else minillm_cache_dir() / "kernels"
+    pids = []
+    for lock in base.glob("*.tuning") if base.is_dir() else ():
+        try:
+            pid = int(lock.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pid != os.getpid() and _alive(pid):
+            pids.append(pid)
+    return pids
+
+
+def _alive(pid: int) -> bool:
     try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = 0.0
-    return load, cores
-
-
-BUSY_SLACK = 1.0      # a core's worth of other work (the OS, an editor, this process's own
-                      # loading a moment ago, still in the 1-minute average) is not busy
-
-
-def is_busy(load: float, cores: int, own_threads: int = 0) -> bool:
-    """More threads wanting to run than cores: the 1-minute load average plus `own_threads`
-    (timing threads not yet in it) above `cores` + BUSY_SLACK. Timings taken then measure the
-    other work as much as the kernels. The load average lags by about a minute, so tuners also
-    watch whether their rounds settle."""
-    return load + own_threads > cores + BUSY_SLACK
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
 
 
 def notice(line: str) -> None:

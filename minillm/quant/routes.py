@@ -29,7 +29,8 @@ import time
 import torch
 
 from minillm.kernels.cpu_tuning import cache_key as linear_cache_key
-from minillm.kernels.tuning_cache import is_busy, machine_load, read_tuned, tuning_file, write_tuned
+from minillm.kernels.load_now import Watch
+from minillm.kernels.tuning_cache import read_tuned, running_tuners, tuning_file, write_tuned
 from minillm.quant.qbase import _QuantLinear
 
 TABLE_VERSION = 1
@@ -103,6 +104,7 @@ def choose_routes(model, cache_dir=None, retune: bool = False, allow_w8a8: bool 
     data = None if retune else read_tuned(path, key)
     table = dict(data["groups"]) if data and not data.get("busy") else {}
     chosen, new = {}, {}
+    watch = Watch(exclude=running_tuners())                  # other work while this times
     for name, mods in groups(model).items():
         memo = (json.dumps(key, sort_keys=True), name)
         times, source = table.get(name) or _PROCESS.get(memo), "cache"
@@ -117,7 +119,6 @@ def choose_routes(model, cache_dir=None, retune: bool = False, allow_w8a8: bool 
                     m.set_route(route)
         chosen[name] = {"route": route or mods[0].route, "times": times, "source": source}
     if new:
-        load, cores = machine_load()
-        if not is_busy(load, cores, torch.get_num_threads()):
+        if not watch.read().busy(torch.get_num_threads()):
             write_tuned(path, key, {"groups": {**table, **new}, "busy": None})
     return chosen
