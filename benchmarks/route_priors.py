@@ -21,12 +21,21 @@ PRIORS_FILE = Path(__file__).resolve().parents[1] / "minillm" / "kernels" / "rou
 SINGLE_COPY = ("F.linear", "x@W", "ksplit", "nsplit", "onednn", "onednn_io")   # no second copy
 
 
+def _tables(record: dict) -> list[dict]:
+    """The parts of a record that hold a route table or decode times per route: the record
+    itself (`kernels`), or each thread count's tuned process (`first_start`)."""
+    if record.get("benchmark") == "first_start":
+        return [{"machine": record["machine"], "kernels": run["tuned"]["tuned_report"]}
+                for run in record.get("runs", []) if run.get("tuned", {}).get("tuned_report")]
+    return [record]
+
+
 def _votes(record: dict):
     """(vendor, isa or None, thread class, {bucket: Counter of routes}, Counter of layouts), or None."""
     m = record.get("machine") or {}
     if m.get("device", "cpu") != "cpu":
         return None
-    report = record.get("kernels") or record.get("tuned_report") or {}
+    report = record.get("kernels") or {}
     key = report.get("key") or {}
     threads = key.get("threads") or m.get("torch_threads") or 1
     isa = (key.get("isa") or {}).get("aten")
@@ -50,7 +59,7 @@ def _votes(record: dict):
 def build(records: list[dict]) -> dict:
     """{"priors": [...]} from records (see the module text); sorted, so the file is stable."""
     groups: dict = {}
-    for rec in records:
+    for rec in (part for r in records for part in _tables(r)):
         v = _votes(rec)
         if v is None:
             continue
@@ -61,7 +70,7 @@ def build(records: list[dict]) -> dict:
             g["buckets"][b].update(c)
         g["layouts"].update(layouts)
         m = rec["machine"]
-        g["from"].append(f"{rec.get('benchmark')}: {m.get('cpu')}, {m.get('date')}")
+        g["from"].append(f"{m.get('cpu')}, {m.get('date')}")
     priors = []
     for (vendor, isa, tc), g in sorted(groups.items()):
         layout = max(sorted(g["layouts"]), key=g["layouts"].get)     # ties: alphabetical, stable

@@ -77,7 +77,9 @@ sys.meta_path.insert(0, Missing())
 import minillm
 from minillm import LLM, SamplingParams, tiny_model
 outs = LLM(tiny_model(vocab_size=64)).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-report = {"file": minillm.__file__, "tokens": outs[0].outputs[0].token_ids, "errors": {}}
+from minillm.kernels.route_priors import load_priors        # package data: the untimed route guesses
+report = {"file": minillm.__file__, "tokens": outs[0].outputs[0].token_ids, "errors": {},
+          "priors": len(load_priors())}
 for name in sys.argv[4].split(","):
     try:
         __import__(name)
@@ -109,7 +111,7 @@ def installed(built, tmp_path_factory):
 def test_the_installed_wheel_runs_the_engine_without_the_checkout(installed, tmp_path):
     got = _run_installed(installed, "", "minillm.engine,minillm.serve,minillm.lab.spec_replay", tmp_path)
     assert Path(got["file"]).is_relative_to(installed), got["file"]
-    assert len(got["tokens"]) == 4 and got["errors"] == {}
+    assert len(got["tokens"]) == 4 and got["errors"] == {} and got["priors"] > 0
 
 
 @pytest.mark.slow

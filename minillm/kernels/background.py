@@ -16,8 +16,8 @@ which
   - waits for a quiet moment (`LoadNow.quiet`: nothing but housekeeping ran beside it for a
     second, the process that started it included), loads the reference model and times one
     weight shape at a time through `race(..., interrupt=...)`, which stops within about a tenth
-    of a second of other work starting; an interrupted or unsettled shape is timed again at the
-    next quiet moment;
+    of a second of other work starting; an interrupted shape is timed again at the next quiet
+    moment (as often as the deadline allows), an unsettled one up to TRIES times;
   - saves the table (every shape timed with nothing else running) and exits, or gives up after
     `deadline_s` without saving anything.
 
@@ -29,6 +29,7 @@ Left out on purpose: tuning a model passed in as an object (the child loads the 
 name), and switching a running process to the new table (later processes use it).
 """
 import os
+import random
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ ENV = "MINILLM_BACKGROUND_TUNING"      # "0" switches the background tuner off
 DEADLINE_S = 1200.0                    # a tuner that found no quiet moment by then gives up
 QUIET_S = 1.0                          # how long the machine must be quiet before each shape
 CHECK_S = 0.1                          # how often a running shape looks for other work
-TRIES = 5                              # times one shape is timed again before the tuner gives up
+TRIES = 5                              # unsettled timings of one shape before the tuner gives up
 
 
 def enabled() -> bool:
@@ -110,8 +111,10 @@ def _take(lock) -> bool:
 
 
 def _wait_quiet(deadline: float, quiet_s: float = QUIET_S) -> bool:
+    """Wait until a window of about `quiet_s` was quiet (its length varies a little, so two
+    tuners of different tables that interrupted each other do not start again together)."""
     while time.monotonic() < deadline:
-        if load_now(quiet_s).quiet():
+        if load_now(quiet_s * random.uniform(1.0, 1.5)).quiet():
             return True
     return False
 
@@ -158,7 +161,8 @@ def run_background(name_or_path, threads: int, cache_dir=None, deadline_s: float
             return "a quiet table already exists"
         table, lookouts, bad, total = {}, [], 0, 0
         for group, mods in linears(model).items():
-            for attempt in range(TRIES):
+            unsettled = 0                      # other work interrupting is bounded by the deadline
+            while group not in table:
                 if not _wait_quiet(deadline):
                     return f"no quiet moment within {deadline_s:.0f} s: nothing saved"
                 look = _Lookout()
@@ -168,14 +172,14 @@ def run_background(name_or_path, threads: int, cache_dir=None, deadline_s: float
                     _say(f"{group}: other work started, timing again later")
                     continue
                 if b > UNSETTLED_OK * n:
-                    _say(f"{group}: {b} of {n} winning times never settled, timing again later")
+                    unsettled += 1
+                    _say(f"{group}: {b} of {n} winning times never settled")
+                    if unsettled == TRIES:
+                        return f"{group} never settled in {TRIES} tries: nothing saved"
                     continue
                 table[group], bad, total = times, bad + b, total + n
                 lookouts.append(look)
                 _say(f"{group}: timed")
-                break
-            else:
-                return f"{group} never settled in {TRIES} tries: nothing saved"
         busy = save_table(cache_path(cache_dir), cache_key(), table, _during(lookouts), bad, total)
         return "saved a table marked busy: " + "; ".join(busy) if busy else \
             f"saved the tuned table to {cache_path(cache_dir)}"
