@@ -51,7 +51,7 @@ def _child(mode: str, threads: int, n_new: int, rounds: int) -> dict:
     model, tok = load_model(device="cpu")                         # the front door, as a user would
     out["ready_s"] = round(time.perf_counter() - t0, 2)
     out["source"] = model.linear_plan_source
-    out["routes_at_1_row"] = sorted({p["routes"][1] for p in model.linear_plan.values()})
+    out["routes_at_1_row"] = {g: p["routes"][1] for g, p in model.linear_plan.items()}
     prompt = _equal_length_prompts(tok, 1)[0]
     runs = {"minillm": lambda n: generate(model, prompt, n)}
     if mode == "first":

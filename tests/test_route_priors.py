@@ -86,6 +86,14 @@ def test_no_prior_is_f_linear_and_a_route_off_its_layout_is_not_taken(monkeypatc
     assert plan["layout"] == "in_out" and plan["routes"][1] == "F.linear" and plan["routes"][2] == "ksplit"
 
 
+def test_on_one_thread_a_split_route_is_named_for_what_it_runs(monkeypatch):
+    monkeypatch.setattr(rp, "cpu_vendor", lambda: "AMD")
+    monkeypatch.setattr(rp, "kernel_isa", lambda: {"aten": "AVX512"})
+    plan, why = rp.prior_plan(1, priors=PRIORS[:1])           # the several-threads entry: ksplit
+    assert set(plan["routes"].values()) == {"x@W"} and "(x@W)" in why
+    assert set(rp.prior_plan(2, priors=PRIORS[:1])[0]["routes"].values()) == {"ksplit"}
+
+
 @pytest.mark.parametrize("entry", PRIORS)
 def test_any_prior_gives_the_reference_logits(monkeypatch, entry):
     monkeypatch.setattr(ct, "prior_plan", lambda threads: rp.prior_plan(threads, priors=[entry]))

@@ -22,6 +22,7 @@ from pathlib import Path
 from minillm.kernels.cpu_kernels import BUCKETS, LAYOUT_OF, kernel_isa
 
 VENDORS = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}
+ONE_THREAD = {"ksplit": "x@W", "nsplit": "F.linear"}     # what a split route computes on one thread
 
 
 def vendor_of(cpu: str) -> str:
@@ -82,6 +83,8 @@ def prior_plan(threads: int, priors=None) -> tuple[dict, str]:
         return ({"layout": "out_in", "routes": {b: "F.linear" for b in BUCKETS}},
                 f"no committed record for a {cpu_vendor()} CPU: F.linear")
     routes = {b: entry["routes"].get(str(b), "F.linear") for b in BUCKETS}
+    if threads <= 1:            # a split over one thread is the plain product on the same layout
+        routes = {b: ONE_THREAD.get(r, r) for b, r in routes.items()}
     routes = {b: r if LAYOUT_OF.get(r) == entry["layout"] else "F.linear" for b, r in routes.items()}
     chosen = ", ".join(sorted(set(routes.values())))
     return ({"layout": entry["layout"], "routes": routes},
