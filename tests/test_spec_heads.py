@@ -224,3 +224,32 @@ def test_shared_word_runs_counts_what_the_inline_check_finds():
     b = ["x ONE two three four five six seven eight, nine!", "nothing shared here at all"]
     assert shared_word_runs(a, b) == 2 and shared_word_runs(a, b, n=9) == 1
     assert shared_word_runs(CHAT_TRAIN_PROMPTS, EVAL_CHAT_PROMPTS) == 0
+
+
+def test_cached_drafter_finds_what_training_cached_and_never_trains(tok, tmp_path, monkeypatch,
+                                                                     one_thread):
+    """`cached_drafter` against `train_medusa` / `train_eagle` themselves: None before, the very
+    weights they cached after, None for other arguments, and no file written by looking."""
+    from minillm.drafting.train import cached_drafter
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    m = minillm.tiny_model(vocab_size=len(tok), seed=0)
+    r = Recipe(n_chat=2, n_humaneval=0, n_stdlib=0, max_tokens=6, steps=4, batch_rows=8,
+               eagle_chunk=4)
+    assert cached_drafter(m, "medusa", r, num_heads=2) is None
+    assert cached_drafter(m, "eagle", r) is None
+    assert not (tmp_path / "drafters").exists()                        # looking trained nothing
+    heads = train_medusa(m, tok, 2, recipe=r, progress=False)
+    drafter = train_eagle(m, tok, recipe=r, progress=False)
+    files = sorted(p.name for p in (tmp_path / "drafters").iterdir())
+    found_h = cached_drafter(m, "medusa", r, num_heads=2)
+    found_e = cached_drafter(m, "eagle", r)
+    for a, b in ((heads, found_h), (drafter, found_e)):
+        assert type(a) is type(b)
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert cached_drafter(m, "medusa", r, num_heads=3) is None           # other heads, seed, recipe
+    assert cached_drafter(m, "eagle", r, seed=1) is None
+    assert cached_drafter(m, "eagle", "small") is None
+    assert sorted(p.name for p in (tmp_path / "drafters").iterdir()) == files
+    with pytest.raises(ValueError, match="kind"):
+        cached_drafter(m, "ngram", r)

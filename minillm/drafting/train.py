@@ -6,7 +6,8 @@ and the drafter learns to predict the target's own next tokens from them (`objec
 AdamW, seeded (same seed and thread count -> the same weights), a tqdm bar. A "small" recipe
 trains live in a chapter cell; the default "full" one takes a few minutes and is cached under
 `cache_dir() / "drafters"`, keyed by the target's weights fingerprint and the recipe, so the next
-call loads it (a corrupt cache file is reported and trained again). The distilled answers (token
+call loads it (a corrupt cache file is reported and trained again); `cached_drafter` only looks
+it up, so a chapter can use the full drafters when they exist without training them. The distilled answers (token
 ids only) are cached there too: Medusa and EAGLE share them.
 
 Left out on purpose: mixed precision, learning-rate schedules beyond a linear warm-down,
@@ -228,6 +229,19 @@ def train_eagle(model, tokenizer, recipe="full", seed: int = 0,
         losses = _fit(drafter.parameters(), recipe.steps, recipe.eagle_lr, seed, loss_fn, progress,
                       "training the EAGLE drafter")
     return _finish(drafter, model, recipe, losses, path, cache)
+
+
+def cached_drafter(model, kind: str, recipe="full", num_heads: int = 4, seed: int = 0,
+                   draft_vocab_size: int | None = DRAFT_VOCAB) -> MedusaHeads | EagleDrafter | None:
+    """The drafter that `train_medusa` (kind "medusa") or `train_eagle` ("eagle") would load from
+    the cache for the same arguments, or None when none is cached. It never trains: a chapter
+    cell that must stay short on a first run uses the full recipe once something else has
+    trained it, and a smaller recipe until then."""
+    if kind not in ("medusa", "eagle"):
+        raise ValueError(f"kind must be 'medusa' or 'eagle', got {kind!r}")
+    cls, extra = (MedusaHeads, num_heads) if kind == "medusa" else (EagleDrafter, None)
+    _, path = _prepare(model, recipe, kind, extra, seed, draft_vocab_size)
+    return _cached(cls, model, path, retrain=False)
 
 
 def with_steps(recipe, steps: int) -> Recipe:
