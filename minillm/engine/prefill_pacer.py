@@ -21,8 +21,8 @@ the context grows and the machine's load moves. The first cap, before any step w
 the floor: a new engine does not bet a long first step on a guess (a few steps reach the target:
 each multiplies the cap by T / step_seconds).
 
-Nothing here changes a token: chunk boundaries are not part of the arithmetic of attention over
-the cache (test_prefill_pacer.py checks the tokens against an unpaced engine).
+It moves chunk boundaries only, as the token budget already does: test_prefill_pacer.py checks
+that ragged, timing-driven chunks give every request `generate`'s tokens.
 
 Left out on purpose: a model of the step cost (the ratio is measured, never fitted), pacing the
 decodes (a decode-only step is what it is), and waking a step early for a new request.

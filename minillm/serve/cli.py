@@ -82,7 +82,7 @@ ENGINE_FLAGS.update({"--kv-offloading-size": ("kv_offloading_size", float),
 # chunk per token; `--prefill-step-target-ms 0` sizes chunks in tokens only.
 SERVER_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_partial_prefills": 2,
                    "max_long_partial_prefills": 1, "long_prefill_token_threshold": 384,
-                   "prefill_step_target_ms": 1000.0}
+                   "prefill_step_target_ms": 500.0}
 PARTIAL_PREFILL_FIELDS = ("max_num_partial_prefills", "max_long_partial_prefills",   # need chunks
                           "long_prefill_token_threshold", "prefill_step_target_ms")
 
