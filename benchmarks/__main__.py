@@ -59,7 +59,7 @@ def run_one(name: str, quick: bool, device, out_dir) -> dict:
 CLIENTS = {"serve": "benchmarks.serve", "serve_compare": "benchmarks.serve_compare",
            "serve_defaults": "benchmarks.serve_defaults", "disaggregation": "benchmarks.disaggregation",
            "sitting": "benchmarks.sitting", "route_priors": "benchmarks.route_priors",
-           "first_start": "benchmarks.first_start"}
+           "first_start": "benchmarks.first_start", "short_beside_long": "benchmarks.short_beside_long"}
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,8 @@ same point of its prefill whatever the configuration. Every request generates 8 
   had: the long prompt's chunks take the whole budget, so a short one waits for its whole prefill;
 - `threshold_128`: the same budget with long_prefill_token_threshold=128 and two partial prefills;
 - `server`: what `python -m minillm serve` now runs (cli.SERVER_DEFAULTS: a 512-token budget,
-  threshold 384, two partial prefills, one long).
+  threshold 384, two partial prefills, one long; its prefill pacer off, so steps stay
+  machine-independent).
 Per short request: TTFT in engine steps (machine-independent, checked equal across rounds) and
 seconds; per configuration the long request's time to first token and to the end (the cost of
 sharing the budget), and the load average before and after each run (a shared machine slows every
@@ -33,7 +34,9 @@ CONFIGS = {
     "off": dict(max_num_batched_tokens=256),
     "threshold_128": dict(max_num_batched_tokens=256, long_prefill_token_threshold=128,
                           max_num_partial_prefills=2),
-    "server": dict(SERVER_DEFAULTS),
+    # the server's token knobs; its pacer off: chunks in time would make the steps depend on the
+    # machine's speed (benchmarks/short_beside_long.py measures the pacer)
+    "server": {**SERVER_DEFAULTS, "prefill_step_target_ms": None},
 }
 ARRIVE_AT = (0.10, 0.35, 0.60, 0.85)     # fraction of the long prompt computed when each arrives
 MAX_TOKENS = 8

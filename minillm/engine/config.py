@@ -9,7 +9,10 @@ scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Partial pre
 names, off by default as there): `long_prefill_token_threshold` caps every prompt's chunk (0: no
 cap; a prompt with more tokens left is "long"), `max_num_partial_prefills` bounds the prompts
 mid-prefill at once and `max_long_partial_prefills` the long ones among them, so a short prompt
-is admitted beside a long one instead of waiting for its whole prefill (scheduler.py). Memory of a long-running
+is admitted beside a long one instead of waiting for its whole prefill (scheduler.py). Chunks in
+time: `prefill_step_target_ms` (None or 0: off) caps every prompt chunk at the tokens this machine
+prefilled in that many ms in its last step (measured each step, prefill_pacer.py), so a step
+beside a long prompt costs about that time at any load. Memory of a long-running
 engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
 dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int8" and "fp8"
 store one byte per element (paging/kv_storage.py), so the same memory holds about 2x (bf16/fp16) or 4x
@@ -57,6 +60,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 1            # prompts mid-prefill at once
     max_long_partial_prefills: int = 1           # ... of which longer than the threshold
     long_prefill_token_threshold: int = 0        # chunk cap; more tokens left = long (0: off)
+    prefill_step_target_ms: float | None = None  # chunk cap in time, measured per step (None/0: off)
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"           # or "swap"
     scheduling: str = "continuous"               # or "static" (the baseline)
@@ -98,6 +102,10 @@ class EngineConfig:
                                     f"{self.prefill_first!r}")
         check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills,
                                self.long_prefill_token_threshold, self.enable_chunked_prefill)
+        if self.prefill_step_target_ms is not None:
+            check_real("EngineConfig.prefill_step_target_ms (None or)", self.prefill_step_target_ms, 0)
+            if self.prefill_step_target_ms and not self.enable_chunked_prefill:   # nothing to size
+                raise ValueError("prefill_step_target_ms needs enable_chunked_prefill=True")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):

@@ -29,6 +29,10 @@ sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (d
 starts with its `tick` (on `self.clock`) and ends by handing it the step's outputs; it moves the
 scheduler's token budget and the classes' queue bounds, never the tokens a request gets.
 
+`prefill_step_target_ms` makes `self.pacer` (prefill_pacer.py): after each step it sets the
+scheduler's largest prompt chunk to the tokens this machine just prefilled in that time (the
+step's duration on `self.clock`), so chunks follow the machine's speed and load, not a count.
+
 Every field of `SamplingParams` is honoured: penalties, logit_bias, min_tokens, bad_words and
 min_p by the sampler (logits_process.py), structured output by a `GrammarState` per sequence
 (structured.py; started here, advanced in `_append`, forked with the completions), logprobs and
@@ -61,6 +65,7 @@ from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import prompt_rows
 from minillm.engine.tp_runner import make_runner
 from minillm.engine.sampler import Sampler
+from minillm.engine.prefill_pacer import PrefillPacer
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.slo_controller import SLOController
@@ -114,6 +119,9 @@ class LLMEngine(StepUpdate):
         # None, or the loop that moves the scheduler's budget towards the P95 targets
         self.controller = (SLOController(cfg, self.scheduler)
                            if cfg.slo_ttft_p95_ms is not None or cfg.slo_tpot_p95_ms is not None else None)
+        # None, or what sizes prompt chunks in time from the steps' own durations (prefill_pacer.py)
+        self.pacer = (PrefillPacer(self.scheduler, cfg.prefill_step_target_ms, cfg.block_size)
+                      if cfg.prefill_step_target_ms else None)
         self.spec_stats = SpecDecodingStats()      # all zero without speculative decoding
         self.spec_active = False       # whether the last step with decodes speculated (the switch)
         self._spec_step = None         # this step's switch: None (no decodes), True, False
@@ -209,6 +217,9 @@ class LLMEngine(StepUpdate):
             self.scheduler.undo(out)   # nothing was committed: recompute these next time
             raise
         outputs = self.update_from_output(out, rows, sampled, t0, prompt_lps, hidden)
+        if self.pacer is not None:         # the next chunk from this step's speed
+            row = self.trace[-1]
+            self.pacer.observe(row["num_prefill_tokens"], row["t_end"] - row["t_start"])
         if self.controller is not None:    # this step's first tokens and finished requests
             self.controller.observe(outputs, self.step_count - 1, len(timed_out), out.num_tokens)
         return [self._output(r) for r in timed_out] + outputs

@@ -21,6 +21,11 @@ prompts are partial at once, at most `max_long_partial_prefills` of them long; a
 that would break either limit keeps its place in the queue while prompts behind it that fit are
 admitted (a short request is never locked out behind a long one). Decodes still go first.
 
+Chunks in time (`prefill_chunk_cap`, None by default): a token count set from outside each step
+by the engine's `PrefillPacer` (prefill_pacer.py), which measures how many prompt tokens this
+machine ran in its last step and aims the next step at `prefill_step_target_ms`. No chunk is
+bigger; it leaves "long" and the partial-prefill slots to the threshold above.
+
 `prefill_first=True` turns the order around (the default, decode-first, is Sarathi-Serve's and
 vLLM's with chunked prefill; prefill-first is how vLLM's V0 scheduler ran without it): running
 prompts' chunks, then waiting prompts (when nothing is swapped out), take the budget first and the
@@ -91,6 +96,7 @@ class Scheduler:
         self.max_long_partial_prefills = max_long_partial_prefills
         self.long_prefill_token_threshold = long_prefill_token_threshold   # 0: no prompt is long
         self._partial = [0, 0]                # this step: prompts left mid-prefill, long ones of them
+        self.prefill_chunk_cap: int | None = None   # set by the engine's PrefillPacer; None: no cap
         self.bm = block_manager
         self.prefill_first = prefill_first   # False: decodes first (see the module docstring)
         self.max_num_seqs = max_num_seqs
@@ -190,7 +196,8 @@ class Scheduler:
 
     def _prefill_size(self, need: int, budget: int, prefill_seen: bool) -> int:
         if self.chunked:
-            return min(need, budget, self.long_prefill_token_threshold or need)
+            return min(need, budget, self.long_prefill_token_threshold or need,
+                       self.prefill_chunk_cap or need)
         return need if need <= budget or not prefill_seen else 0
 
     def _is_long(self, need: int) -> bool:

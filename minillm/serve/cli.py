@@ -63,6 +63,7 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     "--max-num-partial-prefills": ("max_num_partial_prefills", int),
     "--max-long-partial-prefills": ("max_long_partial_prefills", int),
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int),
+    "--prefill-step-target-ms": ("prefill_step_target_ms", float),   # chunks in time (0: off)
     "--tensor-parallel-size": ("tensor_parallel_size", int),   # ranks, as worker processes
     # speculation that steps aside (vLLM V0's flag; or "disable_by_batch_size" in --speculative-config)
     "--speculative-disable-by-batch-size": ("speculative_disable_by_batch_size", int),
@@ -76,10 +77,14 @@ ENGINE_FLAGS.update({"--kv-offloading-size": ("kv_offloading_size", float),
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
 # short request from waiting behind a long prompt's whole prefill (a quarter of the budget is left
 # to others). `--long-prefill-token-threshold 0 --max-num-partial-prefills 1` is the old order.
+# Chunks are also sized in time (`--prefill-step-target-ms`, engine/prefill_pacer.py): a 384-token
+# chunk took 7-18 s at load 7 on a 2-core CPU, and a short request beside a long prompt waits a
+# chunk per token; `--prefill-step-target-ms 0` sizes chunks in tokens only.
 SERVER_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_partial_prefills": 2,
-                   "max_long_partial_prefills": 1, "long_prefill_token_threshold": 384}
-PARTIAL_PREFILL_FIELDS = ("max_num_partial_prefills", "max_long_partial_prefills",
-                          "long_prefill_token_threshold")
+                   "max_long_partial_prefills": 1, "long_prefill_token_threshold": 384,
+                   "prefill_step_target_ms": 500.0}
+PARTIAL_PREFILL_FIELDS = ("max_num_partial_prefills", "max_long_partial_prefills",   # need chunks
+                          "long_prefill_token_threshold", "prefill_step_target_ms")
 
 
 def origins(value: str) -> list[str]:
