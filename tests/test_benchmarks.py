@@ -241,8 +241,10 @@ def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tm
         part = r[name]
         b1 = part["batch1"]
         assert b1["matmuls_ms_per_step"] > 0 and b1["floor_ms_per_step"] > 0
+        # the record keeps 3 decimals: on a loaded machine the share is small (0.011) and its
+        # rounding alone is over 1%, so the check allows half a unit of the last decimal too
         assert part["batch1_matmuls_fraction_of_floor"] == pytest.approx(
-            b1["floor_ms_per_step"] / b1["matmuls_ms_per_step"], rel=1e-2)
+            b1["floor_ms_per_step"] / b1["matmuls_ms_per_step"], rel=1e-2, abs=5e-4)
         assert "matmuls_ms_per_step" not in part["batch8"]
     assert r["batch1_matmuls_fraction_of_floor"] == r["stored_once"]["batch1_matmuls_fraction_of_floor"]
     assert "matmuls_ms_per_step" in r["units"] and (tmp_path / "decode_cpu.json").exists()
