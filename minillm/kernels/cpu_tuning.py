@@ -4,7 +4,7 @@
 on the model's own weights (all layers of that shape in turn, so the working set is a real
 step's share, not one warm weight), and caches the timings as JSON under
 `$MINILLM_CACHE/kernels/` (`tuning_cache.py`), one file per (CPU model, instruction set the
-kernels may use, torch version, thread count), with the load average it was timed under. It takes
+kernels may use, torch version, thread count), with the other work measured while it timed (`load_now.py`). It takes
 minutes on a 2-core machine, so it runs only when asked: `python -m minillm.kernels` (a progress
 bar), `accelerate(model, tune=True)`, chapter 1. `decide(times)` turns timings into a plan, a pure
 function: the same file gives the same routes on every run.
@@ -255,7 +255,7 @@ def accelerate(model: nn.Module, route: str = "auto", allow_copies: bool = False
     (a few seconds) and one line saying what it chose and how to tune. tune=True first times
     every route missing from the cache (minutes, a progress bar; what `python -m minillm.kernels`
     does); retune=True times them all again. Neither times anything on a machine already busy
-    (`is_busy` with the timing threads): that table would be saved marked busy and never used, so
+    (`LoadNow.busy` with the timing threads): that table would be saved marked busy and never used, so
     one line says so and a quiet table already cached stays. Any other route pins that route
     everywhere."""
     check_route(route)
