@@ -82,8 +82,30 @@ def test_table_arithmetic_matches_hand_computation(model):
     assert t["ridge_rows"] == ridge_rows(model.config, HW, "fp32", context=8)
     assert t["within_all"] == all(r["within"] for r in rows)
     assert (t["limit"] is None) == t["within_all"]
+    assert t["noise"] == 0.0                                  # one round: no second round to compare
     text = format_verify_table(t)
     assert len(text.splitlines()) == 1 + len(rows) + 2 and "ridge" in text
+
+
+def test_noise_is_the_largest_gap_between_a_case_s_two_fastest_rounds(model, monkeypatch):
+    """Round r of every case takes (1, 1.3, 1.1)[r] ms on a fake clock, one case 2 ms in its
+    first round: the two fastest rounds are 1 and 1.1 ms, or 1.1 and 1.3 ms for that case."""
+    import types
+    import minillm.lab.verify_cost as vc
+    per_round, cases, calls = (1.0, 1.3, 1.1), 3 * 2, []   # forward, matmuls, attention at N = 1, 2
+
+    def perf_counter():
+        i = len(calls)
+        calls.append(i)
+        if i % 2 == 0:
+            return float(i)
+        case, r = (i // 2) % cases, (i // 2) // cases
+        ms = 2.0 if (case, r) == (1, 0) else per_round[r]
+        return (i - 1) + ms / 1e3
+    monkeypatch.setattr(vc, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    t = vc.verify_table(model, rows=(2,), context=8, rounds=3, hardware=HW)
+    assert len(calls) == 2 * 3 * cases
+    assert t["noise"] == pytest.approx(max(1.1 / 1.0, 1.3 / 1.1) - 1, abs=1e-3)
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")

@@ -152,7 +152,9 @@ def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
     "roofline", "gap", "within", and with `attention` "attention_ms" and "least_with_attention"
     (the least when the attention's growth, timed alone, also counts as unavoidable), with `int8`
     "int8_matmuls_ms", "int8_least"}...], "ridge_rows", "tolerance", "context", "dtype",
-    "hardware", "within_all", "limit"}. "limit" names what most of the largest N's excess over
+    "hardware", "within_all", "limit", "noise"}. "noise" is the largest relative gap between a
+    case's fastest and second-fastest round (0 with one round): how far a fastest round may sit
+    above the undisturbed time, so a ratio of two of them is known to about (1 + noise)^2. "limit" names what most of the largest N's excess over
     the least is: "attention" or "other non-matmul work" (norms, elementwise ops, copies), or
     None when every row is within tolerance.
     """
@@ -188,6 +190,8 @@ def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
                 cases[c][n]()
                 times.append(1e3 * (time.perf_counter() - t0))
     ms = {c: {n: min(samples[(c, n)]) for n in rows} for c in cases}
+    noise = max((sorted(t)[1] / sorted(t)[0] - 1 if len(t) > 1 else 0.0)
+                for t in samples.values())
     f1, m1 = ms["forward"][1], ms["matmuls"][1]
     other1 = max(f1 - m1, 0.0)
     table = []
@@ -211,7 +215,8 @@ def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
             "tolerance": tolerance, "context": context, "dtype": dtype,
             "hardware": {"name": hardware.name, "peak_flops": hardware.peak(dtype),
                          "mem_bandwidth": hardware.mem_bandwidth},
-            "within_all": all(r["within"] for r in table), "limit": _limit(table)}
+            "within_all": all(r["within"] for r in table), "limit": _limit(table),
+            "noise": round(noise, 3)}
 
 
 def _limit(table: list) -> str | None:
