@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
+from minillm.kernels.compiled_steps import compilation_config
 from minillm.engine.scheduler import check_partial_prefills
 from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, tree_paths
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
@@ -86,6 +87,8 @@ class EngineConfig:
     slo_interval_s: float = 2.0                   # seconds between the controller's decisions
     kv_offloading_size: float | None = None       # GiB of host KV tier (None / 0: off; offload.py)
     offload_idle_s: float = 2.0                   # cached blocks idle this long go to the host tier
+    compilation_config: object = None             # None: eager; a dict or CompilationConfig:
+                                                  # compiled steps (kernels/compiled_steps.py)
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -146,6 +149,11 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)
         check_offload(self)
+        object.__setattr__(self, "compilation_config",
+                           compilation_config(self.compilation_config, self.max_num_batched_tokens))
+        if self.compilation_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"compilation_config needs tensor_parallel_size=1, got "
+                             f"{self.tensor_parallel_size} (each rank would compile its own shard)")
 
     def _check_slo(self) -> None:
         for name in ("slo_ttft_p95_ms", "slo_tpot_p95_ms"):

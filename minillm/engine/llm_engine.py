@@ -88,7 +88,8 @@ class LLMEngine(StepUpdate):
         self.draft_model = draft_model
         mc, cfg = model.config, self.config
         num_blocks = pool_num_blocks(model, cfg, draft_model)
-        scratch = cfg.scheduling == "static"   # one block beyond the manager's: padding rows write here
+        # one block beyond the manager's: padding rows (static batching, compiled sizes) write here
+        scratch = cfg.scheduling == "static" or cfg.compilation_config is not None
         num_host = offload_num_blocks(model, cfg)   # the host KV tier's slots (0: no tier)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           HostTier(num_host) if num_host else None)

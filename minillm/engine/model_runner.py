@@ -19,7 +19,12 @@ of each of its chunks (position i predicts prompt token i + 1). `prompt_rows` sa
 rows come after the sampling rows, in the order of `prompt_rows`, and only such requests pay for
 them. A chunk at most `max_num_batched_tokens` long bounds that memory (rows x V floats).
 
-Letters: M tokens in the flattened batch, K logits rows this step, V vocab, C model width.
+With compiled steps (`EngineConfig.compilation_config`, kernels/compiled_steps.py) a step of M
+rows runs the graph compiled for the next kept size M' >= M: `prepare` adds M' - M padding rows
+(token 0 at position 0 of the scratch block, the last of the pool, which no sequence owns) and
+only the real rows reach the logits. Larger steps, and sizes not kept, run eager.
+
+Letters: M tokens in the flattened batch, M' padded, K logits rows this step, V vocab, C model width.
 Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work.
 """
 from dataclasses import dataclass
@@ -60,8 +65,11 @@ def prompt_rows(out: SchedulerOutput) -> list[PromptRows]:
 
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, compiled=None):
         self.model, self.cache, self.bm = model, cache, block_manager
+        self.compiled = compiled     # CompiledSteps (its graphs per padded size) or None: eager
+        self.rows = 0                # this step's rows before compiled-size padding
+        self.padded_to = None        # the compiled size this step runs at, or None (eager)
         self.device = cache.k.device
         # the host tier's slots (paging/host_pool.py; pinned on CUDA), or None without a tier
         self.host = HostKVPool(cache, num_host_blocks) if num_host_blocks else None
@@ -98,7 +106,12 @@ class ModelRunner:
             if start + n == seq.num_tokens + k:   # the chunk reaches the end: sample after it
                 last += range(len(ids) - 1 - k, len(ids))   # + every draft position to verify
                 sampling.append(seq)
-        for _ in out.padding:   # static batching: a finished member's row still costs compute
+        n = len(ids) + len(out.padding)
+        self.rows = n
+        self.padded_to = self.compiled.padded(n) if self.compiled is not None else None
+        # static batching: a finished member's row still costs compute; a compiled size: the rows
+        # up to it
+        for _ in range((self.padded_to or n) - len(ids)):
             ids.append(0)
             pos.append(0)
             qlens.append(1)
@@ -133,7 +146,11 @@ class ModelRunner:
             return [], None, None
         input_ids, positions, logits_index, sampling = self.prepare(out)
         hidden = None
-        if return_hidden:
+        if self.padded_to is not None:        # a compiled size: the graph, then the real rows' logits
+            logits, hidden = self.compiled.run(input_ids, positions, self.cache, self.rows,
+                                               logits_index, return_hidden=True)
+            hidden = hidden[0] if return_hidden else None                          # (M, C)
+        elif return_hidden:
             logits, hidden = self.model(input_ids, positions=positions, cache=self.cache,
                                         logits_index=logits_index, return_hidden=True)
             hidden = hidden[0]                                                     # (M, C)

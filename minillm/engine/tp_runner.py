@@ -20,6 +20,7 @@ turns on the cores and every all-reduce waits for the slowest, so a step gets sl
 Left out on purpose: speculative decoding, trained drafters and the host KV tier with n > 1
 (refused with a ValueError), pipeline parallelism, several engines sharing workers.
 """
+import dataclasses
 import multiprocessing.connection
 import os
 import time
@@ -33,6 +34,8 @@ from minillm.distributed.tensor_parallel import (build_shard, check_tensor_paral
                                                  shard_config, shard_state_dict)
 from minillm.distributed.tp_worker import CacheSpec, StepPlan, run_step, tp_worker
 from minillm.engine.model_runner import ModelRunner, prompt_rows
+from minillm.kernels.compiled_steps import compiled_steps_for
+from minillm.kernels.tuning_cache import notice
 
 
 def make_runner(model, config, num_blocks: int, block_manager, draft_model=None,
@@ -44,7 +47,7 @@ def make_runner(model, config, num_blocks: int, block_manager, draft_model=None,
                      config.attention_backend)
     if config.tensor_parallel_size == 1:
         return ModelRunner(model, spec.make(model.config, param.device), block_manager,
-                           num_host_blocks)
+                           num_host_blocks, compiled_steps(model, config, spec, param.device))
     n = check_tensor_parallel_size(model.config, config.tensor_parallel_size)
     if num_host_blocks:
         raise ValueError(f"tensor_parallel_size={n} does not support kv_offloading_size (each "
@@ -54,6 +57,24 @@ def make_runner(model, config, num_blocks: int, block_manager, draft_model=None,
                          f"(num_speculative_tokens={config.num_speculative_tokens}, draft_model, "
                          f"speculative_config); use tensor_parallel_size=1 for it")
     return TensorParallelRunner(model, n, spec, block_manager)
+
+
+def compiled_steps(model, config, spec: CacheSpec, device):
+    """The model's compiled steps for `config.compilation_config`, compiled and judged now
+    (progress on stderr), or None without one. A model the compiler cannot take (a quantized
+    one) or a compiler that fails: None, with one line saying why."""
+    cc = config.compilation_config
+    if cc is None:
+        return None
+    make = lambda n, block_size: dataclasses.replace(spec, num_blocks=n, block_size=block_size) \
+        .make(model.config, device)                                          # noqa: E731
+    try:
+        steps = compiled_steps_for(model, cc, make, progress=notice)
+    except TypeError as e:
+        notice(f"compiled steps: none ({e}); every step eager")
+        return None
+    notice(steps.summary())
+    return steps if steps.kept else None
 
 
 def num_cores() -> int:

@@ -1,0 +1,148 @@
+"""Compiled engine steps (kernels/compiled_steps.py) against trusted references.
+
+A float64 tiny model (ties cannot flip) is compiled once per process for sizes 1, 2, 4, 8 (inductor's
+default mode, seconds); every engine below shares those graphs. Each request's greedy output must
+equal `minillm.generate` run alone, over chunked prefill, preemption both ways, prefix caching,
+static batching and n-gram speculation, with steps really run compiled and padded; seeded
+sampling with n > 1 equals the eager engine's. Timing decides nothing here (`keep="agreeing"`).
+"""
+import random
+
+import pytest
+import torch
+
+from minillm import generate, tiny_model
+from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.sequence import SamplingParams
+from minillm.kernels import compiled_steps as cs
+
+SIZES = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=256, seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def cc(tmp_path_factory):
+    return cs.CompilationConfig(compile_sizes=SIZES, mode="default", keep="agreeing", rounds=1,
+                                cache_dir=str(tmp_path_factory.mktemp("inductor")))
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    rng = random.Random(0)
+    prompts = [[7, 8, 9, 10, 11, 12] + [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+               for _ in range(8)]
+    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
+
+
+CONFIGS = {
+    "chunk8": dict(block_size=3, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=8),
+    "preempt_recompute": dict(block_size=16, num_blocks=6, max_num_seqs=64, max_num_batched_tokens=64),
+    "preempt_swap": dict(block_size=3, num_blocks=20, max_num_seqs=32, max_num_batched_tokens=32,
+                         preemption_mode="swap"),
+    "prefix_cache": dict(block_size=3, num_blocks=60, max_num_seqs=8, max_num_batched_tokens=16,
+                         enable_prefix_caching=True),
+    "static": dict(block_size=3, num_blocks=200, max_num_seqs=3, max_num_batched_tokens=64,
+                   scheduling="static"),
+    "ngram_spec": dict(block_size=4, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=32,
+                       num_speculative_tokens=3, speculative_method="ngram"),
+}
+
+
+def _counting(engine) -> list:
+    """(padded size, rows) of each step that ran compiled."""
+    sizes, steps = [], engine.runner.compiled
+    real = steps.run
+
+    def run(input_ids, positions, cache, rows, *args, **kw):
+        sizes.append((input_ids.shape[1], rows))
+        return real(input_ids, positions, cache, rows, *args, **kw)
+    steps.run = run
+    return sizes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equals_generate_alone(model, cc, workload, name):
+    prompts, max_tokens, refs = workload
+    engine = LLMEngine(model, EngineConfig(**CONFIGS[name], compilation_config=cc))
+    assert engine.runner.compiled is not None and engine.runner.compiled.kept == SIZES
+    sizes = _counting(engine)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
+    for out, ref in zip(outs, refs):
+        assert out.token_ids == ref
+    assert engine.num_free_blocks == engine.num_blocks
+    assert sizes and {s for s, _ in sizes} <= set(SIZES)            # compiled steps really ran
+    assert any(rows < size for size, rows in sizes)                   # some of them padded
+    if "preempt" in name:
+        assert engine.scheduler.num_preemptions > 0
+    if name == "prefix_cache":
+        assert engine.block_manager.stats["hit_blocks"] > 0
+
+
+def test_seeded_sampling_with_n_equals_the_eager_engine(model, cc, workload):
+    prompts, _, _ = workload
+    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, n=2, seed=i)
+              for i in range(len(prompts))]
+    base = dict(block_size=4, num_blocks=200, max_num_seqs=8, max_num_batched_tokens=16)
+    eager = LLMEngine(model, EngineConfig(**base)).generate(prompts, params)
+    engine = LLMEngine(model, EngineConfig(**base, compilation_config=cc))
+    sizes = _counting(engine)
+    compiled = engine.generate(prompts, params)
+    assert sizes
+    for a, b in zip(eager, compiled):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+def test_the_summary_says_what_was_kept(model, cc):
+    steps = cs.compiled_steps_for(model, cc, None)           # compiled above: shared, not rebuilt
+    line = steps.summary()
+    assert "kept 1 (" in line and "8 (" in line and "steps over 8 rows run eager" in line
+    assert [t.size for t in steps.timings] == list(SIZES)
+    assert all(t.tokens_equal and t.max_abs_diff < 1e-9 for t in steps.timings)
+    assert steps.padded(3) == 4 and steps.padded(8) == 8 and steps.padded(9) is None
+
+
+def test_a_failing_compiler_runs_eager_with_one_line(model, workload, monkeypatch, tmp_path):
+    lines = []
+    monkeypatch.setattr(cs, "notice", lines.append)
+    monkeypatch.setattr(cs.CompiledSteps, "_call",
+                        lambda self, *a: (_ for _ in ()).throw(RuntimeError("no C++ compiler")))
+    cfg = cs.CompilationConfig(compile_sizes=(1, 2), mode="default", rounds=1, cache_dir=str(tmp_path))
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, compilation_config=cfg))
+    assert engine.runner.compiled is None
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "eager" in lines[0]
+    prompts, max_tokens, refs = workload
+    outs = engine.generate(prompts[:2], [SamplingParams(max_tokens=k) for k in max_tokens[:2]])
+    assert [o.token_ids for o in outs] == refs[:2]
+
+
+@pytest.mark.parametrize("value, word", [
+    (dict(compile_sizes=[]), "compile_sizes"), (dict(compile_sizes=[4, 2]), "strictly increasing"),
+    (dict(compile_sizes=[1, 1]), "strictly increasing"), (dict(compile_sizes=[0, 2]), r"compile_sizes\[0\]"),
+    (dict(compile_sizes=[1, 512]), "max_num_batched_tokens"), (dict(compile_sizes=4), "compile_sizes"),
+    (dict(mode="fast"), "mode"), (dict(keep="always"), "keep"), (dict(min_gain=1.5), "min_gain"),
+    (dict(rounds=0), "rounds"), (dict(sizes=[1]), "unknown keys")])
+def test_bad_config_names_compilation_config(value, word):
+    with pytest.raises(ValueError, match=word) as err:
+        EngineConfig(max_num_batched_tokens=256, compilation_config=value)
+    assert "compilation_config" in str(err.value)
+
+
+def test_bad_types_and_tensor_parallel_are_refused():
+    with pytest.raises(TypeError, match="compilation_config"):
+        EngineConfig(compilation_config=[1, 2])
+    with pytest.raises(ValueError, match="compilation_config needs tensor_parallel_size=1"):
+        EngineConfig(compilation_config={}, tensor_parallel_size=2)
+
+
+def test_inductor_caches_are_keyed_by_machine_and_threads(tmp_path, monkeypatch):
+    a = cs.inductor_cache_dir(str(tmp_path))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    b = cs.inductor_cache_dir(str(tmp_path))
+    assert a != b and a.startswith(str(tmp_path)) and b.startswith(str(tmp_path))
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "mc"))
+    assert cs.inductor_cache_dir().startswith(str(tmp_path / "mc" / "inductor"))
