@@ -25,6 +25,7 @@ BENCHMARKS = {
     "roofline": "benchmarks.roofline",   # ch 1: ceilings, matmul points, decode vs batch
     "kernels": "benchmarks.kernels",     # ch 1: CPU matmul routes, tuned table, decode per route
     "compile": "benchmarks.compile",     # ch 1: torch.compile vs eager, decode and verify steps
+    "compiled_steps": "benchmarks.compiled_steps",   # ch 1, 4: the engine's compiled steps per size
     "serving": "benchmarks.serving",     # ch 4-5: continuous vs static, chunked-prefill stall
     "lockout": "benchmarks.lockout",     # ch 5: short requests behind a long prefill, knobs off / on
     "spec": "benchmarks.spec",           # ch 6: speculative decoding speedups vs theory

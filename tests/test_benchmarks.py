@@ -257,6 +257,34 @@ def test_quick_decode_record_splits_the_batch1_step_into_matmuls_and_the_rest(tm
     assert decode.report(r).count("verify cost") == 2
 
 
+def test_quick_compiled_steps_record_on_a_tiny_model(tmp_path, one_thread, monkeypatch):
+    """bench compiled_steps, quick, on a one-layer tiny model with inductor's default mode: one
+    row per size whose ratios are its times' ratios, the roofline's ratio from the same cost
+    model, the kept sizes those the default rule calls faster, decode at batch 1 and 8."""
+    from benchmarks import compiled_steps as bench
+    from minillm.analysis.roofline import Hardware
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))       # inductor's caches too
+    monkeypatch.setattr(bench, "_equal_length_prompts", lambda tok, n: [[1, 2, 3, 4, 5]] * n)
+    model = tiny_model(vocab_size=128, n_layer=1)
+    r = bench.run(quick=True, device="cpu", out_dir=tmp_path, model=model, mode="default")
+    rows = {x["n"]: x for x in r["sizes"]}
+    assert list(rows) == [1, 2, 4, 8, 16] and rows[1]["eager_ratio"] == rows[1]["roofline_ratio"] == 1.0
+    for x in rows.values():
+        assert x["tokens_equal"] and x["compile_s"] > 0
+        assert x["eager_ratio"] == pytest.approx(x["eager_ms"] / rows[1]["eager_ms"], rel=1e-2, abs=2e-3)
+        assert x["speedup"] == pytest.approx(x["eager_ms"] / x["compiled_ms"], rel=1e-2, abs=2e-3)
+    hw = Hardware(r["hardware"]["name"], {"fp32": r["hardware"]["peak_flops"]},
+                  r["hardware"]["mem_bandwidth"], 1.0)
+    assert rows[8]["roofline_ratio"] == pytest.approx(bench._step_roofline(model.config, hw, (1, 8))[8],
+                                                      abs=1e-3)
+    assert set(r["decode"]) == {"batch1", "batch8"} and r["compile_s_cached"] is None   # SmolLM2 only
+    for d in r["decode"].values():
+        assert d["compiled_over_eager"] == pytest.approx(d["eager_ms_per_step"] / d["compiled_ms_per_step"],
+                                                         rel=1e-2, abs=2e-3)
+    assert "kept" in r["kept_summary"] or "none kept" in r["kept_summary"]
+    assert "batch8: eager" in bench.report(r) and (tmp_path / "compiled_steps_cpu.json").exists()
+
+
 def test_quick_compile_record_on_a_tiny_model(tmp_path, one_thread):
     """bench compile, quick, on the tiny model: one timing per row count, the choice each made,
     compile seconds apart from step times, and the report's line per row count. Inductor's

@@ -206,6 +206,7 @@ class SizeTiming:
     max_abs_diff: float
     tokens_equal: bool
     choice: str
+    faster: bool                     # what the "faster" rule says, whatever `keep` chose
 
 
 _MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {config: steps}
@@ -305,11 +306,12 @@ class CompiledSteps:
                 t_e.append(ta if r % 2 == 0 else tb)
                 t_c.append(tb if r % 2 == 0 else ta)
             choice, won = _pick(t_e, t_c, agree, self.config.min_gain)
+            faster = choice == "compiled"
             if agree and self.config.keep == "agreeing":
                 choice = "compiled"
             self.timings.append(SizeTiming(size, round(statistics.median(t_e), 3),
                                            round(statistics.median(t_c), 3), won, len(t_e),
-                                           round(compile_s, 2), diff, agree, choice))
+                                           round(compile_s, 2), diff, agree, choice, faster))
             if choice == "compiled":
                 kept.append(size)
         self.kept = tuple(kept)
@@ -321,8 +323,8 @@ class CompiledSteps:
             return f"compiled steps: none, the compiler failed ({self.why_eager}); every step eager"
         if not self.timings:
             return "compiled steps: not compiled yet"
-        won = [t for t in self.timings if t.choice == "compiled"]
-        lost = [t for t in self.timings if t.choice != "compiled"]
+        won = [t for t in self.timings if t.size in self.kept]
+        lost = [t for t in self.timings if t.size not in self.kept]
         part = ("kept " + ", ".join(f"{t.size} ({t.eager_ms / t.compiled_ms:.2f}x)" for t in won)
                 if won else "none kept")
         if lost:
