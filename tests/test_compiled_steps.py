@@ -98,7 +98,9 @@ def test_seeded_sampling_with_n_equals_the_eager_engine(model, cc, workload):
 
 
 def test_the_summary_says_what_was_kept(model, cc):
-    steps = cs.compiled_steps_for(model, cc, None)           # compiled above: shared, not rebuilt
+    from minillm.paging.paged_cache import PagedKVCache
+    steps = cs.compiled_steps_for(model, cc, lambda n, p: PagedKVCache(model.config, n, p,
+                                                                       dtype=model.dtype))
     line = steps.summary()
     assert "kept 1 (" in line and "8 (" in line and "steps over 8 rows run eager" in line
     assert [t.size for t in steps.timings] == list(SIZES)

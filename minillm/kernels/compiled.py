@@ -34,6 +34,10 @@ The compiled code is built for the torch thread count at compile time; change it
 again. Left out on purpose: batches above one, the paged cache of the engine (its block tables
 change shape every step), bfloat16, GPUs (CUDA graphs are measured in `lab/cuda_graphs.py`).
 """
+import contextlib
+import hashlib
+import json
+import os
 import statistics
 import time
 import warnings
@@ -43,14 +47,38 @@ import torch
 import torch.nn as nn
 
 from minillm._validate import check_int
+from minillm.kernels.cpu_kernels import cpu_name, kernel_isa
 from minillm.kernels.load_now import Watch
 from minillm.kernels.tuning_cache import running_tuners
 from minillm.model.kv_cache import KVCache, StaticKVCache
 from minillm.model.llama import Transformer
+from minillm.model.loading import cache_dir as minillm_cache_dir
 
 MODES = ("default", "max-autotune-no-cudagraphs")   # torch.compile modes that make sense on a CPU
 MIN_GAIN = 0.03       # compiled is kept where its median is at least 3% under eager's
 RECOMPILE_LIMIT = 64  # graphs per code object while compiling (one per row count and model)
+
+
+def inductor_cache_dir(base=None) -> str:
+    """Where inductor keeps compiled code for this machine: `$MINILLM_CACHE/inductor/<key>`, the
+    key hashing what the code and its autotuning depend on (CPU, instruction set, torch, threads)."""
+    key = json.dumps({"cpu": cpu_name(), "isa": kernel_isa(), "torch": torch.__version__,
+                      "threads": torch.get_num_threads()}, sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return os.path.join(minillm_cache_dir() / "inductor" if base is None else base, digest)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def reference_twin(model: Transformer) -> Transformer:
@@ -94,7 +122,8 @@ class CompiledForward:
         t0 = time.perf_counter()
         # compiler settings for this compile only, not for the process; autotuning's tables of
         # timings per kernel (printed to stderr by default) are not shown
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+        with _env("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir()), \
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch._inductor.config.patch(freezing=self.freezing, autotune_num_choices_displayed=0,
                                              max_autotune_report_choices_stats=False), \
                 warnings.catch_warnings():

@@ -27,9 +27,10 @@ every row, logits within `ATOL_REL` of their scale) and beats it on this machine
 cache of its own), and `summary()` says in one line what was kept. The lm_head stays eager: it
 reads only the rows that sample (a prefill chunk samples one), through the model's own routes.
 
-Compiled code lives on disk under the minillm cache (`inductor_cache_dir`: inductor's FX graph
-and autotuning caches, keyed by CPU, instruction set, torch and thread count), so a second
-process skips code generation and the C++ compiler. Compiling is never started by a request: it
+Compiled code lives on disk under the minillm cache (`inductor_cache_dir`: inductor's caches,
+keyed by CPU, instruction set, torch and thread count), so a later process skips the C++
+compiler and the autotuning; it still traces the model and generates the code (inductor keeps no
+whole-graph cache for frozen weights prepacked for its own small-row GEMMs, which are the point). Compiling is never started by a request: it
 happens when an engine is built with `compilation_config` (progress on stderr), and a machine
 where the compiler fails runs eager, with one line saying why.
 
@@ -38,9 +39,6 @@ written until one is at hand to test them), tensor parallelism (refused), compil
 lm_head, and saving the kept/eager verdicts (each process times its sizes again, seconds).
 """
 import contextlib
-import hashlib
-import json
-import os
 import statistics
 import time
 import weakref
@@ -51,12 +49,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm._validate import check_int
-from minillm.kernels.compiled import (MIN_GAIN, RECOMPILE_LIMIT, _pick, _timed, check_mode,
-                                      reference_twin)
-from minillm.kernels.cpu_tuning import cache_key
+from minillm.kernels.compiled import (MIN_GAIN, RECOMPILE_LIMIT, _env, _pick, _timed, check_mode,
+                                      inductor_cache_dir, reference_twin)
 from minillm.kernels.tuning_cache import notice
 from minillm.model.llama import rope_cos_sin
-from minillm.model.loading import cache_dir as minillm_cache_dir
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16)
 KEEP = ("faster", "agreeing")
@@ -120,27 +116,6 @@ def compilation_config(value, max_num_batched_tokens: int) -> CompilationConfig 
         raise ValueError(f"compilation_config.compile_sizes go up to {cc.compile_sizes[-1]}, above "
                          f"max_num_batched_tokens={max_num_batched_tokens} (no step has more rows)")
     return cc
-
-
-def inductor_cache_dir(base=None) -> str:
-    """Where inductor keeps compiled code for this machine: `$MINILLM_CACHE/inductor/<key>`, the
-    key hashing what the code and its autotuning depend on (CPU, instruction set, torch, threads)."""
-    key = json.dumps({k: cache_key()[k] for k in ("cpu", "isa", "torch", "threads")}, sort_keys=True)
-    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return os.path.join(minillm_cache_dir() / "inductor" if base is None else base, digest)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -282,8 +257,7 @@ class CompiledSteps:
                 with _env("TORCHINDUCTOR_CACHE_DIR", cache_dir), \
                         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                         torch._inductor.config.patch(freezing=True, autotune_num_choices_displayed=0,
-                                                     max_autotune_report_choices_stats=False,
-                                                     **{"cpp.weight_prepack": False}):
+                                                     max_autotune_report_choices_stats=False):
                     hidden = self._call(ids, pos, prepared())
             except Exception as e:                # the compiler is missing or fails: eager
                 self.why_eager = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
