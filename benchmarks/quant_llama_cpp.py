@@ -172,27 +172,28 @@ def greedy_run(path, prompt: list[int], threads: int, max_new: int):
     return run
 
 
-def ratio_rows(rows: dict, pairs: dict) -> list[dict]:
-    """One row per pair {minillm format: llama.cpp kind} present in `rows` (keys "minillm <format>"
-    and "llama.cpp <kind>", each with tok_per_s and GBps): both speeds and minillm / llama.cpp."""
-    out = []
+def ratio_rows(rows: dict, pairs: dict) -> dict:
+    """{minillm format: pair} for each pair {format: llama.cpp kind} with both sides in `rows`
+    (keys "minillm <format>" and "llama.cpp <kind>", each with tok_per_s and GBps): both speeds
+    and minillm / llama.cpp."""
+    out = {}
     for ours, theirs in pairs.items():
         a, b = rows.get(f"minillm {ours}"), rows.get(f"llama.cpp {theirs}")
         if a is None or b is None:
             continue
-        out.append({"minillm": ours, "llama_cpp": theirs, "minillm_tok_per_s": a["tok_per_s"],
-                    "llama_cpp_tok_per_s": b["tok_per_s"], "minillm_GBps": a["GBps"],
-                    "llama_cpp_GBps": b["GBps"],
-                    "tok_per_s_ratio": round(a["tok_per_s"] / b["tok_per_s"], 3)})
+        out[ours] = {"llama_cpp": theirs, "minillm_tok_per_s": a["tok_per_s"],
+                     "llama_cpp_tok_per_s": b["tok_per_s"], "minillm_GBps": a["GBps"],
+                     "llama_cpp_GBps": b["GBps"],
+                     "tok_per_s_ratio": round(a["tok_per_s"] / b["tok_per_s"], 3)}
     return out
 
 
-def format_ratio_table(ratios: list[dict]) -> str:
+def format_ratio_table(ratios: dict) -> str:
     """The pairs as a text table: tok/s and GB/s of each side, and minillm / llama.cpp."""
     lines = [f"  {'minillm':<10}{'tok/s':>7}{'GB/s':>7}   {'llama.cpp':<10}{'tok/s':>7}{'GB/s':>7}"
              f"{'minillm / llama.cpp':>21}"]
-    for r in ratios:
-        lines.append(f"  {r['minillm']:<10}{r['minillm_tok_per_s']:>7.1f}{r['minillm_GBps']:>7.2f}   "
+    for ours, r in ratios.items():
+        lines.append(f"  {ours:<10}{r['minillm_tok_per_s']:>7.1f}{r['minillm_GBps']:>7.2f}   "
                      f"{r['llama_cpp']:<10}{r['llama_cpp_tok_per_s']:>7.1f}{r['llama_cpp_GBps']:>7.2f}"
                      f"{r['tok_per_s_ratio']:>20.2f}x")
     return "\n".join(lines)

@@ -94,9 +94,9 @@ PEER = {"llama_cpp_python": "0.3.36", "threads": 1, "rounds": 5, "new_tokens": 3
 def test_ratio_rows_pair_each_format_with_its_llama_cpp_file():
     """int8 with Q8_0 and gguf with Q4_1; int4 g32 has no row on either side, so no pair."""
     ratios = peer.ratio_rows(PEER["rows"], peer.PAIRS)
-    assert [(r["minillm"], r["llama_cpp"]) for r in ratios] == [("int8", "Q8_0"), ("gguf", "Q4_1")]
-    assert [r["tok_per_s_ratio"] for r in ratios] == [0.4, 0.4]           # 10 / 25, 8 / 20
-    assert ratios[0]["minillm_GBps"] == 6.0 and ratios[0]["llama_cpp_GBps"] == 16.0
+    assert {k: r["llama_cpp"] for k, r in ratios.items()} == {"int8": "Q8_0", "gguf": "Q4_1"}
+    assert [r["tok_per_s_ratio"] for r in ratios.values()] == [0.4, 0.4]   # 10 / 25, 8 / 20
+    assert ratios["int8"]["minillm_GBps"] == 6.0 and ratios["int8"]["llama_cpp_GBps"] == 16.0
 
 
 def test_ratio_table_and_report_lines():
