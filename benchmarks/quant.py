@@ -15,6 +15,17 @@ time is the fastest of a few runs, and the bandwidth the higher of two measureme
 
 Targets (reported, not asserted): int4 >= 3x fp32 decode, each format >= 70% of its floor.
 
+A peer, llama.cpp (`benchmarks/quant_llama_cpp.py`; the `compare` extra installs it): its Q8_0,
+Q4_0 and the shipped Q4_1 file run the same greedy decode of the same prompt ids at the same
+thread count, in rounds that alternate them with minillm's fp32, int8, int4 g32 and gguf (each with
+an lm_head of the bits llama.cpp's output table has), the fastest of the rounds kept as above.
+Each row says tok/s and GB/s (its bytes read per token x tok/s), and a table sets each minillm
+format beside its llama.cpp match: int8 and Q8_0, int4 g32 and Q4_0, gguf and Q4_1. The Q8_0 and
+Q4_0 files are made from the Q4_1 one, so they say nothing about quality. Without llama_cpp the
+peer is skipped: `"llama_cpp": {"skipped": why}` in the record, one line in the report.
+A run at a thread count other than the course's one writes quant_threads<N>_<device>.json, so
+the record the chapters quote keeps the course's policy.
+
 Left out on purpose: batch > 1 (the kernels' cost curve), gptq / awq (same format and speed as
 int4: only the numbers in the weights differ), KV-cache formats.
 """
@@ -24,8 +35,10 @@ import time
 
 import torch
 
+from benchmarks import quant_llama_cpp as peer
 from benchmarks.records import machine_info, write_result
 from minillm.lab.common import sync
+from minillm.lab.machine import COURSE_THREADS
 from minillm.lab.measure import measure_bandwidth
 from minillm.model.chat import encode_chat
 from minillm.model.generate import generate
@@ -40,21 +53,31 @@ HEAD = {"int8": "int8", "int8_w8a8": "int8", "int4_g32": "int4", "gguf": "int4"}
 FLOOR_TARGET, INT4_TARGET = 0.70, 3.0
 
 
+def _decode_ms(runs: dict, n_new: int, repeat: int, device) -> dict:
+    """{name: ms per decode step} of each `runs[name](n)` (n new tokens after the prompt):
+    (t(n_new) - t(1)) / (n_new - 1), each t the fastest of `repeat` rounds. Every round times
+    every run in turn, so a slow spell of a shared machine falls on all of them (and interference
+    only ever adds time)."""
+    def timed(run, n):
+        sync(device)
+        t0 = time.perf_counter()
+        run(n)
+        sync(device)
+        return time.perf_counter() - t0
+    for run in runs.values():
+        run(2)                                                  # warm-up: probes, allocations
+    t_n, t_1 = dict.fromkeys(runs, float("inf")), dict.fromkeys(runs, float("inf"))
+    for _ in range(repeat):
+        for name, run in runs.items():
+            t_n[name] = min(t_n[name], timed(run, n_new))
+            t_1[name] = min(t_1[name], timed(run, 1))
+    return {name: round(1e3 * (t_n[name] - t_1[name]) / (n_new - 1), 2) for name in runs}
+
+
 @torch.inference_mode()
 def _time(model, prompt, n_new, repeat) -> float:
-    """ms per decode step: (t(n_new tokens) - t(1)) / (n_new - 1), each the fastest of `repeat`
-    alternating runs (on a shared machine, interference only ever adds time)."""
-    def run(n):
-        sync(model.device)
-        t0 = time.perf_counter()
-        generate(model, prompt, n)
-        sync(model.device)
-        return time.perf_counter() - t0
-    run(2)                                                      # warm-up: probes, allocations
-    t_n, t_1 = float("inf"), float("inf")
-    for _ in range(repeat):
-        t_n, t_1 = min(t_n, run(n_new)), min(t_1, run(1))
-    return round(1e3 * (t_n - t_1) / (n_new - 1), 2)
+    """ms per decode step of minillm's `generate` on `model` (`_decode_ms` with one run)."""
+    return _decode_ms({"model": lambda n: generate(model, prompt, n)}, n_new, repeat, model.device)["model"]
 
 
 def _row(model, bandwidth, prompt, n_new, repeat, path=None) -> dict:
@@ -81,8 +104,65 @@ def _agreement(model, ids, ref) -> float:
     return round((_argmax(model, ids) == ref).float().mean().item(), 4)
 
 
+@torch.inference_mode()
+def _llama_cpp_peer(model, prompt, n_new: int, rounds: int) -> dict:
+    """llama.cpp's Q8_0 / Q4_0 / Q4_1 files beside minillm's fp32 and its int8 / int4 g32 / gguf
+    formats (each with the lm_head bits of llama.cpp's output table), the same prompt, threads
+    and token count, timed in the same alternated rounds (`benchmarks/quant_llama_cpp.py`).
+    Without llama_cpp, or on a GPU: {"skipped": why}, the one line `report` prints for it."""
+    reason = peer.unavailable()
+    if reason is None and model.device.type != "cpu":
+        reason = f"the peer runs llama.cpp's CPU build; this run's device is {model.device.type}"
+    if reason is not None:
+        return {"skipped": reason}
+    import llama_cpp
+    threads = torch.get_num_threads()
+    files, not_made = peer.peer_files(threads)
+    counted = {kind: peer.read_bytes_per_token(peer.tensor_list(path)) for kind, path in files.items()}
+    runs, models = {"minillm fp32": lambda n: generate(model, prompt, n)}, {"minillm fp32": model}
+    heads = {}
+    for fmt, kind in peer.PAIRS.items():
+        if kind in files:
+            head = peer.head_for(counted[kind]["lm_head_type"])
+            q = quantize(copy.deepcopy(model), **QUANTIZED[fmt], lm_head=head)
+            models[f"minillm {fmt}"], heads[f"minillm {fmt}"] = q, head
+            runs[f"minillm {fmt}"] = lambda n, q=q: generate(q, prompt, n)
+    for kind, path in files.items():
+        runs[f"llama.cpp {kind}"] = peer.greedy_run(path, prompt, threads, n_new)
+    ms = _decode_ms(runs, n_new, rounds, model.device)
+    rows = {}
+    for name, t in ms.items():
+        kind = name.removeprefix("llama.cpp ")
+        nbytes = (quantized_bytes(models[name])["read_per_step"] if name in models  # copies exist now
+                  else counted[kind]["read_per_token"])
+        rows[name] = {"ms_per_token": t, "tok_per_s": round(1e3 / t, 2), "read_bytes": nbytes,
+                      "GBps": round(nbytes / t / 1e6, 2)}
+        if name in heads:
+            rows[name]["lm_head"] = heads[name]
+        if name not in models:
+            rows[name].update(file=files[kind].name, made_from=None if kind == peer.SHIPPED else peer.SHIPPED,
+                              lm_head_type=counted[kind]["lm_head_type"],
+                              bytes_by_type=counted[kind]["bytes_by_type"])
+    del models, runs
+    gc.collect()
+    return {"llama_cpp_python": llama_cpp.__version__, "threads": threads, "rounds": rounds,
+            "new_tokens": n_new, "rows": rows, "not_made": not_made,
+            "ratios": peer.ratio_rows(rows, peer.PAIRS),
+            "made_files": f"{', '.join(peer.MADE)} were made from the shipped {peer.SHIPPED} file: "
+                          "valid for speed, not for quality"}
+
+
+def record_name(device, threads: int) -> str:
+    """"quant", or "quant_threads<N>" for a CPU run at a thread count other than the course's."""
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    cpu = torch.device(device).type == "cpu"
+    return f"quant_threads{threads}" if cpu and threads != COURSE_THREADS else "quant"
+
+
 def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) -> dict:
-    """Measure and write benchmarks/results/quant_<device>.json; return the record."""
+    """Measure and write benchmarks/results/quant_<device>.json (quant_threads<N>_cpu.json at a
+    thread count other than the course's one); return the record."""
     if model is None:
         model, tok = load_model(device=device)
     n_new, repeat = (6, 1) if quick else (32, 3)
@@ -127,8 +207,13 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None) ->
                         "measured read bandwidth", "read_bytes": "bytes one step reads (kernel "
                         "copies where read, the lm_head as used)", "weight_bytes": "bytes of "
                         "every weight held, the fp32 embedding included"}}
+    record["units"].update(llama_cpp="llama_cpp.rows: ms_per_token and tok_per_s of greedy batch-1 "
+                           "decode in alternated rounds; read_bytes per token (llama.cpp: from the "
+                           "GGUF tensor list); GBps = read_bytes x tok/s / 1e9")
+    record["llama_cpp"] = _llama_cpp_peer(model, prompt, n_new, 2 if quick else 5)
     record["machine"] = machine_info(model.device)
-    record["path"] = str(write_result("quant", record, model.device, out_dir))
+    name = record_name(model.device, record["machine"]["torch_threads"])
+    record["path"] = str(write_result(name, record, model.device, out_dir))
     return record
 
 
@@ -150,4 +235,19 @@ def report(r: dict) -> str:
         lines.append(f"  targets: int4 {t['int4_vs_fp32']:.2f}x fp32 (>= 3x: "
                      f"{'met' if t['int4_at_least_3x_fp32'] else 'not met'}); every format >= 70% "
                      f"of its floor: {'met' if t['every_format_at_least_70pct_of_floor'] else 'not met'}")
+    lines.append(_report_peer(r.get("llama_cpp", {"skipped": "not measured (an older record)"})))
+    return "\n".join(lines)
+
+
+def _report_peer(p: dict) -> str:
+    if "skipped" in p:
+        return f"  llama.cpp peer skipped: {p['skipped']}"
+    lines = [f"  llama.cpp peer (llama-cpp-python {p['llama_cpp_python']}, {p['threads']} threads, "
+             f"fastest of {p['rounds']} alternated rounds, {p['new_tokens']} tokens):",
+             f"  {'run':<20}{'read MB':>8}{'ms/token':>10}{'tok/s':>8}{'GB/s':>7}"]
+    for name, row in p["rows"].items():
+        lines.append(f"  {name:<20}{row['read_bytes'] / 1e6:>8.1f}{row['ms_per_token']:>10.2f}"
+                     f"{row['tok_per_s']:>8.1f}{row['GBps']:>7.2f}")
+    lines += [peer.format_ratio_table(p["ratios"]), f"  {p['made_files']}"]
+    lines += [f"  not made: {kind}: {why}" for kind, why in p.get("not_made", {}).items()]
     return "\n".join(lines)
