@@ -102,16 +102,16 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None, hf
              "compiled_over_roofline": round(t[n].compiled_ms / t[1].compiled_ms / roof[n], 3),
              "compile_s": t[n].compile_s, "max_abs_diff": t[n].max_abs_diff,
              "tokens_equal": t[n].tokens_equal} for n in sizes]
-    # decode through the engine: eager, and compiled where the default rule keeps a size
-    kept = measured
-    kept.kept = tuple(x.size for x in measured.timings if x.faster)
+    # decode through the engine: eager, and compiled where the default rule keeps a size (the
+    # engine loads the packages just written and times each size again)
+    cc = cs.CompilationConfig(compile_sizes=sizes, mode=mode)
     decode = {}
     for batch in (1, 8):
         prompts = _equal_length_prompts(tok, batch)
         base = dict(max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20)
         eager = LLMEngine(model, EngineConfig(**base))
-        comp = LLMEngine(model, EngineConfig(**base))
-        comp.runner.compiled = kept if kept.kept else None
+        comp = LLMEngine(model, EngineConfig(**base, compilation_config=cc))
+        kept = cs.compiled_steps_for(model, cc, None)                 # the engine's, shared
         params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)    # noqa: E731
         ms = _ms_per_token({"eager": lambda n: eager.generate(prompts, params(n)),
                             "compiled": lambda n: comp.generate(prompts, params(n)),

@@ -27,20 +27,29 @@ every row, logits within `ATOL_REL` of their scale) and beats it on this machine
 cache of its own), and `summary()` says in one line what was kept. The lm_head stays eager: it
 reads only the rows that sample (a prefill chunk samples one), through the model's own routes.
 
-Compiled code lives on disk under the minillm cache (`inductor_cache_dir`: inductor's caches,
-keyed by CPU, instruction set, torch and thread count), so a later process skips the C++
-compiler and the autotuning; it still traces the model and generates the code (inductor keeps no
-whole-graph cache for frozen weights prepacked for its own small-row GEMMs, which are the point). Compiling is never started by a request: it
-happens when an engine is built with `compilation_config` (progress on stderr), and a machine
-where the compiler fails runs eager, with one line saying why.
+Each size is compiled ahead of time into a package on disk (AOTInductor: `torch.export` of the
+step, then `aoti_compile_and_package`, the weights frozen and prepacked inside) under the minillm
+cache, in a folder keyed by CPU, instruction set, torch and thread count (`inductor_cache_dir`),
+named by a hash of the weights (`weights_digest`). A later process loads the package in about a
+second instead of compiling for minutes; the price is disk, about one copy of the weights per size.
+A package that does not load is compiled again, with one line; every size, loaded or compiled, is
+checked against eager before it is used, so a wrong package can cost time, never an answer.
+Compiling is never started by a request: it happens when an engine is built with
+`compilation_config` (progress on stderr), and a machine where the compiler fails runs eager, with
+one line saying why.
 
 Left out on purpose: CUDA graphs (the same sizes would be captured and replayed on a GPU; not
 written until one is at hand to test them), tensor parallelism (refused), compiling the
 lm_head, and saving the kept/eager verdicts (each process times its sizes again, seconds).
 """
 import contextlib
+import dataclasses
+import hashlib
+import json
+import os
 import statistics
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, fields
 
@@ -49,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm._validate import check_int
-from minillm.kernels.compiled import (MIN_GAIN, RECOMPILE_LIMIT, _env, _pick, _timed, check_mode,
+from minillm.kernels.compiled import (MIN_GAIN, _env, _pick, _timed, check_mode,
                                       inductor_cache_dir, reference_twin)
 from minillm.kernels.tuning_cache import notice
 from minillm.model.llama import rope_cos_sin
@@ -187,6 +196,15 @@ class SizeTiming:
 _MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {config: steps}
 
 
+def weights_digest(model) -> str:
+    """A hash of the model's config and every parameter's bytes (about a second for 135M)."""
+    h = hashlib.sha1(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def compiled_steps_for(model, config: CompilationConfig, make_cache, progress=None) -> "CompiledSteps":
     """`model`'s compiled steps for `config`, compiled and judged once per process: engines built
     later over the same model and config share them (the graphs hold the weights as they were
@@ -203,9 +221,9 @@ class CompiledSteps:
 
     def __init__(self, model, config: CompilationConfig):
         self.model, self.config = model, config
-        self.body = _Body(reference_twin(model))          # TypeError for a quantized model
-        self._fn = torch.compile(self.body, dynamic=False, fullgraph=True,
-                                 mode=None if config.mode == "default" else config.mode)
+        self.body = _Body(reference_twin(model)).eval()   # TypeError for a quantized model
+        self._runners: dict = {}                          # size -> its loaded package
+        self.loaded: list = []                            # sizes read from disk, not compiled
         self.kept: tuple = ()
         self.timings: list[SizeTiming] = []
         self.why_eager = ""                               # set when nothing could compile
@@ -219,7 +237,38 @@ class CompiledSteps:
 
     def _call(self, input_ids, positions, cache):
         with active_cache(cache):
-            return self._fn(input_ids, positions)                        # (M', C)
+            return self._runners[input_ids.shape[1]](input_ids, positions)     # (M', C)
+
+    def package_path(self, size: int, cache_dir: str) -> str:
+        """The compiled package of one size: named by the size, the mode and a hash of the
+        weights and config, so another model's package is never read for this one."""
+        return os.path.join(cache_dir, f"step{size}_{self.config.mode}_{weights_digest(self.model)}.pt2")
+
+    def _build(self, size: int, ids, pos, cache_dir: str, progress) -> None:
+        """Load the package of `size` from disk, or (missing, unreadable) export, compile and
+        save it. Raises what the compiler raises."""
+        path = self.package_path(size, cache_dir)
+        if os.path.exists(path):
+            try:
+                self._runners[size] = torch._inductor.aoti_load_package(path)
+                self.loaded.append(size)
+                return
+            except Exception as e:            # corrupt or foreign: say so, compile afresh
+                notice(f"compiled steps: {path} unreadable ({type(e).__name__}), compiling again")
+        if progress is not None:
+            progress(f"compiling the engine step of {size} row(s)...")
+        opts = {"freezing": True, "autotune_num_choices_displayed": 0,
+                "max_autotune_report_choices_stats": False,
+                **({"max_autotune": True} if self.config.mode != "default" else {})}
+        os.makedirs(cache_dir, exist_ok=True)
+        with _env("TORCHINDUCTOR_CACHE_DIR", cache_dir), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            program = torch.export.export(self.body, (ids, pos))
+            tmp = f"{path}.{os.getpid()}.tmp.pt2"
+            torch._inductor.aoti_compile_and_package(program, package_path=tmp,
+                                                     inductor_configs=opts)
+        os.replace(tmp, path)                 # atomic: a reader sees a whole package or none
+        self._runners[size] = torch._inductor.aoti_load_package(path)
 
     def run(self, input_ids, positions, cache, rows: int, logits_index, return_hidden=False):
         """The step of `rows` real rows padded to input_ids (1, M'): logits (1, K, V) at
@@ -250,15 +299,10 @@ class CompiledSteps:
             def prepared():
                 cache.prepare([1] * size, [CONTEXT + 1] * size, tables)
                 return cache
-            if progress is not None:
-                progress(f"compiling the engine step of {size} row(s)...")
             t0 = time.perf_counter()
             try:
-                with _env("TORCHINDUCTOR_CACHE_DIR", cache_dir), \
-                        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                        torch._inductor.config.patch(freezing=True, autotune_num_choices_displayed=0,
-                                                     max_autotune_report_choices_stats=False):
-                    hidden = self._call(ids, pos, prepared())
+                self._build(size, ids, pos, cache_dir, progress)
+                hidden = self._call(ids, pos, prepared())
             except Exception as e:                # the compiler is missing or fails: eager
                 self.why_eager = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 notice(f"compiled steps: the compiler failed ({self.why_eager}); running eager")
