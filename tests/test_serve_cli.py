@@ -126,6 +126,11 @@ def test_engine_flags_reach_the_engine_config():
     bad = engine_options(parser().parse_args(["--attention-backend", "fast"]))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(**bad)
+    args = parser().parse_args(["--compilation-config", '{"compile_sizes": [1, 2, 4]}'])
+    assert EngineConfig(**engine_options(args)).compilation_config.compile_sizes == (1, 2, 4)
+    bad = engine_options(parser().parse_args(["--compilation-config", '{"compile_sizes": [4, 2]}']))
+    with pytest.raises(ValueError, match="compilation_config.compile_sizes must be strictly"):
+        EngineConfig(**bad)
 
 
 def test_allowed_origins_take_vllms_json_list_or_commas():

@@ -131,6 +131,9 @@ def positive(value: str) -> float:
     return out
 
 
+# compiled engine steps (kernels/compiled_steps.py), vLLM's JSON flag: '{"compile_sizes": [1, 2, 4, 8]}'
+ENGINE_FLAGS["--compilation-config"] = ("compilation_config", json_object)
+
 # The SLO controller (engine/slo_controller.py): P95 targets in ms and its decision interval.
 ENGINE_FLAGS.update({"--slo-ttft-p95-ms": ("slo_ttft_p95_ms", positive),
                      "--slo-tpot-p95-ms": ("slo_tpot_p95_ms", positive),
