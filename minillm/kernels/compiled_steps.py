@@ -76,7 +76,8 @@ class CompilationConfig:
     strictly increasing, each <= the engine's max_num_batched_tokens; `mode`: inductor's mode;
     `keep`: "faster" keeps a size where it agrees with eager and beats it, "agreeing" wherever
     it agrees (to study the compiled steps whatever their speed); `min_gain` and `rounds`: how
-    sure a win must be; `cache_dir`: inductor's caches (None: `inductor_cache_dir()`)."""
+    sure a win must be; `cache_dir`: the folder of the compiled packages and inductor's caches
+    (None: `inductor_cache_dir()`, keyed by this machine)."""
 
     compile_sizes: tuple = DEFAULT_SIZES
     mode: str = "max-autotune-no-cudagraphs"
