@@ -70,9 +70,10 @@ def _later_process(sizes, mode) -> float:
 
 
 def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None, hf=None,
-        mode: str = "max-autotune-no-cudagraphs") -> dict:
+        mode: str = "max-autotune-no-cudagraphs", sizes=None) -> dict:
     """Benchmark entry point (`python -m benchmarks` protocol): writes compiled_steps_cpu.json.
-    Tests pass a tiny `model` (and tokenizer, transformers twin) and mode "default"."""
+    Tests pass a tiny `model` (and tokenizer, transformers twin), mode "default" and fewer
+    `sizes` (1 included)."""
     device = torch.device(device) if device is not None else default_device()
     if device.type != "cpu":
         print("compiled_steps: skipped, measured on the CPU only here")
@@ -83,7 +84,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None, hf
         from minillm.llm import load_model
         model, tok = load_model(device="cpu")
     hf = hf if hf is not None else to_hf_model(model)
-    sizes = (1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32)
+    sizes = tuple(sizes) if sizes else (1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32)
     n_new = 16 if quick else 64
     watch = Watch()
     hw = measure_hardware(model.device, dtypes=("fp32",), progress=False)

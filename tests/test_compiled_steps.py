@@ -111,7 +111,7 @@ def test_the_summary_says_what_was_kept(model, cc):
 def test_a_failing_compiler_runs_eager_with_one_line(model, workload, monkeypatch, tmp_path):
     lines = []
     monkeypatch.setattr(cs, "notice", lines.append)
-    monkeypatch.setattr(cs.CompiledSteps, "_call",
+    monkeypatch.setattr(cs.CompiledSteps, "_build",
                         lambda self, *a: (_ for _ in ()).throw(RuntimeError("no C++ compiler")))
     cfg = cs.CompilationConfig(compile_sizes=(1, 2), mode="default", rounds=1, cache_dir=str(tmp_path))
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, compilation_config=cfg))
@@ -122,35 +122,33 @@ def test_a_failing_compiler_runs_eager_with_one_line(model, workload, monkeypatc
     assert [o.token_ids for o in outs] == refs[:2]
 
 
-def test_a_later_process_loads_the_packages_and_a_corrupt_one_is_rebuilt(model, workload, tmp_path,
+def test_a_later_process_loads_the_packages_and_a_corrupt_one_is_rebuilt(model, cc, workload,
                                                                          monkeypatch):
-    """Packages written by one CompiledSteps are loaded by the next (no compile); a corrupt
-    package is said in one line and compiled again; both give generate's tokens."""
+    """A new CompiledSteps loads every package the tests above wrote (none compiled); a corrupt
+    package is said in one line and compiled again; an engine over them gives generate's tokens."""
     from minillm.paging.paged_cache import PagedKVCache
     make = lambda n, p: PagedKVCache(model.config, n, p, dtype=model.dtype)     # noqa: E731
-    cfg = cs.CompilationConfig(compile_sizes=(1, 2), mode="default", keep="agreeing", rounds=1,
-                               cache_dir=str(tmp_path))
-    first = cs.CompiledSteps(model, cfg).compile(make)
-    assert first.kept == (1, 2) and first.loaded == []
+    cs.CompiledSteps(model, cc).compile(make)            # compiles only if run alone
     lines = []
     monkeypatch.setattr(cs, "notice", lines.append)
     real = torch._inductor.aoti_compile_and_package
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
                         lambda *a, **k: pytest.fail("compiled although the package was on disk"))
-    second = cs.CompiledSteps(model, cfg).compile(make)
-    assert second.kept == (1, 2) and second.loaded == [1, 2] and lines == []
-    with open(second.package_path(2, str(tmp_path)), "wb") as f:
+    second = cs.CompiledSteps(model, cc).compile(make)
+    assert second.kept == SIZES and second.loaded == list(SIZES) and lines == []
+    with open(second.package_path(2, cc.cache_dir), "wb") as f:
         f.write(b"not a package")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", real)
-    third = cs.CompiledSteps(model, cfg).compile(make)
-    assert third.loaded == [1] and third.kept == (1, 2)
+    third = cs.CompiledSteps(model, cc).compile(make)
+    assert third.loaded == [1, 4, 8] and third.kept == SIZES
     assert len(lines) == 1 and "unreadable" in lines[0]
     other = tiny_model(vocab_size=256, seed=1, dtype=torch.float64)    # same shapes, other weights
-    assert cs.CompiledSteps(other, cfg).package_path(1, "d") != third.package_path(1, "d")
+    assert cs.CompiledSteps(other, cc).package_path(1, "d") != third.package_path(1, "d")
+    cs._MADE.pop(model, None)                             # a new process: nothing in memory
     prompts, max_tokens, refs = workload
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_batched_tokens=16,
-                                           compilation_config=cfg))      # loads the packages
-    assert engine.runner.compiled.loaded == [1, 2]
+                                           compilation_config=cc))      # loads the packages
+    assert engine.runner.compiled.loaded == list(SIZES)
     outs = engine.generate(prompts[:3], [SamplingParams(max_tokens=k) for k in max_tokens[:3]])
     assert [o.token_ids for o in outs] == refs[:3]
 
