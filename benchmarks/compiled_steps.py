@@ -13,7 +13,8 @@ measured ceilings. Then decode through `LLMEngine` at batch 1 and 8, eager and w
 sizes the default rule keeps, and transformers' `generate` at the same batch, timed in turn in
 the same rounds (`decode._ms_per_token`). The compile of each size is timed apart: the first
 process on a machine pays inductor's code generation; `compile_s_cached` is a new process loading
-the model and compiling every size again with the artifacts on disk (what a later one waits).
+the model and every size's package from disk, each checked and timed again (what a later one
+waits).
 --quick: sizes 1, 2, 4, 8 and 16 new tokens per request; the full run: sizes up to 32, 64 tokens.
 Left out on purpose: GPUs (the CUDA-graph record is benchmarks/cuda_graphs.py), tensor parallelism.
 """
@@ -133,8 +134,8 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None, hf
               "units": {"eager_ms": "ms per step of N decode rows (median of alternating rounds)",
                         "roofline_ratio": "the roofline's step(N) / step(1) on this machine's ceilings",
                         "compile_s": "seconds of the first compiled call of a size",
-                        "compile_s_cached": "seconds a new process takes to load the model and compile every "
-                                            "size with the artifacts on disk",
+                        "compile_s_cached": "seconds a new process takes to load the model and "
+                                            "its sizes' packages, checked and timed again",
                         "*_ms_per_step": "ms per decode step through the engine / transformers"}}
     record["path"] = str(write_result("compiled_steps", record, device, out_dir))
     print(report(record))
@@ -153,12 +154,13 @@ def report(r: dict) -> str:
                      f"{x['eager_ratio']:>8.2f} {x['compiled_ratio']:>7.2f} {x['roofline_ratio']:>9.2f} "
                      f"{x['compile_s']:>10.1f}")
     if r["compile_s_cached"] is not None:
-        lines.append(f"a later process, the artifacts on disk: {r['compile_s_cached']:.1f} s to "
-                     f"load the model and compile every size again")
+        lines.append(f"a later process, the packages on disk: {r['compile_s_cached']:.1f} s to "
+                     f"load the model and its sizes, checked and timed again")
     lines.append(r["kept_summary"])
     for b, d in r["decode"].items():
-        lines.append(f"{b}: eager {d['eager_ms_per_step']:.1f}, compiled {d['compiled_ms_per_step']:.1f}, "
-                     f"transformers {d['transformers_ms_per_step']:.1f} ms/step -> compiled "
+        lines.append(f"{b}: eager {d['eager_ms_per_step']:.1f}, compiled "
+                     f"{d['compiled_ms_per_step']:.1f}, transformers "
+                     f"{d['transformers_ms_per_step']:.1f} ms/step -> compiled "
                      f"{d['compiled_over_eager']:.2f}x eager, {d['compiled_vs_transformers']:.2f}x "
                      f"transformers (eager {d['eager_vs_transformers']:.2f}x)")
     return "\n".join(lines)

@@ -155,7 +155,8 @@ def test_a_later_process_loads_the_packages_and_a_corrupt_one_is_rebuilt(model, 
 
 @pytest.mark.parametrize("value, word", [
     (dict(compile_sizes=[]), "compile_sizes"), (dict(compile_sizes=[4, 2]), "strictly increasing"),
-    (dict(compile_sizes=[1, 1]), "strictly increasing"), (dict(compile_sizes=[0, 2]), r"compile_sizes\[0\]"),
+    (dict(compile_sizes=[1, 1]), "strictly increasing"),
+    (dict(compile_sizes=[0, 2]), r"compile_sizes\[0\]"),
     (dict(compile_sizes=[1, 512]), "max_num_batched_tokens"), (dict(compile_sizes=4), "compile_sizes"),
     (dict(mode="fast"), "mode"), (dict(keep="always"), "keep"), (dict(min_gain=1.5), "min_gain"),
     (dict(rounds=0), "rounds"), (dict(sizes=[1]), "unknown keys")])

@@ -154,9 +154,9 @@ def verify_table(model, rows=VERIFY_ROWS, context: int = 128, rounds: int = 5,
     "int8_matmuls_ms", "int8_least"}...], "ridge_rows", "tolerance", "context", "dtype",
     "hardware", "within_all", "limit", "noise"}. "noise" is the largest relative gap between a
     case's fastest and second-fastest round (0 with one round): how far a fastest round may sit
-    above the undisturbed time, so a ratio of two of them is known to about (1 + noise)^2. "limit" names what most of the largest N's excess over
-    the least is: "attention" or "other non-matmul work" (norms, elementwise ops, copies), or
-    None when every row is within tolerance.
+    above the undisturbed time, so a ratio of two of them is known to about (1 + noise)^2.
+    "limit" names what most of the largest N's excess over the least is: "attention" or "other
+    non-matmul work" (norms, elementwise ops, copies), or None when every row is within tolerance.
     """
     rows = tuple(rows)
     if not rows:
