@@ -25,7 +25,7 @@ from minillm.attention.tiled import flash_attention
 from minillm.model.chat import chat, encode_chat
 from minillm.model.config import PRESETS, ModelConfig, get_config
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.kernels.compiled_steps import CompilationConfig
+from minillm.kernels.compilation_config import CompilationConfig
 from minillm.model.generate import generate, generate_batch, generate_naive
 from minillm.model.kv_cache import KVCache
 from .llm import LLM

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
-from minillm.kernels.compiled_steps import compilation_config
+from minillm.kernels.compilation_config import compilation_config
 from minillm.engine.scheduler import check_partial_prefills
 from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, tree_paths
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache

@@ -51,81 +51,21 @@ import statistics
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm._validate import check_int
-from minillm.kernels.compiled import (MIN_GAIN, _env, _pick, _timed, check_mode,
-                                      inductor_cache_dir, reference_twin)
+from minillm.kernels.compilation_config import (DEFAULT_SIZES, KEEP, CompilationConfig,  # noqa: F401
+                                                compilation_config)
+from minillm.kernels.compiled import _env, _pick, _timed, inductor_cache_dir, reference_twin
 from minillm.kernels.tuning_cache import notice
 from minillm.model.llama import rope_cos_sin
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16)
-KEEP = ("faster", "agreeing")
 ATOL_REL = 1e-3          # compiled logits within this fraction of the logits' largest magnitude
 CONTEXT = 64             # cached tokens per row while sizes are timed
 _ACTIVE: list = [None]   # the paged cache the compiled graphs' attention op reads this call
-
-
-@dataclass(frozen=True)
-class CompilationConfig:
-    """What to compile (vLLM's names where they fit). `compile_sizes`: the padded row counts,
-    strictly increasing, each <= the engine's max_num_batched_tokens; `mode`: inductor's mode;
-    `keep`: "faster" keeps a size where it agrees with eager and beats it, "agreeing" wherever
-    it agrees (to study the compiled steps whatever their speed); `min_gain` and `rounds`: how
-    sure a win must be; `cache_dir`: the folder of the compiled packages and inductor's caches
-    (None: `inductor_cache_dir()`, keyed by this machine)."""
-
-    compile_sizes: tuple = DEFAULT_SIZES
-    mode: str = "max-autotune-no-cudagraphs"
-    keep: str = "faster"
-    min_gain: float = MIN_GAIN
-    rounds: int = 5
-    cache_dir: str | None = None
-
-    def __post_init__(self):
-        sizes = self.compile_sizes
-        if isinstance(sizes, int) or not isinstance(sizes, (list, tuple)) or not sizes:
-            raise ValueError(f"compilation_config.compile_sizes must be a non-empty list of ints "
-                             f">= 1 in increasing order, got {sizes!r}")
-        for i, s in enumerate(sizes):
-            check_int(f"compilation_config.compile_sizes[{i}]", s, 1)
-        if any(b <= a for a, b in zip(sizes, sizes[1:])):
-            raise ValueError(f"compilation_config.compile_sizes must be strictly increasing, "
-                             f"got {list(sizes)}")
-        object.__setattr__(self, "compile_sizes", tuple(sizes))
-        try:
-            check_mode(self.mode)
-        except ValueError as e:
-            raise ValueError(f"compilation_config.{e}") from None
-        if self.keep not in KEEP:
-            raise ValueError(f"compilation_config.keep must be one of {list(KEEP)}, got {self.keep!r}")
-        if not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
-            raise ValueError(f"compilation_config.min_gain must be in [0, 1), got {self.min_gain!r}")
-        check_int("compilation_config.rounds", self.rounds, 1)
-
-
-def compilation_config(value, max_num_batched_tokens: int) -> CompilationConfig | None:
-    """None, a dict of `CompilationConfig` fields or a `CompilationConfig` -> a checked config
-    (or None). Every size must fit one step's token budget."""
-    if value is None or isinstance(value, CompilationConfig):
-        cc = value
-    elif isinstance(value, dict):
-        allowed = [f.name for f in fields(CompilationConfig)]
-        unknown = sorted(set(value) - set(allowed))
-        if unknown:
-            raise ValueError(f"compilation_config has unknown keys {unknown}; allowed: {allowed}")
-        cc = CompilationConfig(**value)
-    else:
-        raise TypeError(f"compilation_config must be None, a dict or a CompilationConfig, "
-                        f"got {type(value).__name__}")
-    if cc is not None and cc.compile_sizes[-1] > max_num_batched_tokens:
-        raise ValueError(f"compilation_config.compile_sizes go up to {cc.compile_sizes[-1]}, above "
-                         f"max_num_batched_tokens={max_num_batched_tokens} (no step has more rows)")
-    return cc
 
 
 @contextlib.contextmanager
@@ -224,6 +164,7 @@ class CompiledSteps:
         self.model, self.config = model, config
         self.body = _Body(reference_twin(model)).eval()   # TypeError for a quantized model
         self._runners: dict = {}                          # size -> its loaded package
+        self._digest = None                               # weights_digest(model), once
         self.loaded: list = []                            # sizes read from disk, not compiled
         self.kept: tuple = ()
         self.timings: list[SizeTiming] = []
@@ -243,7 +184,9 @@ class CompiledSteps:
     def package_path(self, size: int, cache_dir: str) -> str:
         """The compiled package of one size: named by the size, the mode and a hash of the
         weights and config, so another model's package is never read for this one."""
-        return os.path.join(cache_dir, f"step{size}_{self.config.mode}_{weights_digest(self.model)}.pt2")
+        if self._digest is None:                          # hashing 135M weights takes a second
+            self._digest = weights_digest(self.model)
+        return os.path.join(cache_dir, f"step{size}_{self.config.mode}_{self._digest}.pt2")
 
     def _build(self, size: int, ids, pos, cache_dir: str, progress) -> None:
         """Load the package of `size` from disk, or (missing, unreadable) export, compile and
