@@ -6,7 +6,11 @@ equal `minillm.generate` run alone, over chunked prefill, preemption both ways, 
 static batching and n-gram speculation, with steps really run compiled and padded; seeded
 sampling with n > 1 equals the eager engine's. Timing decides nothing here (`keep="agreeing"`).
 """
+import json
+import os
 import random
+import sys
+import threading
 
 import pytest
 import torch
@@ -180,3 +184,108 @@ def test_inductor_caches_are_keyed_by_machine_and_threads(tmp_path, monkeypatch)
     assert a != b and a.startswith(str(tmp_path)) and b.startswith(str(tmp_path))
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "mc"))
     assert cs.inductor_cache_dir().startswith(str(tmp_path / "mc" / "inductor"))
+
+
+def _quiet(busy: bool):
+    from minillm.kernels.load_now import LoadNow
+    return lambda self: LoadNow(2.0 if busy else 0.0, 0.0, 1.0, 2, 1.0)
+
+
+def test_a_quiet_run_saves_its_verdicts_and_a_later_one_reads_them(model, cc, monkeypatch):
+    """keep="faster": a quiet machine saves which sizes won; a later CompiledSteps does not time
+    them again, never loads a size saved as eager, and still checks every size it keeps (a size
+    saved as faster that disagrees now runs eager). A busy machine saves nothing, in one line."""
+    from minillm.kernels.load_now import Watch
+    from minillm.paging.paged_cache import PagedKVCache
+    make = lambda n, p: PagedKVCache(model.config, n, p, dtype=model.dtype)     # noqa: E731
+    fast = cs.CompilationConfig(**{**cc.__dict__, "keep": "faster"})
+    path = cs.CompiledSteps(model, fast).verdict_path(fast.cache_dir)
+    if os.path.exists(path):
+        os.remove(path)
+    lines = []
+    monkeypatch.setattr(cs, "notice", lines.append)
+    monkeypatch.setattr(Watch, "read", _quiet(busy=True))
+    cs.CompiledSteps(model, fast).compile(make)
+    assert not os.path.exists(path) and len(lines) == 1 and "busy" in lines[0]
+    monkeypatch.setattr(Watch, "read", _quiet(busy=False))
+    first = cs.CompiledSteps(model, fast).compile(make)
+    assert os.path.exists(path) and not any(t.saved for t in first.timings)
+    data = json.load(open(path))
+    data["sizes"]["1"]["choice"], data["sizes"]["2"]["choice"] = "eager", "compiled"
+    data["sizes"]["4"]["choice"] = data["sizes"]["8"]["choice"] = "compiled"
+    json.dump(data, open(path, "w"))
+    monkeypatch.setattr(cs, "_timed", lambda fn: pytest.fail("timed a size with a saved verdict"))
+    real = cs.CompiledSteps._check
+    monkeypatch.setattr(cs.CompiledSteps, "_check", lambda self, ids, pos, prepared: (
+        (1.0, False) if ids.shape[1] == 8 else real(self, ids, pos, prepared)))
+    later = cs.CompiledSteps(model, fast).compile(make)
+    assert later.kept == (2, 4) and 1 not in later._runners and sorted(later.loaded) == [2, 4, 8]
+    assert all(t.saved for t in later.timings) and "earlier quiet run" in later.summary()
+    assert later.padded(1) is None and later.padded(3) == 4 and later.padded(5) is None
+    data["key"]["threads"] = 97                           # another thread count's verdicts
+    json.dump(data, open(path, "w"))
+    monkeypatch.undo()
+    again = cs.CompiledSteps(model, fast).compile(make)
+    assert not any(t.saved for t in again.timings)        # foreign file ignored: timed again
+
+
+def test_a_background_compile_serves_eager_first_then_compiled(model, workload, tmp_path,
+                                                               monkeypatch):
+    """The engine is built at once and serves eager while a child process compiles; the serving
+    process never compiles; the runner adopts the checked steps at its next step."""
+    from minillm.kernels import background_steps as bs
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda *a, **k: pytest.fail("compiled in the serving process"))
+    cfg = cs.CompilationConfig(compile_sizes=(1, 2), mode="default", keep="agreeing", rounds=1,
+                               cache_dir=str(tmp_path), background=True)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_batched_tokens=16,
+                                           compilation_config=cfg))
+    pending = engine.runner.pending
+    assert isinstance(pending, bs.BackgroundSteps) and engine.runner.compiled is None
+    prompts, max_tokens, refs = workload
+    params = [SamplingParams(max_tokens=k) for k in max_tokens[:3]]
+    assert [o.token_ids for o in engine.generate(prompts[:3], params)] == refs[:3]
+    steps = pending.wait(timeout=600)
+    assert steps is not None and pending.returncode == 0 and steps.kept == (1, 2)
+    assert sorted(steps.loaded) == [1, 2] and "kept 1" in pending.line
+    ran, real = [], steps.run
+    steps.run = lambda ids, *a, **k: ran.append(ids.shape[1]) or real(ids, *a, **k)
+    outs = engine.generate([p[:5] for p in prompts[:2]], params[:2])
+    assert engine.runner.pending is None and engine.runner.compiled is steps and ran
+    assert [o.token_ids for o in outs] == [generate(model, p[:5], k) for p, k in
+                                           zip(prompts[:2], max_tokens[:2])]
+
+
+def test_a_failed_background_compile_stays_eager_with_a_line(model, workload, tmp_path, monkeypatch):
+    from minillm.kernels import background_steps as bs
+    lines = []
+    monkeypatch.setattr(bs, "notice", lines.append)
+    monkeypatch.setattr(cs, "notice", lines.append)
+    monkeypatch.setattr(bs, "_command", lambda job: [sys.executable, "-c", "raise SystemExit(3)"])
+    cfg = cs.CompilationConfig(compile_sizes=(1, 2), mode="default", rounds=1,
+                               cache_dir=str(tmp_path), background=True)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, compilation_config=cfg))
+    engine.runner.pending.wait(timeout=120)
+    assert any("status 3" in x for x in lines) and "every step eager" in lines[-1]
+    prompts, max_tokens, refs = workload
+    outs = engine.generate(prompts[:2], [SamplingParams(max_tokens=k) for k in max_tokens[:2]])
+    assert [o.token_ids for o in outs] == refs[:2] and engine.runner.compiled is None
+    assert engine.runner.pending is None
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("job_")]       # job file removed
+
+
+def test_the_step_clock_lets_timing_in_only_between_steps():
+    from minillm.kernels.background_steps import IDLE_S, StepClock
+    clock, got = StepClock(), []
+    clock.begin()
+    waiter = threading.Thread(target=lambda: got.append(clock.wait_idle()))
+    waiter.start()
+    waiter.join(3 * IDLE_S)
+    assert waiter.is_alive()                               # a step is running: no timing
+    clock.end()
+    waiter.join(10)
+    assert got == [1] and clock.unchanged(1)
+    clock.begin()
+    assert not clock.unchanged(1)
+    clock.end()
+    assert not clock.unchanged(1)                          # a step ran since the token

@@ -67,7 +67,10 @@ class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager,
                  num_host_blocks: int = 0, compiled=None):
         self.model, self.cache, self.bm = model, cache, block_manager
-        self.compiled = compiled     # CompiledSteps (its graphs per padded size) or None: eager
+        # CompiledSteps (its graphs per padded size) or None: eager; a BackgroundSteps still
+        # compiling waits in `pending` and is adopted at the first step after it is ready
+        self.compiled, self.pending = (None, compiled) if getattr(compiled, "background", False) \
+            else (compiled, None)
         self.rows = 0                # this step's rows before compiled-size padding
         self.padded_to = None        # the compiled size this step runs at, or None (eager)
         self.device = cache.k.device
@@ -141,6 +144,18 @@ class ModelRunner:
     def execute_with_hidden(self, out: SchedulerOutput, return_hidden: bool = True):
         """`execute`, plus the target's features: hidden (M, C), one row per scheduled token in
         the order of `out.scheduled` (what trained drafters read; features.py), or None."""
+        if self.pending is not None and self.pending.ready():
+            steps, self.pending = self.pending.steps, None
+            self.compiled = steps if steps is not None and steps.kept else None
+        if self.pending is None:
+            return self._execute(out, return_hidden)
+        self.pending.clock.begin()            # a background compile times only between steps
+        try:
+            return self._execute(out, return_hidden)
+        finally:
+            self.pending.clock.end()
+
+    def _execute(self, out: SchedulerOutput, return_hidden: bool):
         self.move_blocks(out)
         if out.is_empty:
             return [], None, None

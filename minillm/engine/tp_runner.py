@@ -34,6 +34,8 @@ from minillm.distributed.tensor_parallel import (build_shard, check_tensor_paral
                                                  shard_config, shard_state_dict)
 from minillm.distributed.tp_worker import CacheSpec, StepPlan, run_step, tp_worker
 from minillm.engine.model_runner import ModelRunner, prompt_rows
+from minillm.kernels.background_steps import BackgroundSteps
+from minillm.kernels.compiled import reference_twin
 from minillm.kernels.compiled_steps import compiled_steps_for
 from minillm.kernels.tuning_cache import notice
 
@@ -68,6 +70,13 @@ def compiled_steps(model, config, spec: CacheSpec, device):
         return None
     make = lambda n, block_size: dataclasses.replace(spec, num_blocks=n, block_size=block_size) \
         .make(model.config, device)                                          # noqa: E731
+    if cc.background:                      # eager now; the runner adopts the steps when ready
+        try:
+            reference_twin(model)
+        except TypeError as e:
+            notice(f"compiled steps: none ({e}); every step eager")
+            return None
+        return BackgroundSteps(model, cc, make)
     try:
         steps = compiled_steps_for(model, cc, make, progress=notice)
     except TypeError as e:

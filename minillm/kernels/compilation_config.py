@@ -22,7 +22,8 @@ class CompilationConfig:
     `keep`: "faster" keeps a size where it agrees with eager and beats it, "agreeing" wherever
     it agrees (to study the compiled steps whatever their speed); `min_gain` and `rounds`: how
     sure a win must be; `cache_dir`: the folder of the compiled packages and inductor's caches
-    (None: `inductor_cache_dir()`, keyed by this machine)."""
+    (None: `inductor_cache_dir()`, keyed by this machine); `background`: build the engine at
+    once and compile while it serves eager (`background_steps.py`) instead of before."""
 
     compile_sizes: tuple = DEFAULT_SIZES
     mode: str = "max-autotune-no-cudagraphs"
@@ -30,6 +31,7 @@ class CompilationConfig:
     min_gain: float = MIN_GAIN
     rounds: int = 5
     cache_dir: str | None = None
+    background: bool = False
 
     def __post_init__(self):
         sizes = self.compile_sizes
@@ -51,6 +53,8 @@ class CompilationConfig:
         if not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
             raise ValueError(f"compilation_config.min_gain must be in [0, 1), got {self.min_gain!r}")
         check_int("compilation_config.rounds", self.rounds, 1)
+        if not isinstance(self.background, bool):
+            raise TypeError(f"compilation_config.background must be a bool, got {self.background!r}")
 
 
 def compilation_config(value, max_num_batched_tokens: int) -> CompilationConfig | None:

@@ -24,100 +24,45 @@ engine, and the way vLLM answers them on a GPU is the one taken here:
 A size is kept only where its compiled step agrees with the eager one (the same greedy token on
 every row, logits within `ATOL_REL` of their scale) and beats it on this machine (the rule of
 `compiled.compile_if_faster`: median `min_gain` under eager's and most rounds won, over a scratch
-cache of its own), and `summary()` says in one line what was kept. The lm_head stays eager: it
-reads only the rows that sample (a prefill chunk samples one), through the model's own routes.
+cache of its own), and `summary()` says in one line what was kept. A quiet machine saves these
+verdicts beside the packages (a busy one saves nothing), so a later process with `keep="faster"`
+loads only the sizes that won and times nothing. The lm_head stays eager: it reads only the rows
+that sample (a prefill chunk samples one), through the model's own routes.
 
-Each size is compiled ahead of time into a package on disk (AOTInductor: `torch.export` of the
-step, then `aoti_compile_and_package`, the weights frozen and prepacked inside) under the minillm
+Each size is compiled ahead of time into a package on disk (`step_body.compile_package`:
+`torch.export`, then AOTInductor, the weights frozen and prepacked inside) under the minillm
 cache, in a folder keyed by CPU, instruction set, torch and thread count (`inductor_cache_dir`),
-named by a hash of the weights (`weights_digest`). A later process loads the package in about a
+named by a hash of the weights (`weights_digest`). A later process loads a package in about a
 second instead of compiling for minutes; the price is disk, about one copy of the weights per size.
 A package that does not load is compiled again, with one line; every size, loaded or compiled, is
 checked against eager before it is used, so a wrong package can cost time, never an answer.
 Compiling is never started by a request: it happens when an engine is built with
-`compilation_config` (progress on stderr), and a machine where the compiler fails runs eager, with
-one line saying why.
+`compilation_config` (progress on stderr), or, with `background=True`, in a child process while
+the engine serves eager (`background_steps.py`); a machine where the compiler fails runs eager,
+with one line saying why.
 
-Left out on purpose: CUDA graphs (the same sizes would be captured and replayed on a GPU; not
-written until one is at hand to test them), tensor parallelism (refused), compiling the
-lm_head, and saving the kept/eager verdicts (each process times its sizes again, seconds).
+Left out on purpose: CUDA graphs here (the same sizes captured and replayed on a GPU), tensor
+parallelism (refused), compiling the lm_head.
 """
-import contextlib
-import dataclasses
-import hashlib
-import json
 import os
 import statistics
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from minillm.kernels.compilation_config import (DEFAULT_SIZES, KEEP, CompilationConfig,  # noqa: F401
                                                 compilation_config)
-from minillm.kernels.compiled import _env, _pick, _timed, inductor_cache_dir, reference_twin
-from minillm.kernels.tuning_cache import notice
-from minillm.model.llama import rope_cos_sin
+from minillm.kernels.compiled import _pick, _timed, inductor_cache_dir, reference_twin
+from minillm.kernels.cpu_kernels import cpu_name, kernel_isa
+from minillm.kernels.load_now import Watch
+from minillm.kernels.step_body import (CONTEXT, _Body, active_cache, compile_package,  # noqa: F401
+                                       example_inputs, paged_attention, weights_digest)
+from minillm.kernels.tuning_cache import notice, read_tuned, write_tuned
 
 ATOL_REL = 1e-3          # compiled logits within this fraction of the logits' largest magnitude
-CONTEXT = 64             # cached tokens per row while sizes are timed
-_ACTIVE: list = [None]   # the paged cache the compiled graphs' attention op reads this call
-
-
-@contextlib.contextmanager
-def active_cache(cache):
-    """Make `cache` (a PagedKVCache, `prepare`d for this step) the one the attention op reads."""
-    _ACTIVE[0] = cache
-    try:
-        yield
-    finally:
-        _ACTIVE[0] = None
-
-
-@torch.library.custom_op("minillm::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """q (M, H, D), k/v (M, Hkv, D) -> (M, H, D): the active cache's `attend_rows` (write the new
-    K/V through its slot mapping, attend over its block tables), opaque to the compiler."""
-    cache = _ACTIVE[0]
-    if cache is None:
-        raise RuntimeError("minillm::paged_attention called outside active_cache(...)")
-    return cache.attend_rows(layer, q, k, v).contiguous()
-
-
-@paged_attention.register_fake
-def _(q, k, v, layer):
-    return q.new_empty(q.shape)                                   # contiguous, as the real one
-
-
-class _Body(nn.Module):
-    """Embedding, every layer (attention through the opaque op) and the final norm: (1, M) ids,
-    (M,) positions -> hidden (M, C). The arithmetic of `llama.py`, one row per token."""
-
-    def __init__(self, twin):
-        super().__init__()
-        self.twin = twin
-
-    def forward(self, input_ids, positions):
-        m, cfg = self.twin, self.twin.config
-        H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        M = input_ids.shape[1]
-        cos, sin = rope_cos_sin(positions, D, cfg.rope_theta, m.dtype)    # (M, D)
-        cos, sin = cos[:, None], sin[:, None]                              # (M, 1, D)
-        x = m.embed(input_ids[0])                                          # (M, C)
-        for i, blk in enumerate(m.layers):
-            qkv = blk.attn.qkv_proj(blk.input_norm(x)).view(M, H + 2 * Hkv, D)
-            qk = qkv[:, :H + Hkv]
-            qk = qk * cos + torch.cat([-qk[..., D // 2:], qk[..., :D // 2]], -1) * sin
-            y = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:], i)   # (M, H, D)
-            x = x + blk.attn.o_proj(y.reshape(M, H * D))
-            x = x + blk.mlp(blk.post_attn_norm(x))
-        return m.norm(x)                                                   # (M, C)
-
-
 @dataclass
 class SizeTiming:
     """One padded size: eager and compiled ms per step (medians), rounds compiled won, the
@@ -132,18 +77,10 @@ class SizeTiming:
     tokens_equal: bool
     choice: str
     faster: bool                     # what the "faster" rule says, whatever `keep` chose
+    saved: bool = False              # eager/compiled ms and the verdict read from an earlier run
 
 
 _MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {config: steps}
-
-
-def weights_digest(model) -> str:
-    """A hash of the model's config and every parameter's bytes (about a second for 135M)."""
-    h = hashlib.sha1(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
-    for name, p in model.state_dict().items():
-        h.update(name.encode())
-        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def compiled_steps_for(model, config: CompilationConfig, make_cache, progress=None) -> "CompiledSteps":
@@ -169,6 +106,7 @@ class CompiledSteps:
         self.kept: tuple = ()
         self.timings: list[SizeTiming] = []
         self.why_eager = ""                               # set when nothing could compile
+        self.compile_missing = True                       # False: only load packages on disk
 
     def padded(self, rows: int) -> int | None:
         """The kept size a step of `rows` rows runs at, or None (eager)."""
@@ -190,7 +128,8 @@ class CompiledSteps:
 
     def _build(self, size: int, ids, pos, cache_dir: str, progress) -> None:
         """Load the package of `size` from disk, or (missing, unreadable) export, compile and
-        save it. Raises what the compiler raises."""
+        save it (with `compile_missing` False, a missing package raises instead: a background
+        compile left it to its child process). Raises what the compiler raises."""
         path = self.package_path(size, cache_dir)
         if os.path.exists(path):
             try:
@@ -199,19 +138,11 @@ class CompiledSteps:
                 return
             except Exception as e:            # corrupt or foreign: say so, compile afresh
                 notice(f"compiled steps: {path} unreadable ({type(e).__name__}), compiling again")
+        if not self.compile_missing:
+            raise FileNotFoundError(f"no compiled package of {size} row(s) at {path}")
         if progress is not None:
             progress(f"compiling the engine step of {size} row(s)...")
-        opts = {"freezing": True, "autotune_num_choices_displayed": 0,
-                "max_autotune_report_choices_stats": False,
-                **({"max_autotune": True} if self.config.mode != "default" else {})}
-        os.makedirs(cache_dir, exist_ok=True)
-        with _env("TORCHINDUCTOR_CACHE_DIR", cache_dir), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-            program = torch.export.export(self.body, (ids, pos))
-            tmp = f"{path}.{os.getpid()}.tmp.pt2"
-            torch._inductor.aoti_compile_and_package(program, package_path=tmp,
-                                                     inductor_configs=opts)
-        os.replace(tmp, path)                 # atomic: a reader sees a whole package or none
+        compile_package(self.body, ids, pos, path, cache_dir, self.config.mode)
         self._runners[size] = torch._inductor.aoti_load_package(path)
 
     def run(self, input_ids, positions, cache, rows: int, logits_index, return_hidden=False):
@@ -223,59 +154,127 @@ class CompiledSteps:
         logits = self.model.lm_head(picked)                                  # (1, K, V)
         return (logits, hidden) if return_hidden else logits
 
+    def verdict_path(self, cache_dir: str) -> str:
+        """The file of this model's saved verdicts (which sizes beat eager here)."""
+        self.package_path(1, cache_dir)                   # computes the digest once
+        return os.path.join(cache_dir, f"verdicts_{self.config.mode}_{self._digest}.json")
+
+    def _verdict_key(self) -> dict:
+        return {"digest": self._digest, "mode": self.config.mode, "min_gain": self.config.min_gain,
+                "cpu": cpu_name(), "isa": kernel_isa(), "torch": torch.__version__,
+                "threads": torch.get_num_threads()}
+
+    def saved_verdicts(self, cache_dir: str) -> dict:
+        """{size: what a quiet earlier run measured} for this model, machine and config; {} when
+        none (or the file is missing, corrupt or foreign)."""
+        path = Path(self.verdict_path(cache_dir))
+        data = read_tuned(path, self._verdict_key())
+        return {int(k): v for k, v in data["sizes"].items()} if data else {}
+
+    def _save_verdicts(self, cache_dir: str, timed: list, loads: list) -> None:
+        """Save the timed sizes' verdicts, unless other work ran while they were timed (said in
+        one line where the verdicts decide, `keep="faster"`)."""
+        busy = [x for x in loads if x.busy(torch.get_num_threads())]
+        if busy:
+            if self.config.keep == "faster":
+                    notice(f"compiled steps: the machine was busy while timing ({busy[0].describe()}); "
+                       f"verdicts not saved, the next process times again")
+            return
+        path = Path(self.verdict_path(cache_dir))
+        known = {str(k): v for k, v in self.saved_verdicts(cache_dir).items()}
+        for t in timed:
+            known[str(t.size)] = {"choice": "compiled" if t.faster else "eager",
+                                  "eager_ms": t.eager_ms, "compiled_ms": t.compiled_ms,
+                                  "won": t.won, "rounds": t.rounds}
+        write_tuned(path, self._verdict_key(), {"sizes": known,
+                                                "load": [x.as_record() for x in loads]})
+
+    def _check(self, ids, pos, prepared) -> tuple[float, bool]:
+        """(largest logit difference, agreement) of the compiled size against eager."""
+        got = self.model.lm_head(self._call(ids, pos, prepared())[None])[0]    # (M', V)
+        want = self.model(ids, pos, prepared())[0]                             # (M', V)
+        diff = (got - want).abs().max().item()
+        return diff, torch.equal(got.argmax(-1), want.argmax(-1)) and \
+            diff <= ATOL_REL * want.abs().max().item()
+
+    def _time(self, ids, pos, prepared, gate=None) -> tuple[list, list]:
+        """Eager and compiled ms per step over `rounds` rounds, alternating which goes first.
+        With a `gate` (an engine's StepClock) each round waits until the engine is idle and is
+        timed again if the engine ran a step meanwhile."""
+        eager = lambda: self.model(ids, pos, prepared())                      # noqa: E731
+        comp = lambda: self.model.lm_head(self._call(ids, pos, prepared())[None])   # noqa: E731
+        eager(), comp()
+        t_e, t_c = [], []
+        for r in range(self.config.rounds):
+            a, b = (eager, comp) if r % 2 == 0 else (comp, eager)
+            while True:
+                token = gate.wait_idle() if gate is not None else None
+                ta, tb = _timed(a), _timed(b)
+                if gate is None or gate.unchanged(token):
+                    break
+            t_e.append(ta if r % 2 == 0 else tb)
+            t_c.append(tb if r % 2 == 0 else ta)
+        return t_e, t_c
+
     @torch.inference_mode()
-    def compile(self, make_cache, progress=None) -> "CompiledSteps":
-        """Compile each size over a scratch cache (`make_cache(num_blocks, block_size)`, a paged
-        cache like the engine's), time it against the eager model and keep it where it agrees
-        and wins. A failing compiler keeps every size eager, with one line."""
+    def compile(self, make_cache, progress=None, gate=None) -> "CompiledSteps":
+        """Compile (or load) each size over a scratch cache (`make_cache(num_blocks, block_size)`,
+        a paged cache like the engine's), check it against the eager model, and keep it where it
+        agrees and wins: timed now, or as a quiet earlier run on this machine saved it (`keep=
+        "faster"` only; a size saved as eager is not even loaded). A failing compiler keeps every
+        size eager, with one line. `gate`: see `_time` (a compile in the background)."""
         cfg, sizes = self.model.config, self.config.compile_sizes
         P = 16
         per_row = -(-(CONTEXT + 1) // P)
         cache = make_cache(per_row * sizes[-1], P)
         cache_dir = self.config.cache_dir or inductor_cache_dir()
-        kept, self.timings = [], []
-        g = torch.Generator().manual_seed(0)
+        saved = self.saved_verdicts(cache_dir) if self.config.keep == "faster" else {}
+        kept, self.timings, timed, loads = [], [], [], []
         for size in sizes:
-            ids = torch.randint(cfg.vocab_size, (1, size), generator=g).to(self.model.device)
-            pos = torch.full((size,), CONTEXT, dtype=torch.long, device=self.model.device)
+            ids, pos = example_inputs(cfg.vocab_size, size, self.model.device)
             tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(size)]
 
             def prepared():
                 cache.prepare([1] * size, [CONTEXT + 1] * size, tables)
                 return cache
+            v = saved.get(size)
+            if v is not None and v["choice"] == "eager":          # a quiet run said: not faster
+                self.timings.append(SizeTiming(size, v["eager_ms"], v["compiled_ms"], v["won"],
+                                               v["rounds"], 0.0, float("nan"), True, "eager",
+                                               False, saved=True))
+                continue
             t0 = time.perf_counter()
             try:
                 self._build(size, ids, pos, cache_dir, progress)
-                hidden = self._call(ids, pos, prepared())
+                if gate is not None:
+                    gate.wait_idle()              # a serving engine's model: between its steps
+                diff, agree = self._check(ids, pos, prepared)
             except Exception as e:                # the compiler is missing or fails: eager
                 self.why_eager = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 notice(f"compiled steps: the compiler failed ({self.why_eager}); running eager")
                 self.kept = ()
                 return self
             compile_s = time.perf_counter() - t0
-            got = self.model.lm_head(hidden[None])[0]                          # (M', V)
-            want = self.model(ids, pos, prepared())[0]                         # (M', V)
-            diff = (got - want).abs().max().item()
-            agree = torch.equal(got.argmax(-1), want.argmax(-1)) and \
-                diff <= ATOL_REL * want.abs().max().item()
-            eager = lambda: self.model(ids, pos, prepared())                  # noqa: E731
-            comp = lambda: self.model.lm_head(self._call(ids, pos, prepared())[None])   # noqa: E731
-            eager(), comp()
-            t_e, t_c = [], []
-            for r in range(self.config.rounds):             # alternate which goes first
-                a, b = (eager, comp) if r % 2 == 0 else (comp, eager)
-                ta, tb = _timed(a), _timed(b)
-                t_e.append(ta if r % 2 == 0 else tb)
-                t_c.append(tb if r % 2 == 0 else ta)
-            choice, won = _pick(t_e, t_c, agree, self.config.min_gain)
-            faster = choice == "compiled"
-            if agree and self.config.keep == "agreeing":
-                choice = "compiled"
-            self.timings.append(SizeTiming(size, round(statistics.median(t_e), 3),
-                                           round(statistics.median(t_c), 3), won, len(t_e),
-                                           round(compile_s, 2), diff, agree, choice, faster))
-            if choice == "compiled":
+            if v is not None:                                     # saved as faster: checked, kept
+                t = SizeTiming(size, v["eager_ms"], v["compiled_ms"], v["won"], v["rounds"],
+                               round(compile_s, 2), diff, agree,
+                               "compiled" if agree else "eager", True, saved=True)
+            else:
+                watch = Watch()
+                t_e, t_c = self._time(ids, pos, prepared, gate)
+                loads.append(watch.read())
+                choice, won = _pick(t_e, t_c, agree, self.config.min_gain)
+                t = SizeTiming(size, round(statistics.median(t_e), 3),
+                               round(statistics.median(t_c), 3), won, len(t_e),
+                               round(compile_s, 2), diff, agree, choice, choice == "compiled")
+                timed.append(t)
+                if agree and self.config.keep == "agreeing":
+                    t.choice = "compiled"
+            self.timings.append(t)
+            if t.choice == "compiled":
                 kept.append(size)
+        if timed:
+            self._save_verdicts(cache_dir, timed, loads)
         self.kept = tuple(kept)
         return self
 
@@ -292,8 +291,10 @@ class CompiledSteps:
         if lost:
             part += "; eager at " + ", ".join(
                 f"{t.size} ({'disagrees' if not t.tokens_equal else 'not faster'})" for t in lost)
+        saved = " (timings saved by an earlier quiet run)" if any(t.saved for t in self.timings) else ""
         return (f"compiled steps ({torch.get_num_threads()} thread(s), rows: speed-up over eager): "
-                f"{part}; steps over {max(won, key=lambda t: t.size).size if won else 0} rows run eager")
+                f"{part}; steps over {max(won, key=lambda t: t.size).size if won else 0} rows run eager"
+                f"{saved}")
 
     def as_dict(self) -> dict:
         return {"compile_sizes": list(self.config.compile_sizes), "kept": list(self.kept),
