@@ -38,8 +38,8 @@ Compiling is never started by a request: it happens when an engine is built with
 `compilation_config` (progress on stderr), and a machine where the compiler fails runs eager, with
 one line saying why.
 
-Left out on purpose: CUDA graphs (the same sizes would be captured and replayed on a GPU; not
-written until one is at hand to test them), tensor parallelism (refused), compiling the
+Left out on purpose: CUDA graphs (on a CUDA device the engine captures and replays the same
+pieces per size instead: cuda_graph_steps.py), tensor parallelism (refused), compiling the
 lm_head, and saving the kept/eager verdicts (each process times its sizes again, seconds).
 """
 import contextlib
