@@ -38,18 +38,26 @@ def run(quick: bool = False, device=None, out_dir=None) -> dict:
         print("cuda_graph_steps: skipped, CUDA graphs need a CUDA device")
         return {"benchmark": "cuda_graph_steps", "skipped": "CUDA graphs need a CUDA device"}
     model, _, weights = bench_model(device)                   # bf16 on cuda
-    cfg = model.config
-    n_new, repeat = (16, 3) if quick else (64, 5)
-    bandwidth = measure_bandwidth(device)
+    record = measure(model, (16, 3) if quick else (64, 5), measure_bandwidth(device))
+    record.update(quick=quick, weights=weights)
+    record["path"] = str(write_result("cuda_graph_steps", record, device, out_dir))
+    return record
+
+
+def measure(model, rounds: tuple, bandwidth: float, keep: str = "faster") -> dict:
+    """The record's figures: `rounds` is (new tokens per request, rounds); `keep` the graph
+    engine's rule (a CPU rehearsal with `EagerGraph` keeps "agreeing" sizes)."""
+    cfg, device, (n_new, repeat) = model.config, model.device, rounds
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * model.dtype.itemsize
-    base = dict(max_num_seqs=max(BATCHES), max_num_batched_tokens=256,
-                kv_cache_memory_bytes=512 * 2**20)
+    kv_bytes = 2 * max(BATCHES) * (PROMPT + n_new + 16) * kv_per_token     # twice what runs
+    base = dict(max_num_seqs=max(BATCHES), max_num_batched_tokens=256, kv_cache_memory_bytes=kv_bytes)
     eager = LLMEngine(model, EngineConfig(**base))
-    before = torch.cuda.memory_allocated(device)
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
     graphs = LLMEngine(model, EngineConfig(**base, compilation_config=CompilationConfig(
-        compile_sizes=SIZES, rounds=7)))                      # piecewise: the default on cuda
-    graph_bytes = torch.cuda.memory_allocated(device) - before
+        compile_sizes=SIZES, rounds=7, keep=keep)))           # piecewise: the default on cuda
+    graph_bytes = torch.cuda.memory_allocated(device) - before if cuda else None
     steps = graphs.runner.compiled
     if steps is None:
         raise RuntimeError("the graph engine kept no size: see the line above on stderr")
@@ -69,18 +77,16 @@ def run(quick: bool = False, device=None, out_dir=None) -> dict:
             "graphs_over_eager": round(ms["eager"] / ms["graphs"], 3),
             "eager_over_floor": round(ms["eager"] / floor_ms, 2),
             "graphs_over_floor": round(ms["graphs"] / floor_ms, 2)}
-    record = {"quick": quick, "model": cfg.name, "weights": weights, "dtype": str(model.dtype),
-              "prompt_tokens": PROMPT, "new_tokens": n_new, "bandwidth": bandwidth,
-              "weight_bytes": weight_bytes, "graph_bytes": graph_bytes,
-              "steps": steps.as_dict(), "summary": steps.summary(), "decode": decode,
-              "units": {"steps.timings": "per size: eager_ms and compiled_ms (the graphs) per "
-                                         "decode step of N rows, 64 cached tokens each",
-                        "*_ms_per_step": "ms per decode step through the engine (all requests)",
-                        "weights_read_ms_per_step": "one read of the weights, timed in the rounds",
-                        "floor_ms_per_step": "(weights + cached K/V bytes) / measured bandwidth",
-                        "graph_bytes": "GPU memory the graph engine's captures took"}}
-    record["path"] = str(write_result("cuda_graph_steps", record, device, out_dir))
-    return record
+    return {"model": cfg.name, "dtype": str(model.dtype), "prompt_tokens": PROMPT,
+            "new_tokens": n_new, "bandwidth": bandwidth, "weight_bytes": weight_bytes,
+            "graph_bytes": graph_bytes, "steps": steps.as_dict(), "summary": steps.summary(),
+            "decode": decode,
+            "units": {"steps.timings": "per size: eager_ms and compiled_ms (the graphs) per "
+                                       "decode step of N rows, 64 cached tokens each",
+                      "*_ms_per_step": "ms per decode step through the engine (all requests)",
+                      "weights_read_ms_per_step": "one read of the weights, timed in the rounds",
+                      "floor_ms_per_step": "(weights + cached K/V bytes) / measured bandwidth",
+                      "graph_bytes": "GPU memory the graph engine's captures took"}}
 
 
 def report(r: dict) -> str:

@@ -206,13 +206,26 @@ def test_the_benchmark_skips_without_cuda(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_cuda_graphs_give_generates_tokens(workload):
     model = tiny_model(vocab_size=256, seed=0, dtype=F64, device="cuda")
+    prompts, max_tokens, _ = workload
+    refs = [generate(model, p, k) for p, k in zip(prompts, max_tokens)]    # eager, on the GPU
     engine = LLMEngine(model, EngineConfig(**CONFIGS["preempt_recompute"],
                                            compilation_config=_config()))   # piecewise by default
     steps = engine.runner.compiled
     assert isinstance(steps, cgs.CudaGraphSteps) and steps.graph is cgs.CudaGraph
     assert steps.kept == SIZES and steps.pool is not None
     ptr = steps.sizes[8].hidden.data_ptr()
-    prompts, max_tokens, refs = workload
     outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
     assert [o.token_ids for o in outs] == refs and engine.scheduler.num_preemptions > 0
     assert steps.sizes[8].hidden.data_ptr() == ptr
+
+
+def test_the_benchmark_rehearses_on_a_cpu(model, monkeypatch):
+    """Its measurement with `EagerGraph`s and a tiny model: every figure there, nothing written."""
+    monkeypatch.setattr(cgs, "graph_backend", lambda device: cgs.EagerGraph)
+    from benchmarks import cuda_graph_steps as bench
+    r = bench.measure(model, (4, 1), bandwidth=1e10, keep="agreeing")
+    assert set(r["decode"]) == {"batch1", "batch8", "batch64"}
+    assert r["decode"]["batch8"]["padded_to"] == 8 and r["steps"]["kept"] == list(bench.SIZES)
+    assert all(d["graphs_ms_per_step"] > 0 and d["floor_ms_per_step"] > 0
+               for d in r["decode"].values())
+    assert "batch64" in bench.report({**r, "weights": "random", "quick": True})
