@@ -32,6 +32,7 @@ BENCHMARKS = {
     "drafting": "benchmarks.drafting",   # ch 10: Medusa, EAGLE, lookahead vs n-gram, trees sized here
     "spec_replay": "benchmarks.spec_replay",   # ch 6: the real n-gram schedule timed on any weights
     "cuda_graphs": "benchmarks.cuda_graphs",   # ch 1, GPU only: launch overhead vs graph replay
+    "cuda_graph_steps": "benchmarks.cuda_graph_steps",   # ch 1, 4, GPU only: piecewise graphs, engine
     "overhead": "benchmarks.overhead",   # ch 4: the engine's own cost per decode step
     "quant": "benchmarks.quant",         # ch 7: batch-1 decode per weight format vs its floor
     "priority": "benchmarks.priority",   # ch 8: priorities and SLOs, P95-driven token budget

@@ -22,10 +22,12 @@ them. A chunk at most `max_num_batched_tokens` long bounds that memory (rows x V
 With compiled steps (`EngineConfig.compilation_config`, kernels/compiled_steps.py) a step of M
 rows runs the graph compiled for the next kept size M' >= M: `prepare` adds M' - M padding rows
 (token 0 at position 0 of the scratch block, the last of the pool, which no sequence owns) and
-only the real rows reach the logits. Larger steps, and sizes not kept, run eager.
+only the real rows reach the logits. Larger steps, and sizes not kept, run eager. On a CUDA
+device the same sizes run as piecewise CUDA graphs instead (kernels/cuda_graph_steps.py), padded
+the same way.
 
 Letters: M tokens in the flattened batch, M' padded, K logits rows this step, V vocab, C model width.
-Left out on purpose: CUDA graphs, overlapping CPU scheduling with GPU work.
+Left out on purpose: overlapping CPU scheduling with GPU work.
 """
 from dataclasses import dataclass
 
@@ -67,8 +69,8 @@ class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager,
                  num_host_blocks: int = 0, compiled=None):
         self.model, self.cache, self.bm = model, cache, block_manager
-        # CompiledSteps (its graphs per padded size) or None: eager; a BackgroundSteps still
-        # compiling waits in `pending` and is adopted at the first step after it is ready
+        # CompiledSteps or CudaGraphSteps (per padded size), None: eager; a BackgroundSteps
+        # still compiling waits in `pending` and is adopted at the first step after it is ready
         self.compiled, self.pending = (None, compiled) if getattr(compiled, "background", False) \
             else (compiled, None)
         self.rows = 0                # this step's rows before compiled-size padding

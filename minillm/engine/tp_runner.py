@@ -37,6 +37,7 @@ from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.kernels.background_steps import BackgroundSteps
 from minillm.kernels.compiled import reference_twin
 from minillm.kernels.compiled_steps import compiled_steps_for
+from minillm.kernels.cuda_graph_steps import cuda_graph_steps
 from minillm.kernels.tuning_cache import notice
 
 
@@ -63,22 +64,21 @@ def make_runner(model, config, num_blocks: int, block_manager, draft_model=None,
 
 def compiled_steps(model, config, spec: CacheSpec, device):
     """The model's compiled steps for `config.compilation_config`, compiled and judged now
-    (progress on stderr), or None without one. A model the compiler cannot take (a quantized
-    one) or a compiler that fails: None, with one line saying why."""
+    (progress on stderr), or None without one; on a CUDA device its piecewise CUDA graphs
+    instead (`cudagraph_mode`, kernels/cuda_graph_steps.py). A model the compiler cannot take (a
+    quantized one) or a compiler that fails: None, with one line saying why."""
     cc = config.compilation_config
     if cc is None:
         return None
     make = lambda n, block_size: dataclasses.replace(spec, num_blocks=n, block_size=block_size) \
         .make(model.config, device)                                          # noqa: E731
-    if cc.background:                      # eager now; the runner adopts the steps when ready
-        try:
-            reference_twin(model)
-        except TypeError as e:
-            notice(f"compiled steps: none ({e}); every step eager")
-            return None
-        return BackgroundSteps(model, cc, make)
     try:
-        steps = compiled_steps_for(model, cc, make, progress=notice)
+        steps = cuda_graph_steps(model, cc, make, device)        # None: no CUDA graphs here
+        if steps is None and cc.background:    # eager now; the runner adopts the steps when ready
+            reference_twin(model)                                 # TypeError: cannot compile
+            return BackgroundSteps(model, cc, make)
+        if steps is None:
+            steps = compiled_steps_for(model, cc, make, progress=notice)
     except TypeError as e:
         notice(f"compiled steps: none ({e}); every step eager")
         return None

@@ -41,8 +41,8 @@ Compiling is never started by a request: it happens when an engine is built with
 the engine serves eager (`background_steps.py`); a machine where the compiler fails runs eager,
 with one line saying why.
 
-Left out on purpose: CUDA graphs here (the same sizes captured and replayed on a GPU), tensor
-parallelism (refused), compiling the lm_head.
+Left out on purpose: CUDA graphs (on a CUDA device the engine captures and replays the same
+pieces per size instead: cuda_graph_steps.py), tensor parallelism (refused), compiling the lm_head.
 """
 import os
 import statistics
