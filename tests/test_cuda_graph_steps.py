@@ -6,6 +6,7 @@ static buffers are reused, padding rows never reach a real row, nothing stale su
 earlier step, and an engine over them gives `generate`'s greedy tokens through chunked prefill
 and preemption. A float64 tiny model: ties cannot flip. With CUDA, the same with real graphs.
 """
+import math
 import random
 
 import pytest
@@ -226,6 +227,8 @@ def test_the_benchmark_rehearses_on_a_cpu(model, monkeypatch):
     r = bench.measure(model, (4, 1), bandwidth=1e10, keep="agreeing")
     assert set(r["decode"]) == {"batch1", "batch8", "batch64"}
     assert r["decode"]["batch8"]["padded_to"] == 8 and r["steps"]["kept"] == list(bench.SIZES)
-    assert all(d["graphs_ms_per_step"] > 0 and d["floor_ms_per_step"] > 0
+    assert all(d["floor_ms_per_step"] > 0 for d in r["decode"].values())
+    # a timed difference of two runs of a tiny model can be any sign on a busy CPU: finite, no more
+    assert all(math.isfinite(d["graphs_ms_per_step"]) and math.isfinite(d["eager_ms_per_step"])
                for d in r["decode"].values())
     assert "batch64" in bench.report({**r, "weights": "random", "quick": True})
