@@ -92,6 +92,22 @@ def test_step_times_read_the_record_of_this_thread_count(model, tmp_path, monkey
         ch.step_times(model, (2, 4))
 
 
+def test_engine_decode_reads_the_record_without_packages(model, tmp_path, monkeypatch, no_compiler):
+    monkeypatch.setenv(RESULTS_ENV, str(tmp_path))
+    monkeypatch.setattr(ch, "inductor_cache_dir", lambda: str(tmp_path / "none"))
+    assert ch.engine_decode(model, (1, 8), say=lambda s: None) is None
+    decode = {f"batch{b}": {"eager_ms_per_step": 10.0 * b, "compiled_ms_per_step": 5.0 * b,
+                            "transformers_ms_per_step": 20.0 * b, "compiled_over_eager": 2.0}
+              for b in (1, 8)}
+    rec = {"benchmark": "compiled_steps", "sizes": [], "decode": decode,
+           "machine": {"cpu": "Test CPU", "torch_threads": torch.get_num_threads()}}
+    (tmp_path / "compiled_steps_cpu.json").write_text(json.dumps(rec))
+    said = []
+    ms, origin = ch.engine_decode(model, (1, 8), say=said.append)
+    assert ms == {b: {"eager": 10.0 * b, "compiled": 5.0 * b, "transformers": 20.0 * b} for b in (1, 8)}
+    assert "Test CPU" in origin and len(said) == 1 and ch.BUILD in said[0]
+
+
 def test_padded_costs_charge_the_size_that_holds_n():
     want = {1: 1.0, 2: 1.5, **{n: 3.0 for n in range(3, 9)}}
     assert ch.padded_costs({1: 1.0, 2: 1.5, 8: 3.0}, 8) == want

@@ -17,23 +17,25 @@ one line saying so; with packages `BUILD` wrote on this machine that does not ha
   `compiled_steps` record measured at this thread count; `.origin` says which.
 - `padded_costs(times, n_max)`: {n: ms} for n = 1..n_max, each n at the cost of the smallest
   size that holds it (a compiled step of n rows runs padded to that size).
+- `engine_decode(model, batches)`: ms per decode step through the engine at each batch, eager
+  and compiled in the same rounds when the packages are built, else the committed record's.
 - `engine_decode_ms(engines, prompts)`: ms per decode step of each engine, in alternating rounds.
 
 Letters: N rows of a step. Left out on purpose: compiling (`BUILD`, or `LLM(...,
 compilation_config=...)` in a process of your own), quantized models (the compiler takes fp32).
 """
 import os
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from minillm.engine.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.kernels.compilation_config import DEFAULT_SIZES, CompilationConfig
 from minillm.kernels.compiled import inductor_cache_dir
 from minillm.kernels.compiled_steps import CONTEXT, CompiledSteps
-from minillm.lab.common import load_results
+from minillm.lab.common import load_results, per_token_ms
 from minillm.lab.machine import COURSE_THREADS, record_origin
 from minillm.paging.paged_cache import PagedKVCache
 
@@ -113,11 +115,9 @@ def step_times(model, sizes=DEFAULT_SIZES, rounds: int = 3, say=print) -> StepTi
         else:
             if not all(t.tokens_equal for t in steps.timings):
                 raise AssertionError("a compiled size changed a greedy token")
-            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
             return StepTimes({t.size: t.eager_ms for t in steps.timings},
                              {t.size: t.compiled_ms for t in steps.timings},
-                             f"measured here ({torch.get_num_threads()} thread(s), load {load:.2f}, "
-                             f"{CONTEXT} cached tokens per row)")
+                             f"{_here()}, {CONTEXT} cached tokens per row")
     rec = compiled_record()
     if rec is None:
         say(f"and no committed compiled_steps record at {torch.get_num_threads()} thread(s)")
@@ -125,6 +125,41 @@ def step_times(model, sizes=DEFAULT_SIZES, rounds: int = 3, say=print) -> StepTi
     rows = {x["n"]: x for x in rec["sizes"] if x["n"] in sizes}
     return StepTimes({n: x["eager_ms"] for n, x in rows.items()},
                      {n: x["compiled_ms"] for n, x in rows.items()}, record_origin(rec), rec)
+
+
+def _here() -> str:
+    t = torch.get_num_threads()
+    load = f", load {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""
+    return f"measured here ({t} thread{'s' if t != 1 else ''}{load})"
+
+
+def engine_decode(model, batches=(1, 8), prompt_len: int = 32, n_new: int = 16, rounds: int = 3,
+                  say=print) -> tuple[dict, str] | None:
+    """({batch: {"eager": ms, "compiled": ms}}, where from): ms per decode step through the
+    engine for `batch` random prompts of `prompt_len` tokens, eager and compiled (sizes
+    `batches`) timed in the same rounds, when their packages are built; else the committed
+    record's (which adds "transformers", its `generate` at the same batch); None when neither."""
+    batches = tuple(batches)
+    config = built_config(model, batches, say=say, keep="agreeing", rounds=rounds)
+    if config is not None:
+        base = dict(max_num_seqs=max(batches), kv_cache_memory_bytes=64 * 2**20)
+        engines = {"eager": LLMEngine(model, EngineConfig(**base)),
+                   "compiled": LLMEngine(model, EngineConfig(**base, compilation_config=config))}
+        steps = engines["compiled"].runner.compiled
+        if steps is not None and tuple(steps.kept) == batches:
+            g = torch.Generator().manual_seed(0)
+            out = {}
+            for b in batches:
+                prompts = torch.randint(model.config.vocab_size, (b, prompt_len), generator=g)
+                out[b] = engine_decode_ms(engines, prompts.tolist(), n_new, rounds)
+            return out, _here()
+        say("the compiled packages did not run here (" + (steps.why_eager if steps else "none") + ")")
+    rec = compiled_record()
+    if rec is None or any(f"batch{b}" not in rec.get("decode", {}) for b in batches):
+        say(f"and no committed record of batches {batches} at {torch.get_num_threads()} thread(s)")
+        return None
+    return ({b: {k.removesuffix("_ms_per_step"): v for k, v in rec["decode"][f"batch{b}"].items()
+                 if k.endswith("_ms_per_step")} for b in batches}, record_origin(rec))
 
 
 def padded_costs(times: dict, n_max: int) -> dict:
@@ -135,23 +170,8 @@ def padded_costs(times: dict, n_max: int) -> dict:
 @torch.inference_mode()
 def engine_decode_ms(engines: dict, prompts: list[list[int]], n_new: int = 16,
                      rounds: int = 3) -> dict:
-    """{name: ms per decode step} of each engine generating `n_new` tokens for every prompt:
-    (t(n_new) - t(1)) / (n_new - 1), the prefill cancelling out, median of `rounds` rounds that
-    time every engine in turn (the order reversed every other round, so drift falls on all)."""
-    if n_new < 2:
-        raise ValueError(f"n_new must be >= 2, got {n_new}")
-
-    def run(engine, n):
-        t0 = time.perf_counter()
-        engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - t0
-
-    for engine in engines.values():                  # warm-up: first multi-row calls, loads
-        run(engine, 2)
-    samples = {name: [] for name in engines}
-    names = list(engines)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t_n, t_1 = run(engines[name], n_new), run(engines[name], 1)
-            samples[name].append(1e3 * (t_n - t_1) / (n_new - 1))
-    return {name: statistics.median(ms) for name, ms in samples.items()}
+    """{name: ms per decode step} of each engine generating `n_new` tokens for every prompt
+    (`common.per_token_ms`: the prefill cancels, the engines alternate within each round)."""
+    def run(engine):
+        return lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    return per_token_ms({name: run(e) for name, e in engines.items()}, n_new, rounds)
