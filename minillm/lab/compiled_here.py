@@ -63,7 +63,8 @@ def built_config(model, sizes=DEFAULT_SIZES, say=print, **fields) -> Compilation
     missing = missing_sizes(model, config)
     if not missing:
         return config
-    say(f"no compiled packages here for {torch.get_num_threads()} thread(s) (sizes "
+    t = torch.get_num_threads()
+    say(f"no compiled packages here for {t} thread{'s' if t != 1 else ''} (sizes "
         f"{', '.join(map(str, missing))} missing): `{build_command()}` builds them, minutes per "
         f"size; the committed record instead")
     return None
