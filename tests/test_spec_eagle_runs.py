@@ -107,3 +107,11 @@ def test_cached_proposer_drafts_what_the_reference_drafts(model, norm, window):
         assert torch.equal(fast.propose(ctxs, k).token_ids, ref.propose(ctxs, k).token_ids)
     with pytest.raises(TypeError, match="kv_cache"):
         EagleProposer(model, d, kv_cache=1)
+
+
+def test_drafting_costs_times_every_case(model):
+    """Shape of the record only (timing never decides a test)."""
+    from minillm.lab.drafting_runs import drafting_costs
+    r = drafting_costs(model, _drafter(model, 0), ks=(1, 2), context=12, rounds=1, window=4)
+    assert r["plain_ms"] > 0 and set(r["cached"]) == set(r["no cache"]) == {1, 2}
+    assert r["cached per_token"][2] == pytest.approx(r["cached"][2] / 2 / r["plain_ms"])
