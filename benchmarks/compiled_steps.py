@@ -13,8 +13,9 @@ measured ceilings. Then decode through `LLMEngine` at batch 1 and 8, eager and w
 sizes the default rule keeps, and transformers' `generate` at the same batch, timed in turn in
 the same rounds (`decode._ms_per_token`). The compile of each size is timed apart: the first
 process on a machine pays inductor's code generation; `compile_s_cached` is a new process loading
-the model and every size's package from disk, each checked and timed again (what a later one
-waits).
+the model and every size's package from disk, each checked (and timed again unless a quiet run
+saved its verdicts: what a later one waits). Last, chapter 6's n-gram speculation through the
+engine at batch 1 on the copy-style prompts, eager and compiled, against plain decoding.
 --quick: sizes 1, 2, 4, 8 and 16 new tokens per request; the full run: sizes up to 32, 64 tokens.
 Left out on purpose: GPUs (the CUDA-graph record is benchmarks/cuda_graphs.py), tensor parallelism.
 """
@@ -123,11 +124,12 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None, hf
             "compiled_over_eager": round(ms["eager"] / ms["compiled"], 3),
             "compiled_vs_transformers": round(ms["transformers"] / ms["compiled"], 3),
             "eager_vs_transformers": round(ms["transformers"] / ms["eager"], 3)}
+    ngram = _ngram_engine(model, tok, cc, quick) if own_model else None
     during = watch.read()
     record = {"quick": quick, "model": model.config.name, "context": CONTEXT, "mode": mode,
               "threads": torch.get_num_threads(), "sizes": rows, "kept": list(kept.kept),
               "kept_summary": kept.summary(), "compile_s_cached": cached_s,
-              "decode": decode, "load": {**during.as_record(),
+              "decode": decode, "ngram": ngram, "load": {**during.as_record(),
                                          "busy": during.busy(torch.get_num_threads())},
               "hardware": {"name": hw.name, "peak_flops": hw.peak("fp32"),
                            "mem_bandwidth": hw.mem_bandwidth},
@@ -136,10 +138,40 @@ def run(quick: bool = False, device=None, out_dir=None, model=None, tok=None, hf
                         "compile_s": "seconds of the first compiled call of a size",
                         "compile_s_cached": "seconds a new process takes to load the model and "
                                             "its sizes' packages, checked and timed again",
-                        "*_ms_per_step": "ms per decode step through the engine / transformers"}}
+                        "*_ms_per_step": "ms per decode step through the engine / transformers",
+                        "ngram": "ms per generated token through the engine at batch 1 on the "
+                                 "copy-style prompts: plain eager, n-gram eager, n-gram compiled"}}
     record["path"] = str(write_result("compiled_steps", record, device, out_dir))
     print(report(record))
     return record
+
+
+def _ngram_engine(model, tok, cc, quick: bool) -> dict:
+    """Chapter 6's n-gram setup through the engine at batch 1 on its copy-style prompts: ms per
+    generated token of plain eager decoding, n-gram speculation eager and n-gram with the
+    compiled steps (a verify of K + 1 rows runs at the next compiled size), timed in turn in the
+    same rounds; each output checked against plain decoding's."""
+    from minillm.lab.prompts import NGRAM_SETUP, SPEC_PROMPTS
+    from minillm.model.chat import encode_chat
+    n_new, k = (24 if quick else NGRAM_SETUP["max_new_tokens"]), NGRAM_SETUP["num_speculative_tokens"]
+    base = dict(max_num_seqs=1, kv_cache_memory_bytes=64 * 2**20)
+    spec = dict(num_speculative_tokens=k, speculative_method="ngram",
+                prompt_lookup_min=NGRAM_SETUP["min_ngram"], prompt_lookup_max=3)
+    engines = {"plain": LLMEngine(model, EngineConfig(**base)),
+               "ngram_eager": LLMEngine(model, EngineConfig(**base, **spec)),
+               "ngram_compiled": LLMEngine(model, EngineConfig(**base, **spec, compilation_config=cc))}
+    out = {}
+    for name in (("summarize", "code_edit") if quick else tuple(SPEC_PROMPTS)):
+        ids = encode_chat(tok, SPEC_PROMPTS[name])
+        params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)    # noqa: E731
+        toks = {e: eng.generate([ids], params(n_new))[0].token_ids for e, eng in engines.items()}
+        ms = _ms_per_token({e: (lambda n, eng=eng: eng.generate([ids], params(n)))
+                            for e, eng in engines.items()}, n_new, model.device, 3 if quick else 5)
+        out[name] = {f"{e}_ms_per_token": round(v, 3) for e, v in ms.items()} | {
+            "ngram_eager_speedup": round(ms["plain"] / ms["ngram_eager"], 3),
+            "ngram_compiled_speedup": round(ms["plain"] / ms["ngram_compiled"], 3),
+            "same_tokens": len({tuple(t) for t in toks.values()}) == 1}
+    return out
 
 
 def report(r: dict) -> str:
@@ -163,4 +195,8 @@ def report(r: dict) -> str:
                      f"{d['transformers_ms_per_step']:.1f} ms/step -> compiled "
                      f"{d['compiled_over_eager']:.2f}x eager, {d['compiled_vs_transformers']:.2f}x "
                      f"transformers (eager {d['eager_vs_transformers']:.2f}x)")
+    for name, d in (r.get("ngram") or {}).items():
+        lines.append(f"n-gram, {name}: {d['ngram_eager_speedup']:.2f}x plain decoding eager, "
+                     f"{d['ngram_compiled_speedup']:.2f}x with compiled steps"
+                     f"{'' if d['same_tokens'] else ' (OUTPUTS DIFFER)'}")
     return "\n".join(lines)

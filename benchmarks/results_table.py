@@ -98,6 +98,8 @@ HEADLINES = [
              "batch-8 decode, compiled engine steps vs transformers", "x"),
     Headline("compiled_steps", "compile_s_cached",
              "compiled steps: a later process loads and checks its 5 sizes", "s"),
+    Headline("compiled_steps", "ngram.summarize.ngram_compiled_speedup",
+             "n-gram speculation through the engine, compiled steps, vs plain eager (summarize)", "x"),
     Headline("serve_compare", "targets.output_tok_s_ratio_at_saturation",
              "HTTP: minillm vs transformers serve, output tok/s at saturation", "x"),
     Headline("serve_compare", "targets.ttft_p99_ms_at_half_saturation.minillm",
