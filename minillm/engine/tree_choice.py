@@ -54,9 +54,9 @@ def decide_tree(tree, k: int, acceptance: dict, costs, max_rank: int | None = No
     s_tree = predicted_speedup(tree, acceptance, costs)
     s_chain = predicted_speedup(chain, acceptance, costs)
     use = tree != chain and s_tree > s_chain
-    line = (f"token tree: {'tree' if use else 'chain'} - a {tree.num_nodes}-node tree predicts "
-            f"{s_tree:.2f}x (tau {expected_tau(tree, acceptance):.2f}), the chain of {k} "
-            f"{s_chain:.2f}x (tau {expected_tau(chain, acceptance):.2f}) on these costs")
+    line = (f"token tree: {'tree' if use else 'chain'} ({tree.num_nodes} nodes predict "
+            f"{s_tree:.2f}x, tau {expected_tau(tree, acceptance):.2f}; the chain of {k} "
+            f"{s_chain:.2f}x, tau {expected_tau(chain, acceptance):.2f}; on these verify costs)")
     return (tree if use else None), line
 
 
