@@ -11,9 +11,9 @@
 - a tree deeper than K or not prefix-closed is refused, naming `speculative_token_tree`.
 The law at temperature > 0 is tests/test_engine_tree_law.py.
 
-The stand-in drafter fills the tree from the target's own greedy continuation: at each depth the
-right token sits at a rank set by the context length (0, 1, or none of the tree's ranks), so
-paths end early, late, and through rank-1 siblings."""
+The stand-in drafter (tree_drafters.py) fills the tree from the target's own greedy
+continuation, the right token at a rank set by the context length, so paths end early, late,
+and through rank-1 siblings."""
 import pytest
 import torch
 
@@ -23,8 +23,8 @@ from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.engine.tree_choice import decide_tree
 from minillm.model.kv_cache import KVCache
-from minillm.spec.proposers import Proposal
-from minillm.spec.tree import TokenTree, TreeDraft
+from tree_drafters import TreeDrafter
+from minillm.spec.tree import TokenTree
 from minillm.spec.tree_sizing import predicted_speedup
 
 K = 3
@@ -47,39 +47,6 @@ def work(model):
     return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
-class TreeDrafter:
-    """Proposer stand-in with propose_tree; checks the features it is handed."""
-    needs_features, feature_window, max_rank = True, 4, 2
-
-    def __init__(self, model):
-        self.model, self.trees, self.checked = model, 0, 0
-
-    def propose(self, contexts, k, temperature=0.0, top_k=None, top_p=None, generator=None,
-                features=None):
-        draft = self.propose_tree(list(contexts[0]), features[0], TokenTree.chain(k))
-        return Proposal(draft.tokens[None, 1:])
-
-    def propose_tree(self, context_ids, features, tree):
-        ctx = list(context_ids)
-        if features is not None:
-            with torch.no_grad():
-                ref = self.model(torch.tensor([ctx]), return_hidden=True)[1][0]     # (S, C)
-            w = len(features)
-            torch.testing.assert_close(features, ref[len(ctx) - 1 - w:len(ctx) - 1], atol=1e-9,
-                                       rtol=0)
-            self.checked += 1
-        self.trees += tree != TokenTree.chain(tree.depth)
-        g = generate(self.model, ctx, tree.depth)
-        right = [(len(ctx) + d) % 3 for d in range(1, tree.depth + 1)]   # rank 2: not in the tree
-        toks, on = [ctx[-1]], [True]
-        for i in range(1, tree.num_nodes):
-            d, r, par = tree.depths[i], tree.ranks[i], tree.parents[i]
-            hit = on[par] and r == right[d - 1]
-            toks.append(g[d - 1] if hit else (g[d - 1] + 1 + r) % 256)
-            on.append(hit)
-        return TreeDraft(torch.tensor(toks), list(tree.parents))
-
-
 def tree_engine(model, cfg, costs=FLAT, tree=TREE):
     drafter = TreeDrafter(model)
     engine = LLMEngine(model, EngineConfig(**cfg), speculative_config={
@@ -90,7 +57,8 @@ def tree_engine(model, cfg, costs=FLAT, tree=TREE):
 
 
 def cache_matches_plain_decoding(engine, model):
-    """Each running sequence's computed K/V in the pool == a plain forward's over its tokens."""
+    """Each running sequence's computed K/V in the pool == a plain forward's over its tokens, and
+    the block manager's record of those tokens is the sequence's."""
     cache, bm = engine.cache, engine.block_manager
     L, Hkv, D = model.config.n_layer, model.config.n_kv_head, model.config.head_dim
     for seq in engine.scheduler.running:
@@ -101,6 +69,7 @@ def cache_matches_plain_decoding(engine, model):
         with torch.no_grad():
             model(torch.tensor([seq.token_ids[:n]]), torch.arange(n), ref)
         slots = bm.slot_mapping(seq.seq_id, 0, n)
+        assert bm.token_ids(seq.seq_id)[:n] == seq.token_ids[:n]      # what prefix hashes read
         for pool, want in ((cache.k, ref.k), (cache.v, ref.v)):
             got = pool.view(L, -1, Hkv, D)[:, slots]                          # (L, n, Hkv, D)
             torch.testing.assert_close(got, want[:, 0].transpose(1, 2), atol=1e-9, rtol=0)
