@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from engine_configs import CONFIGS, workload
-from minillm import generate, tiny_model
+from minillm import EagleDrafter, MedusaHeads, generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
-from minillm.engine.tree_choice import decide_tree
+from minillm.engine.tree_choice import decide_tree, verify_costs
 from minillm.model.kv_cache import KVCache
 from tree_drafters import TreeDrafter
 from minillm.spec.tree import TokenTree
@@ -89,6 +89,22 @@ def test_greedy_equals_plain_decoding(model, work, name):
         assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle", "lookahead"])
+def test_real_proposers_verify_their_trees_exactly(model, work, method):
+    """Seeded random Medusa heads and EAGLE drafter (trees of top-k ranks), lookahead (its own
+    tree shape): greedy still equals plain decoding, with trees verified."""
+    prompts, max_tokens, refs = work
+    drafter = {"medusa": MedusaHeads(model.config, num_heads=K, seed=0).to(torch.float64),
+               "eagle": EagleDrafter(model.config, seed=0).to(torch.float64)}.get(method)
+    engine = LLMEngine(model, EngineConfig(**CONFIGS["prefix_cache_swap"]), speculative_config={
+        "method": method, "num_speculative_tokens": K, "model": drafter,
+        "speculative_token_tree": TREE})
+    engine.spec.switch.costs = FLAT
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
+    assert [o.token_ids for o in outs] == refs and engine.num_free_blocks == engine.num_blocks
+    assert engine.spec.switch.steps > 0                              # tree verifies ran
+
+
 @pytest.mark.parametrize("name", ["bs3_chunk8", "prefix_cache_swap"])
 def test_the_cache_holds_plain_decodings_kv_after_every_step(model, work, name):
     prompts, max_tokens, refs = work
@@ -144,3 +160,8 @@ def test_decide_tree_follows_the_predicted_speedups():
 def test_a_bad_tree_is_refused(model, tree, match):
     with pytest.raises(ValueError, match=match):
         tree_engine(model, CONFIGS["bs1"], tree=tree)
+
+
+def test_verify_costs_are_timed_for_the_sizes_sizing_reads(model):
+    costs = verify_costs(model, 6, context=8, rounds=1)
+    assert sorted(costs) == [1, 2, 4, 6] and all(t > 0 for t in costs.values())

@@ -149,8 +149,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)   # one {token id: Logprob} per output token
     cumulative_logprob: float = 0.0      # sum of the output tokens' logprobs (when computed)
 
-    def clear_drafts(self) -> None:
-        """No drafts this step (chain or tree)."""
+    def clear_drafts(self) -> None:      # no drafts this step, chain or tree
         self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
 
     @property

@@ -142,7 +142,7 @@ class SpecDecoder:
         fits. `draft_generator(seq)` gives the generator to draft with (the seed rule's,
         `Sampler.draft_generator`). A drafter that reads features gets each sequence's tail
         (features.py; None if it has none)."""
-        drafts = []
+        drafts, self._trees = [], {}
         for seq in seqs:
             p = seq.params
             room = p.max_tokens - len(seq.output_token_ids) - 1       # the bonus token needs room
@@ -180,7 +180,8 @@ class SpecDecoder:
                              f"token {seq.token_ids[-1]}, got {draft!r}")
         if max(draft.depths) > k:
             draft = draft.prune(k)
-        self._trees[seq.seq_id] = draft                       # for a keyed proposer's observe
+        if self.keyed:
+            self._trees[seq.seq_id] = draft                   # for its observe, this step only
         if draft.num_nodes == 1:
             return [], None, None
         return draft.tokens[1:].tolist(), None, list(draft.parents)
