@@ -9,6 +9,9 @@ lookahead, n-gram and chapter 6's best self-draft, on held-out open chat prompts
    predicted tau against the tau the sized tree measures.
 3. Batch 4 through `LLMEngine` with `speculative_config` (the engine verifies the top-ranked
    chain): tokens/s against the plain engine on the same four prompts, greedy.
+4. The EAGLE drafting term: one chain proposal of K = 1, 2, 3 per drafted token, against one
+   plain decode step in the same rounds, with the drafter's key/value cache and without it
+   (`lab.drafting_runs.drafting_costs`).
 
 The drafters are the cached full-recipe ones (`train_medusa`, `train_eagle`: trained on first
 use, minutes). Measure on a quiet machine; `--threads=N` pins torch's thread count.
@@ -27,7 +30,7 @@ from minillm.drafting.train import train_eagle, train_medusa
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
-from minillm.lab.drafting_runs import time_methods, verify_costs
+from minillm.lab.drafting_runs import drafting_costs, time_methods, verify_costs
 from minillm.model.chat import encode_chat
 from minillm.model.loading import default_device, load_model
 from minillm.spec.lookahead import LookaheadProposer
@@ -123,6 +126,7 @@ def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None 
                              "verify_costs_ms": {str(k): v for k, v in costs["this machine"].items()},
                              "trees": sizing, "tau_predicted": expected_tau(big, accept),
                              "tau_measured": check["tau"], "same_as_plain": check["same_as_plain"]}
+    result["drafting_cost"] = drafting_costs(model, drafter, rounds=5 if quick else 15)
     result["batch_engine"] = batch_engine(model, heads, drafter, prompts * 2, s["batch"],
                                           s["max_new_tokens"], stop, s["rounds"])
     path = write_result("drafting", result, device, out_dir)
@@ -141,6 +145,11 @@ def report(r: dict) -> str:
         lines.append(f"tree for {machine}: {len(c['paths'])} draft nodes, tau {c['tau']:.2f}, "
                      f"predicted {c['predicted_speedup']:.2f}x")
     lines.append(f"sized tree: tau predicted {t['tau_predicted']:.2f}, measured {t['tau_measured']:.2f}")
+    c = r["drafting_cost"]
+    for name in ("no cache", "cached"):
+        per = ", ".join(f"K={k} {v:.3f}x" for k, v in c[f"{name} per_token"].items())
+        lines.append(f"EAGLE drafting per drafted token / plain step ({c['plain_ms']:.1f} ms), "
+                     f"{name}: {per}")
     b = r["batch_engine"]
     lines.append(f"batch {b['batch']} in the engine (chain of the top guesses):")
     for name, v in b["methods"].items():

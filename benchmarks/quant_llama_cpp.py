@@ -26,23 +26,13 @@ import functools
 import sys
 from pathlib import Path
 
-import numpy as np
-
+from minillm.lab.llama_cpp_peer import greedy_run, unavailable  # noqa: F401 (the chapter's too)
 from minillm.model.loading import cache_dir, smollm2_gguf_path
 
 SHIPPED = "Q4_1"
 MADE = ("Q8_0", "Q4_0")                     # made from the shipped file by llama.cpp's quantizer
 PAIRS = {"int8": "Q8_0", "int4_g32": "Q4_0", "gguf": "Q4_1"}   # minillm format -> llama.cpp file
 EMBED, OUTPUT = "token_embd.weight", "output.weight"
-
-
-def unavailable() -> str | None:
-    """Why the peer cannot run here (llama_cpp not importable), or None when it can."""
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError) as e:                 # OSError: the shared library fails to load
-        return f"llama_cpp is not importable ({type(e).__name__}: {e}); pip install -e \".[compare]\""
-    return None
 
 
 def tensor_list(path) -> list[dict]:
@@ -145,31 +135,6 @@ def peer_files(threads: int) -> tuple[dict[str, Path], dict[str, str]]:
         except (RuntimeError, OSError) as e:
             failed[kind] = str(e)
     return files, failed
-
-
-def greedy_run(path, prompt: list[int], threads: int, max_new: int):
-    """n -> llama.cpp's greedy decode of exactly n new tokens (n <= max_new) after `prompt`."""
-    import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + max_new + 1, n_batch=512,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
-    V = llm.n_vocab()
-
-    def next_token() -> int:
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(V,))
-        return int(logits.argmax())
-
-    def run(n: int) -> list[int]:
-        if not 1 <= n <= max_new:
-            raise ValueError(f"n must be in [1, {max_new}], got {n}")
-        llm.reset()                                       # the next eval overwrites the old cache
-        llm.eval(prompt)
-        out = [next_token()]
-        while len(out) < n:
-            llm.eval(out[-1:])
-            out.append(next_token())
-        return out
-    run.llm = llm                                         # keeps the model alive beside the closure
-    return run
 
 
 def ratio_rows(rows: dict, pairs: dict) -> dict:

@@ -5,7 +5,8 @@ through the engine (continuous batching, chunked prefill) and prints its table, 
 input-grounded prompts with and without n-gram speculative decoding, then the chat questions with
 the weights in the shipped file's Q4_1 blocks (chapter 7), and last the model behind the
 OpenAI-compatible server: one answer streamed through the official openai client and a short
-load with its latency table (chapter 8). `python -m minillm serve` starts that server alone.
+load with its latency table (chapter 8). `python -m minillm serve` starts that server alone;
+`python -m minillm compile-steps` compiles the engine's steps ahead of time (engine/compile_steps.py).
 """
 import argparse
 import time
@@ -75,10 +76,14 @@ def main(argv=None) -> None:
     if argv[:1] == ["serve"]:                   # the HTTP server has its own flags (vLLM's names)
         from minillm.serve.cli import main as serve_main
         return serve_main(argv[1:])
+    if argv[:1] == ["compile-steps"]:           # the engine's compiled steps, ahead of time
+        from minillm.engine.compile_steps import main as compile_main
+        return compile_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m minillm")
-    parser.add_argument("command", choices=["demo", "serve"],
+    parser.add_argument("command", choices=["demo", "serve", "compile-steps"],
                         help="demo: the real model served by minillm; serve: the OpenAI-compatible "
-                             "server (python -m minillm serve --help)")
+                             "server (python -m minillm serve --help); compile-steps: the engine's "
+                             "compiled steps, ahead of time (python -m minillm compile-steps --help)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -310,3 +310,14 @@ def test_the_step_clock_lets_timing_in_only_between_steps():
     assert not clock.unchanged(1)
     clock.end()
     assert not clock.unchanged(1)                          # a step ran since the token
+
+
+@pytest.mark.parametrize("argv, word", [(["--sizes", "2,1"], "strictly increasing"),
+                                        (["--sizes", "1,x"], "--sizes"), (["--threads", "0"], "--threads"),
+                                        (["--mode", "fast"], "mode")])
+def test_the_compile_command_refuses_bad_flags_before_loading_anything(argv, word, capsys, monkeypatch):
+    from minillm.engine import compile_steps
+    monkeypatch.setattr(compile_steps, "load_model", lambda **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit):
+        compile_steps.main(argv)
+    assert word in capsys.readouterr().err

@@ -253,3 +253,63 @@ def test_cached_drafter_finds_what_training_cached_and_never_trains(tok, tmp_pat
     assert sorted(p.name for p in (tmp_path / "drafters").iterdir()) == files
     with pytest.raises(ValueError, match="kind"):
         cached_drafter(m, "ngram", r)
+
+
+def _rms(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def test_normalized_inputs_are_rms_norms_before_the_fc(model):
+    """Reference: the plain drafter (same seeded fc and layer) fed inputs normalized by hand."""
+    d = EagleDrafter(model.config, seed=3, norm_inputs=True).double()
+    with torch.no_grad():
+        d.feature_norm.weight.uniform_(0.5, 1.5)
+        d.token_norm.weight.uniform_(0.5, 1.5)
+    plain = EagleDrafter(model.config, seed=3).double()
+    eps = model.config.norm_eps
+    f = torch.randn(1, 6, 64, dtype=torch.float64) * 3
+    t, pos = torch.randint(0, 256, (1, 6)), torch.arange(2, 8)
+    with torch.inference_mode():
+        got = d(f, t, model.embed, pos)
+        ref = plain(_rms(f, d.feature_norm.weight, eps), t,
+                    lambda ids: _rms(model.embed(ids), d.token_norm.weight, eps), pos)
+        torch.testing.assert_close(got, ref)
+        torch.testing.assert_close(d(f * 10, t, model.embed, pos), got, atol=1e-5, rtol=0)  # eps only
+        assert not torch.allclose(plain(f * 10, t, model.embed, pos), plain(f, t, model.embed, pos))
+    with pytest.raises(TypeError, match="norm_inputs"):
+        EagleDrafter(model.config, norm_inputs="yes")
+
+
+def test_normalized_drafter_files_and_older_files(model, tmp_path):
+    """A normalized drafter round-trips as format v2; a file as the older code wrote it (v1, no
+    settings) loads without input norms and gives the old outputs; unknown settings and a v2
+    file missing its norms are refused in one line."""
+    f = torch.randn(1, 5, 64, dtype=torch.float64)
+    t, pos = torch.randint(0, 256, (1, 5)), torch.arange(5)
+    d = EagleDrafter(model.config, seed=3, norm_inputs=True)
+    with torch.no_grad():
+        d.token_norm.weight.fill_(0.7)
+    d.save(tmp_path / "n.pt", model)
+    blob = torch.load(tmp_path / "n.pt", weights_only=True)
+    assert blob["format"] == "minillm-drafter-v2" and blob["config"] == {"norm_inputs": True}
+    back = EagleDrafter.load(tmp_path / "n.pt", model)
+    assert back.norm_inputs and float(back.token_norm.weight[0].detach()) == pytest.approx(0.7)
+    old = EagleDrafter(model.config, seed=4)
+    state = {k: v.detach().clone() for k, v in old.state_dict().items()}
+    torch.save({"format": "minillm-drafter-v1", "kind": "eagle", "hidden_size": 64,
+                "vocab_size": 256, "weights_sha256": weights_fingerprint(model), "config": {},
+                "meta": {}, "state": state}, tmp_path / "old.pt")
+    loaded = EagleDrafter.load(tmp_path / "old.pt", model)
+    assert not loaded.norm_inputs and not hasattr(loaded, "feature_norm")
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(f, t, model.embed, pos),
+                                   old.double()(f, t, model.embed, pos))
+    old.save(tmp_path / "plain.pt", model)                              # unnormalized: still v1
+    assert torch.load(tmp_path / "plain.pt", weights_only=True)["format"] == "minillm-drafter-v1"
+    for name, change in (("unknown settings", {"config": {"norm_inputs": True, "width": 3}}),
+                         ("do not fit", {"state": state, "format": "minillm-drafter-v2",
+                                         "config": {"norm_inputs": True}})):
+        torch.save({**blob, **change}, tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match=name) as err:
+            EagleDrafter.load(tmp_path / "bad.pt", model)
+        assert "retrain=True" in str(err.value)

@@ -14,8 +14,15 @@ to i plus its own earlier levels (its ancestors in a draft tree), so a level-l r
 depth-l node drafted after context position i + 1. Training on two levels (EAGLE-3's
 training-time test) teaches the drafter to read its own predictions, not only the target's.
 
-Left out on purpose: Medusa-2's soft targets (the target's full distribution), EAGLE-3's
-multi-layer features.
+Targets: by default the sample's own next tokens (`sample.ids`: right for self-distilled answers,
+which are the target's greedy choices). For teacher-forced text that is not the target's own,
+pass `labels` (S,): labels[t] is the token the target puts at position t (`greedy_labels`, its
+argmax after tokens 0..t-1), or `soft=True` for EAGLE: cross-entropy against the target's own
+distribution at the predicted feature, restricted to the draft vocabulary.
+`coverage_vocab` sizes a draft vocabulary from token counts: the fewest most frequent tokens that
+cover a given share of the data, and no token that never occurs.
+
+Left out on purpose: Medusa-2's soft targets for the heads, EAGLE-3's multi-layer features.
 """
 import torch
 import torch.nn.functional as F
@@ -23,13 +30,49 @@ import torch.nn.functional as F
 IGNORE = -100                                           # cross_entropy's ignore_index
 
 
-def medusa_targets(sample, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _labels(sample, labels) -> torch.Tensor:
+    if labels is None:
+        return sample.ids
+    labels = torch.as_tensor(labels)
+    if labels.shape != sample.ids.shape or labels.dtype != torch.long:
+        raise ValueError(f"labels must be token ids shaped like sample.ids {tuple(sample.ids.shape)}"
+                         f", got {tuple(labels.shape)} {labels.dtype}")
+    return labels
+
+
+@torch.inference_mode()
+def greedy_labels(hidden: torch.Tensor, lm_head, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The target's own greedy token at every position of fixed text: hidden (S, C) its features,
+    ids (S,) the text -> labels (S,), labels[0] = ids[0], labels[t] = argmax lm_head(hidden[t-1])."""
+    weight = getattr(lm_head, "weight", lm_head)                          # (V, C)
+    out = ids.clone()
+    for a in range(0, hidden.shape[0] - 1, chunk):                         # (chunk, V) at a time
+        h = hidden[a:min(a + chunk, hidden.shape[0] - 1)].to(weight.device, weight.dtype)
+        out[a + 1:a + 1 + h.shape[0]] = F.linear(h, weight).argmax(-1).cpu()
+    return out
+
+
+def coverage_vocab(counts: torch.Tensor, coverage: float) -> torch.Tensor:
+    """counts (V,) token occurrences -> the fewest token ids (ties: lower id first) whose counts
+    sum to >= coverage x the total, sorted by id, (Vd,). Tokens never seen are never chosen."""
+    if not 0 < coverage <= 1:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage!r}")
+    if counts.dim() != 1 or int(counts.sum()) <= 0 or int(counts.min()) < 0:
+        raise ValueError("counts must be a (V,) tensor of non-negative counts, not all zero")
+    order = torch.sort(-counts, stable=True).indices                       # most frequent first
+    cum = counts[order].cumsum(0)                                          # (V,)
+    need = torch.tensor(coverage, dtype=torch.float64) * int(cum[-1])
+    n = int(torch.searchsorted(cum.double(), need - 1e-9)) + 1             # first n with cum >= need
+    return order[:n].sort().values
+
+
+def medusa_targets(sample, num_heads: int, labels=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows t (R,), targets (R, K)): answer rows t >= start - 1 and tokens t + 2 + k
-    (IGNORE where past the end or not an answer token)."""
+    (IGNORE where past the end or not an answer token); tokens from `labels` when given."""
     S = sample.ids.numel()
     rows = torch.arange(max(sample.start - 1, 0), S - 2)                   # (R,)
     pos = rows[:, None] + 2 + torch.arange(num_heads)                      # (R, K)
-    tgt = sample.ids[pos.clamp(max=S - 1)]
+    tgt = _labels(sample, labels)[pos.clamp(max=S - 1)]
     tgt[(pos >= S) | (pos < sample.start)] = IGNORE
     return rows, tgt
 
@@ -75,12 +118,14 @@ def unroll(drafter, feats: torch.Tensor, toks: torch.Tensor, start_pos: int, dep
 
 
 def eagle_loss(drafter, lm_head, embed, sample, a: int, L: int, depth: int, noise: float,
-               cls_weight: float, generator: torch.Generator):
+               cls_weight: float, generator: torch.Generator, labels=None, soft: bool = False):
     """Smooth-L1 on the next features + cls_weight x cross-entropy on the next tokens, summed
-    over the unrolled levels, for the chunk of rows [a, a + L) of one sample."""
+    over the unrolled levels, for the chunk of rows [a, a + L) of one sample. Token targets:
+    `labels` (S,) if given, else sample.ids; `soft`: the target's distribution instead."""
     S = sample.ids.numel()
     L = min(L, S - 1 - a)
     dev = getattr(lm_head, "weight", lm_head).device
+    target_ids = _labels(sample, labels).to(dev)
     feats = sample.hidden[a:a + L].to(dev, torch.float32)           # (L, C)
     if noise > 0:                                                          # EAGLE's input noise
         feats = feats + (torch.rand(feats.shape, generator=generator) * 2 - 1).to(dev) * noise
@@ -95,10 +140,16 @@ def eagle_loss(drafter, lm_head, embed, sample, a: int, L: int, depth: int, nois
         f_true = sample.hidden.to(dev, torch.float32)[f_idx.clamp(max=S - 1)]
         fl = F.smooth_l1_loss(out[ok_f], f_true[ok_f]) if ok_f.any() else total
         t_idx = rows + level + 1                                           # token predicted
-        tgt = ids[t_idx.clamp(max=S - 1)].clone()
-        tgt[(t_idx >= S) | (t_idx < sample.start)] = IGNORE
-        tgt = vocab_targets(tgt.cpu(), drafter.draft_vocab, drafter.vocab_size).to(dev)
         logits = drafter.vocab_logits(out, lm_head)                        # (L, V or Vd)
-        cl = F.cross_entropy(logits, tgt, ignore_index=IGNORE) if (tgt != IGNORE).any() else total
+        if soft:                                   # the target's distribution at feature i + l
+            ok = ok_f & (t_idx >= sample.start)
+            with torch.no_grad():
+                p = drafter.vocab_logits(f_true[ok], lm_head).softmax(-1)  # (n, V or Vd)
+            cl = -(p * logits[ok].log_softmax(-1)).sum(-1).mean() if ok.any() else total
+        else:
+            tgt = target_ids[t_idx.clamp(max=S - 1)].clone()
+            tgt[(t_idx >= S) | (t_idx < sample.start)] = IGNORE
+            tgt = vocab_targets(tgt.cpu(), drafter.draft_vocab, drafter.vocab_size).to(dev)
+            cl = F.cross_entropy(logits, tgt, ignore_index=IGNORE) if (tgt != IGNORE).any() else total
         total = total + fl + cls_weight * cl
     return total

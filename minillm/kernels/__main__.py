@@ -9,10 +9,8 @@ starts nothing is timed; one that turns busy while timing saves the table marked
 used. The run says so; run it again when the machine is quiet.
 (`python -m minillm.kernels.cpu_tuning` is the earlier spelling of the same command.)
 
-`--compile-steps [--sizes 1,2,4,8,16]` compiles the engine's steps for the default model instead
-(`compiled_steps.py`: one package per padded row count, minutes each), checks and times them
-against eager, saves the verdicts when the machine was quiet, and prints which sizes were kept;
-later `LLM(..., compilation_config={...})` processes load them in seconds.
+The engine's compiled steps (`compiled_steps.py`) are compiled ahead of time by
+`python -m minillm compile-steps` (it needs the paged cache, a floor above this folder).
 
 `--background --model NAME` is the background tuner the front door starts (`background.py`):
 low priority, timing only while nothing else runs, saving the table once every shape is timed.
@@ -39,13 +37,7 @@ def main(argv=None) -> None:
     p.add_argument("--cache-dir", default=None, help="with --background: the tuning cache folder")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="with --background: give up after this many seconds without a quiet moment")
-    p.add_argument("--compile-steps", action="store_true",
-                   help="compile the engine's steps per padded row count (compiled_steps.py)")
-    p.add_argument("--sizes", default=None,
-                   help="with --compile-steps: the padded row counts, comma-separated (1,2,4,8,16)")
     args = p.parse_args(argv)
-    if args.sizes is not None and not args.compile_steps:
-        p.error("--sizes goes with --compile-steps")
     if args.threads is not None:
         if args.threads < 1:
             p.error(f"--threads must be >= 1, got {args.threads}")
@@ -65,29 +57,10 @@ def main(argv=None) -> None:
         handler.setFormatter(logging.Formatter("minillm: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    if args.compile_steps:
-        _compile_steps(p, args.sizes)
-        return
     model, _ = load_model(device="cpu")                   # the reference model, plain nn.Linear
     accelerate(model, allow_copies=args.allow_copies, retune=args.retune, tune=True)
     print(format_plan(kernel_report(model)))
     print(f"cache: {cache_path()}")
-
-
-def _compile_steps(p, sizes) -> None:
-    from minillm.kernels import compiled_steps as cs
-    from minillm.kernels.compiled import inductor_cache_dir
-    from minillm.paging.paged_cache import PagedKVCache
-    try:
-        cc = cs.CompilationConfig() if sizes is None else cs.CompilationConfig(
-            compile_sizes=tuple(int(x) for x in sizes.split(",")))
-    except ValueError as e:
-        p.error(f"--sizes: {e}")
-    model, _ = load_model(device="cpu")
-    steps = cs.CompiledSteps(model, cc).compile(
-        lambda n, size: PagedKVCache(model.config, n, size), progress=lambda line: print(line, flush=True))
-    print(steps.summary())
-    print(f"packages: {cc.cache_dir or inductor_cache_dir()}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Shared measuring plumbing: careful timing, a prefilled cache for timing forwards, and the
-committed benchmark records.
+"""Shared measuring plumbing: careful timing (`time_fn`; `per_token_ms`, decodes timed in
+alternating rounds), a prefilled cache for timing forwards, and the committed benchmark records.
 
 `load_results(name)` reads the JSON records in `results_dir()`: $MINILLM_RESULTS_DIR when set
 (a relative path is taken from the checkout), else `benchmarks/results/` of the source checkout
@@ -59,6 +59,29 @@ def time_fn(fn, device="cpu", warmup: int = 1, repeat: int = 3) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def per_token_ms(runs: dict, n_new: int = 16, rounds: int = 3) -> dict:
+    """{name: ms per decode step} of each `runs[name](n)` (a decode of n new tokens after the same
+    prompt): (t(n_new) - t(1)) / (n_new - 1), so the prompt's cost cancels, the median of `rounds`
+    rounds. Each round times every run in turn, the order reversed every other round, so a slow
+    spell of a shared machine falls on all of them. CPU timing (no device synchronize)."""
+    if n_new < 2:
+        raise ValueError(f"n_new must be >= 2, got {n_new}")
+
+    def timed(run, n):
+        t0 = time.perf_counter()
+        run(n)
+        return time.perf_counter() - t0
+
+    for run in runs.values():                       # warm-up: first calls, probes, allocations
+        run(2)
+    samples, names = {name: [] for name in runs}, list(runs)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t_n, t_1 = timed(runs[name], n_new), timed(runs[name], 1)
+            samples[name].append(1e3 * (t_n - t_1) / (n_new - 1))
+    return {name: sorted(ms)[len(ms) // 2] for name, ms in samples.items()}
 
 
 _default_results = results_dir          # load_results' parameter shadows the function's name

@@ -8,17 +8,22 @@ Letters: K speculative tokens (the depth of a chain or tree), N nodes of a tree 
 against plain decoding, and returns per method: tau (tokens per target pass), the measured speedup,
 the per-(depth, rank) acceptance the run saw, and the step's verify size. `verify_costs` times one
 forward of n tokens after a cached context (chapter 1's `forward_cost`, the tuned route), the cost
-curve `spec.tree_sizing.size_tree` turns into a tree for this machine.
+curve `spec.tree_sizing.size_tree` turns into a tree for this machine. `drafting_costs` times one
+EAGLE chain proposal of K tokens, with the drafter's key/value cache and without it, against one
+plain decode step in the same rounds: the drafting term of the speedup.
 
 Left out on purpose: the engine (batch > 1 lives in the benchmark), prefill-only timings.
 """
+import statistics
 import time
 
 import torch
 
+from minillm.lab.common import prefilled
 from minillm.lab.forward_cost import forward_cost
 from minillm.model.generate import generate
 from minillm.spec.loop import SpecStats, speculative_generate
+from minillm.spec.trained_proposers import EagleProposer, context_features
 
 VERIFY_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -83,3 +88,36 @@ def time_methods(model, prompts: list[list[int]], methods: dict, max_new_tokens:
                               if temperature == 0 else None),      # sampled runs: the same law only
             "acceptance": merged.acceptance_by_position() if name != "plain" else {}}
     return result
+
+
+@torch.inference_mode()
+def drafting_costs(model, drafter, ks=(1, 2, 3), context: int = 150, rounds: int = 15,
+                   window: int = 32) -> dict:
+    """Median ms of one plain decode step after `context` cached tokens and of one EAGLE chain
+    proposal of k tokens at that context (features given, as the verify pass hands them over),
+    by the cached proposer ("cached") and the reference that reruns its window ("no cache"),
+    all interleaved in each round. "per_token": proposal ms / k / plain step ms."""
+    ctx = torch.randint(0, model.config.vocab_size, (context,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    feats = context_features(model, ctx)                               # (context - 1, C)
+    _, step = prefilled(model, 1, context, 1)
+    x = torch.ones(1, 1, dtype=torch.long, device=model.device)
+    props = {"no cache": EagleProposer(model, drafter, window=window, kv_cache=False),
+             "cached": EagleProposer(model, drafter, window=window)}
+    cases = {("plain", 0): lambda: step(x)}
+    for name, prop in props.items():
+        for k in ks:
+            cases[(name, k)] = lambda p=prop, k=k: p.propose([ctx], k, features=[feats])
+    times = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    plain = med[("plain", 0)]
+    out = {"plain_ms": plain, "context": context, "window": window, "rounds": rounds}
+    for name in props:
+        out[name] = {k: med[(name, k)] for k in ks}
+        out[f"{name} per_token"] = {k: med[(name, k)] / k / plain for k in ks}
+    return out

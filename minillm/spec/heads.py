@@ -10,7 +10,11 @@ Letters: B batch, T rows, C d_model (hidden size), K heads, V vocab, Vd draft vo
 - `EagleDrafter(model_config)`: fuse (feature of token t, embedding of token t + 1) with a
   Linear(2C -> C), run one decoder layer of the target's own kind (llama.py's `Block`) under an
   explicit mask, and predict the feature of token t + 1; its tokens come from the lm_head on that
-  predicted feature, and it can go on drafting from its own predictions.
+  predicted feature, and it can go on drafting from its own predictions. `norm_inputs=True`
+  RMS-normalizes the feature and the embedding, each with its own learned scale, before the fc:
+  the target's features are ~15x larger than its embeddings, and unnormalized the token is
+  drowned out. One layer means a row's keys and values depend on that row's inputs only:
+  `keys_values` computes them once and `extend` runs new rows against them (`DraftKV`).
 
 Both put the target's frozen `lm_head` on top, passed at call time (never stored, never copied),
 or a reduced draft vocabulary (`draft_vocab`: the Vd most frequent token ids of the training
@@ -18,7 +22,9 @@ data; logits over those rows of lm_head.weight only, mapped back to real ids by 
 Reading the 49152 x 576 lm_head once per head costs a CPU more than the heads themselves.
 
 A drafter file records the hidden size, the vocabulary size and `weights_fingerprint(model)`
-of the target it was trained on, so heads are never silently used with another model.
+of the target it was trained on, so heads are never silently used with another model. A
+normalized drafter is written as format v2 (older code refuses it in one line); v1 files load
+as they always did, without the input norms.
 
 Left out on purpose: EAGLE-3's multi-layer feature fusion, Medusa-2's joint training of the
 target, Hydra's sequentially dependent heads.
@@ -32,9 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.model.config import ModelConfig
-from minillm.model.llama import Block, rope_cos_sin
+from minillm.model.llama import Block, RMSNorm, apply_rope, rope_cos_sin
 
 FORMAT = "minillm-drafter-v1"
+FORMAT_V2 = "minillm-drafter-v2"    # a config that v1 readers do not know (EAGLE's norm_inputs)
 _SAMPLE = 2048                      # values hashed per parameter
 
 
@@ -62,6 +69,7 @@ class _Drafter(nn.Module):
     """What Medusa heads and the EAGLE drafter share: the vocabulary on top and the file."""
 
     kind = ""
+    config_keys: frozenset = frozenset()                          # what config_dict may hold
 
     def _init_vocab(self, model_config: ModelConfig, draft_vocab) -> None:
         self.hidden_size, self.vocab_size = model_config.d_model, model_config.vocab_size
@@ -94,6 +102,9 @@ class _Drafter(nn.Module):
         """The constructor arguments a file must record beyond the target's sizes (none here)."""
         return {}
 
+    def file_format(self) -> str:
+        return FORMAT
+
     def save(self, path, model=None) -> None:
         """Write the drafter; `model` (else the one it was trained for) is fingerprinted."""
         fp = weights_fingerprint(model) if model is not None else self.target_fingerprint
@@ -101,7 +112,7 @@ class _Drafter(nn.Module):
             raise ValueError("save needs the target: save(path, model), so the file records "
                              "which weights these drafters belong to")
         state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        torch.save({"format": FORMAT, "kind": self.kind, "hidden_size": self.hidden_size,
+        torch.save({"format": self.file_format(), "kind": self.kind, "hidden_size": self.hidden_size,
                     "vocab_size": self.vocab_size, "weights_sha256": fp,
                     "config": self.config_dict(), "meta": self.meta, "state": state}, Path(path))
 
@@ -110,7 +121,7 @@ class _Drafter(nn.Module):
         """The drafter saved at `path`, checked against `model` and put on its device / dtype."""
         try:
             blob = torch.load(Path(path), map_location="cpu", weights_only=True)
-            ok = isinstance(blob, dict) and blob.get("format") == FORMAT
+            ok = isinstance(blob, dict) and blob.get("format") in (FORMAT, FORMAT_V2)
         except FileNotFoundError:
             raise
         except Exception as err:                                   # truncated, not a torch file
@@ -125,8 +136,10 @@ class _Drafter(nn.Module):
                 raise _mismatch(path, f"{field} {blob[field]} != the model's {mine}")
         if blob["weights_sha256"] != weights_fingerprint(model):
             raise _mismatch(path, "made for other weights (weights fingerprint differs)")
-        state = dict(blob["state"])
-        out = cls(cfg, **blob["config"], draft_vocab=state.get("draft_vocab"))
+        state, config = dict(blob["state"]), dict(blob.get("config", {}))
+        if not set(config) <= cls.config_keys:
+            raise _mismatch(path, f"unknown settings {sorted(set(config) - cls.config_keys)}")
+        out = cls(cfg, **config, draft_vocab=state.get("draft_vocab"))
         try:
             out.load_state_dict(state)
         except RuntimeError as err:
@@ -150,6 +163,7 @@ class MedusaHeads(_Drafter):
     """K residual SiLU heads over the last feature; `logits(hidden, lm_head)` -> (..., K, V)."""
 
     kind = "medusa"
+    config_keys = frozenset({"num_heads"})
 
     def __init__(self, model_config: ModelConfig, num_heads: int, seed: int | None = None,
                  draft_vocab=None):
@@ -189,28 +203,104 @@ class _MaskedAttention:
                                               enable_gqa=k.shape[1] != q.shape[1])
 
 
+class DraftKV:
+    """Keys and values of the rows a drafter has run so far, k and v (B, Hkv, R, D) each."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)         # (B, Hkv, R, D)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+
+
+class _CachedAttention:
+    """New rows attend over the cached rows and themselves, under an explicit mask; their keys
+    and values join the cache."""
+
+    def __init__(self, kv: DraftKV, mask: torch.Tensor):
+        self.kv, self.mask = kv, mask                              # mask (T, R + T) bool
+
+    def attend(self, layer_idx: int, q, k, v, positions=None):
+        # q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D) over the R + T rows
+        self.kv.append(k, v)
+        k, v = self.kv.k, self.kv.v                                # (B, Hkv, R + T, D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
 class EagleDrafter(_Drafter):
     """Fuse (feature_t, embed(token_{t+1})), one decoder layer, predict feature_{t+1}."""
 
     kind = "eagle"
+    config_keys = frozenset({"norm_inputs"})
 
-    def __init__(self, model_config: ModelConfig, seed: int | None = None, draft_vocab=None):
+    def __init__(self, model_config: ModelConfig, seed: int | None = None, draft_vocab=None,
+                 norm_inputs: bool = False):
         super().__init__()
+        if not isinstance(norm_inputs, bool):
+            raise TypeError(f"norm_inputs must be a bool, got {norm_inputs!r}")
         self._init_vocab(model_config, draft_vocab)
         self.seed, self.cfg = seed, model_config.with_(n_layer=1)
+        self.norm_inputs = norm_inputs
         C = model_config.d_model
         with _seeded(seed):
             self.fc = nn.Linear(2 * C, C)
             self.block = Block(self.cfg, 0)
+        if norm_inputs:                                            # ones: no draw from the RNG
+            self.feature_norm = RMSNorm(C, model_config.norm_eps)
+            self.token_norm = RMSNorm(C, model_config.norm_eps)
 
     def config_dict(self) -> dict:
-        return {}
+        return {"norm_inputs": True} if self.norm_inputs else {}   # {}: the v1 file, unchanged
+
+    def file_format(self) -> str:
+        return FORMAT_V2 if self.norm_inputs else FORMAT
+
+    def fuse(self, features: torch.Tensor, next_tokens: torch.Tensor, embed) -> torch.Tensor:
+        """features (B, T, C), next_tokens (B, T) -> the layer's input rows (B, T, C)."""
+        emb = embed(next_tokens)                                   # (B, T, C)
+        if self.norm_inputs:
+            features, emb = self.feature_norm(features), self.token_norm(emb)
+        return self.fc(torch.cat([features, emb], dim=-1))         # (B, T, C)
+
+    def _rope(self, positions: torch.Tensor, dtype):
+        positions = positions if positions.dim() == 2 else positions[None]   # (1 or B, T)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        return cos[:, None], sin[:, None], positions               # (1 or B, 1, T, D) each
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, embed,
                 positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """features (B, T, C), next_tokens (B, T), positions (T,) or (B, T), mask (T, T) bool
         (None: causal) -> predicted next features (B, T, C). `embed` is the target's."""
-        x = self.fc(torch.cat([features, embed(next_tokens)], dim=-1))   # (B, T, C)
-        positions = positions if positions.dim() == 2 else positions[None]   # (1 or B, T)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        return self.block(x, cos[:, None], sin[:, None], _MaskedAttention(mask), 0, positions)
+        x = self.fuse(features, next_tokens, embed)                # (B, T, C)
+        cos, sin, positions = self._rope(positions, x.dtype)
+        return self.block(x, cos, sin, _MaskedAttention(mask), 0, positions)
+
+    def keys_values(self, features: torch.Tensor, next_tokens: torch.Tensor, embed,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values of these rows, (B, Hkv, T, D) each, without running the
+        rest of the layer: what later rows attend to. Same inputs as `forward`."""
+        x = self.fuse(features, next_tokens, embed)                # (B, T, C)
+        cos, sin, _ = self._rope(positions, x.dtype)
+        attn, (B, T, _) = self.block.attn, x.shape
+        H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+        w = attn.qkv_proj.weight[H * D:]                           # the k and v rows only
+        kv = F.linear(self.block.input_norm(x), w).view(B, T, 2 * Hkv, D)   # (B, T, 2Hkv, D)
+        k, v = kv.transpose(1, 2).split([Hkv, Hkv], dim=1)         # (B, Hkv, T, D) each
+        return apply_rope(k, cos, sin), v
+
+    def extend(self, features: torch.Tensor, next_tokens: torch.Tensor, embed,
+               positions: torch.Tensor, kv: DraftKV, mask: torch.Tensor) -> torch.Tensor:
+        """Run T new rows that attend over the R rows in `kv` and themselves: mask (T, R + T)
+        bool, True = seen. Their keys and values are appended to `kv`. -> (B, T, C)."""
+        if mask.shape != (next_tokens.shape[-1], kv.rows + next_tokens.shape[-1]):
+            raise ValueError(f"mask must be (T, R + T) = ({next_tokens.shape[-1]}, "
+                             f"{kv.rows + next_tokens.shape[-1]}), got {tuple(mask.shape)}")
+        x = self.fuse(features, next_tokens, embed)                # (B, T, C)
+        cos, sin, positions = self._rope(positions, x.dtype)
+        return self.block(x, cos, sin, _CachedAttention(kv, mask), 0, positions)

@@ -14,6 +14,8 @@ over the context (`context_features`).
   because they are different ranks of one top-k. EAGLE: the drafter runs over a window of the
   last `window` context rows plus the nodes drafted so far (each attends to the window, its
   ancestors and itself), and a node's children are the top ranks of its own predicted feature.
+  Each depth runs only the new nodes against cached keys and values (`eagle_runs.CachedRun`;
+  `kv_cache=False`: the reference that reruns the window, `WindowRun`).
   With `dynamic=True` EAGLE grows EAGLE-2's tree instead: at each depth it expands the
   `dynamic_width` nodes with the highest cumulative draft probability, then keeps the
   `tree.num_nodes - 1` most probable nodes of all (a child is never more probable than its
@@ -22,10 +24,11 @@ over the context (`context_features`).
   the drafts are deterministic, which is exact at any temperature under rejection sampling.
 
 Left out on purpose: Medusa's typical acceptance (lossy; chapter 10 measures it as a contrast),
-a KV cache for the drafter (it recomputes its window, one layer), batched trees.
+keeping the drafter's keys and values from one proposal to the next, batched trees.
 """
 import torch
 
+from minillm.spec.eagle_runs import CachedRun, Draft, WindowRun
 from minillm.spec.heads import EagleDrafter, MedusaHeads
 from minillm.spec.proposers import Proposal, _check_k, _contexts
 from minillm.spec.tree import TokenTree, TreeDraft
@@ -106,48 +109,31 @@ class MedusaProposer(_TrainedProposer):
 
 
 class EagleProposer(_TrainedProposer):
-    """Tree drafts from an EAGLE drafter, static (the given tree) or dynamic (EAGLE-2)."""
+    """Tree drafts from an EAGLE drafter, static (the given tree) or dynamic (EAGLE-2).
+    `kv_cache=False` runs the reference that recomputes the window at every depth."""
 
     def __init__(self, model, drafter: EagleDrafter, window: int = 32, dynamic: bool = False,
-                 dynamic_width: int = 4):
+                 dynamic_width: int = 4, kv_cache: bool = True):
         _check_drafter(model, drafter, EagleDrafter)
         for name, v in (("window", window), ("dynamic_width", dynamic_width)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(kv_cache, bool):
+            raise TypeError(f"kv_cache must be a bool, got {kv_cache!r}")
         self.model, self.drafter = model, drafter.to(model.device, model.dtype).eval()
         self.window, self.dynamic, self.dynamic_width = window, dynamic, dynamic_width
+        self.kv_cache = kv_cache
 
-    def _run(self, win, parents: list[int], tokens: list[int], node_feats: list) -> torch.Tensor:
-        """Drafter outputs for the window rows and tree nodes 1.. (node 0 = root = last window
-        row). win = (features (W, C), next tokens (W,), positions (W,)); node n's input is its
-        parent's predicted feature `node_feats[n]` and its token. -> (W + N - 1, C)."""
-        f, t, pos = win
-        W, n = f.shape[0], len(parents) - 1
-        dev = f.device
-        depth = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depth[i] = depth[parents[i]] + 1
-        mask = torch.zeros(W + n, W + n, dtype=torch.bool, device=dev)     # True = seen
-        mask[:W, :W] = torch.ones(W, W, dtype=torch.bool, device=dev).tril()
-        mask[W:, :W] = True
-        for i in range(1, n + 1):
-            j = i
-            while j > 0:                                                   # self and ancestors
-                mask[W + i - 1, W + j - 1] = True
-                j = parents[j]
-        feats = torch.cat([f] + [x[None] for x in node_feats[1:]])          # (W + n, C)
-        toks = torch.cat([t, torch.tensor(tokens[1:], dtype=torch.long, device=dev)])
-        p = torch.cat([pos, pos[-1] + torch.tensor(depth[1:], dtype=torch.long, device=dev)])
-        return self.drafter(feats[None], toks[None], self.model.embed, p, mask)[0]  # (W + n, C)
-
-    def _window(self, context_ids, features):
+    def _runner(self, context_ids, features):
         feats = self._features(context_ids, features)                       # (w, C)
         S = len(context_ids)
         feats = feats[-self.window:]                 # a tail: positions S-1-len..S-2
         lo = S - 1 - len(feats)
         dev = feats.device
         toks = torch.tensor(context_ids[lo + 1:], dtype=torch.long, device=dev)   # (W,)
-        return feats, toks, torch.arange(lo + 1, S, device=dev)
+        win = feats, toks, torch.arange(lo + 1, S, device=dev)
+        run = CachedRun if self.kv_cache else WindowRun
+        return run(self.drafter, self.model.embed, win)
 
     def _children_logp(self, out: torch.Tensor, width: int):
         """out (M, C) predicted features -> (top log-probs, token ids), each (M, width)."""
@@ -157,55 +143,44 @@ class EagleProposer(_TrainedProposer):
 
     @torch.inference_mode()
     def propose_tree(self, context_ids: list[int], features, tree: TokenTree) -> TreeDraft:
-        win = self._window(context_ids, features)
+        run = self._runner(context_ids, features)
         if self.dynamic:
-            return self._dynamic(context_ids, win, tree)
-        return self._static(context_ids, win, tree)
+            return self._dynamic(context_ids, run, tree)
+        return self._static(context_ids, run, tree)
 
     @torch.inference_mode()
     def _chain(self, context_ids, features, chain: TokenTree) -> TreeDraft:
-        return self._static(context_ids, self._window(context_ids, features), chain)
+        return self._static(context_ids, self._runner(context_ids, features), chain)
 
-    def _static(self, context_ids, win, tree: TokenTree) -> TreeDraft:
-        W = win[0].shape[0]
+    def _static(self, context_ids, run, tree: TokenTree) -> TreeDraft:
         width = max(tree.ranks) + 1
-        tokens, parents, node_feats = [context_ids[-1]], [-1], [None]
+        draft = Draft([context_ids[-1]])
         order = list(range(1, tree.num_nodes))                              # depth order
         for d in range(1, max(tree.depths) + 1):
-            out = self._run(win, parents, tokens, node_feats)               # (W + n, C)
             level = [i for i in order if tree.depths[i] == d]
             par = sorted({tree.parents[i] for i in level})                 # nodes to expand
-            rows = out[[W - 1 + p for p in par]]                           # (P, C)
+            rows = run(draft, par)                                         # (P, C)
             _, ids = self._children_logp(rows, width)                      # (P, width)
             for i in level:
                 pi = par.index(tree.parents[i])
-                tokens.append(int(ids[pi, tree.ranks[i]]))
-                parents.append(tree.parents[i])
-                node_feats.append(rows[pi])
-        return TreeDraft(torch.tensor(tokens, device=self.model.device), parents)
+                draft.add(int(ids[pi, tree.ranks[i]]), tree.parents[i], rows[pi])
+        return TreeDraft(torch.tensor(draft.tokens, device=self.model.device), draft.parents)
 
-    def _dynamic(self, context_ids, win, tree: TokenTree) -> TreeDraft:
-        W, budget, width = win[0].shape[0], tree.num_nodes - 1, self.dynamic_width
-        tokens, parents, node_feats, score = [context_ids[-1]], [-1], [None], [0.0]
-        frontier = [0]
+    def _dynamic(self, context_ids, run, tree: TokenTree) -> TreeDraft:
+        budget, width = tree.num_nodes - 1, self.dynamic_width
+        draft, score, frontier = Draft([context_ids[-1]]), [0.0], [0]
         for _ in range(max(tree.depths)):
-            out = self._run(win, parents, tokens, node_feats)
-            rows = out[[W - 1 + p for p in frontier]]                      # (P, C)
+            rows = run(draft, frontier)                                    # (P, C)
             logp, ids = self._children_logp(rows, width)                   # (P, width)
             new = []
             for a, p in enumerate(frontier):
                 for r in range(width):
-                    tokens.append(int(ids[a, r]))
-                    parents.append(p)
-                    node_feats.append(rows[a])
+                    new.append(draft.add(int(ids[a, r]), p, rows[a]))
                     score.append(score[p] + float(logp[a, r]))
-                    new.append(len(tokens) - 1)
             frontier = sorted(new, key=lambda i: -score[i])[:width]
-        depth = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depth[i] = depth[parents[i]] + 1
-        keep = sorted(range(1, len(tokens)), key=lambda i: (-score[i], depth[i], i))[:budget]
+        depth = draft.depths
+        keep = sorted(range(1, len(draft.tokens)), key=lambda i: (-score[i], depth[i], i))[:budget]
         keep = [0] + sorted(keep, key=lambda i: (depth[i], i))
         where = {old: new for new, old in enumerate(keep)}
-        return TreeDraft(torch.tensor([tokens[i] for i in keep], device=self.model.device),
-                         [-1] + [where[parents[i]] for i in keep[1:]])
+        return TreeDraft(torch.tensor([draft.tokens[i] for i in keep], device=self.model.device),
+                         [-1] + [where[draft.parents[i]] for i in keep[1:]])
