@@ -89,6 +89,20 @@ def test_greedy_equals_plain_decoding(model, work, name):
         assert engine.scheduler.num_preemptions > 0
 
 
+def test_logprobs_of_tree_tokens_are_the_targets(model, work):
+    """Each token a tree step emits carries the log-softmax of a dense forward at its place."""
+    prompts, _, refs = work
+    engine, _ = tree_engine(model, CONFIGS["bs1"])
+    out = engine.generate(prompts[:1], SamplingParams(max_tokens=14, logprobs=2))[0].outputs[0]
+    assert out.token_ids == generate(model, prompts[0], 14) and engine.spec_stats.num_accepted_tokens
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompts[0] + out.token_ids]))[0], -1)   # (S, V)
+    S = len(prompts[0])
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert len(entry) == 2 and entry[tok].rank == 1     # the top 2, the greedy token first
+        assert entry[tok].logprob == pytest.approx(float(ref[S - 1 + i, tok]), abs=1e-6)   # fp32
+
+
 @pytest.mark.parametrize("method", ["medusa", "eagle", "lookahead"])
 def test_real_proposers_verify_their_trees_exactly(model, work, method):
     """Seeded random Medusa heads and EAGLE drafter (trees of top-k ranks), lookahead (its own

@@ -94,6 +94,7 @@ class SpecDecoder:
             raise ValueError("speculative_method='draft' needs LLMEngine(..., draft_model=...)")
         self.k, self.method, self.max_seq_len = k, method, max_seq_len
         self.disable_by_batch_size, self.min_seq_len = disable_by_batch_size, min_seq_len
+        self.max_tokens = max_num_batched_tokens
         if method == "ngram":
             self.proposer = NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1])
         elif method == "draft":
@@ -180,6 +181,8 @@ class SpecDecoder:
                              f"token {seq.token_ids[-1]}, got {draft!r}")
         if max(draft.depths) > k:
             draft = draft.prune(k)
+        if draft.num_nodes > self.max_tokens:                 # never more than a step's budget
+            draft = draft.first(self.max_tokens)
         if self.keyed:
             self._trees[seq.seq_id] = draft                   # for its observe, this step only
         if draft.num_nodes == 1:
