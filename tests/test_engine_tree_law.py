@@ -50,7 +50,8 @@ class RankedTreeDrafter:
     def _top(self, ctx: tuple) -> list[int]:
         if ctx not in self.memo:
             with torch.no_grad():
-                self.memo[ctx] = self.ranker(torch.tensor([ctx]))[0, -1].argsort(descending=True).tolist()
+                logits = self.ranker(torch.tensor([ctx]))[0, -1]                      # (V,)
+                self.memo[ctx] = logits.argsort(descending=True).tolist()
         return self.memo[ctx]
 
     def propose(self, contexts, k, temperature=0.0, top_k=None, top_p=None, generator=None):

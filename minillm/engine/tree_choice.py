@@ -18,6 +18,11 @@ verifies dozens almost for free). `TreeSwitch` measures both and decides once:
 Costs are `verify_costs(model, ...)`, timed once on this machine when the decision is due, unless
 given (`TreeSwitch(costs=...)`, e.g. `tree_sizing.roofline_costs` for a GPU not at hand).
 
+A node's rank is its place among its siblings. That is the drafter's top-k rank for Medusa and
+EAGLE; lookahead builds its own shape (Jacobi guesses first, then pool n-grams), so its "chain"
+prediction reads the guesses' acceptance and understates its real chain (which drafts the best
+pool match): the decision is only as good as that comparison.
+
 Left out on purpose: deciding again later (acceptance drifts with the text), the drafter's own
 cost (Medusa's heads and lookahead cost little next to a verify; EAGLE's layer does not), batches
 (cost(n) is timed at batch 1: a full batch makes every extra node dearer, `SpecDecoder.select`'s
