@@ -3,7 +3,7 @@
 A float64 tiny model (ties cannot flip) is compiled once per process for sizes 1, 4, 8 (inductor's
 default mode, seconds); every engine below shares those graphs. Each request's greedy output must
 equal `minillm.generate` run alone, over chunked prefill, preemption both ways, prefix caching,
-static batching and n-gram speculation, with steps really run compiled and padded; seeded
+static batching, n-gram speculation and token trees, with steps really run compiled and padded; seeded
 sampling with n > 1 equals the eager engine's. Timing decides nothing here (`keep="agreeing"`,
 or saved verdicts written by the test). A background compile runs in a child process while the
 engine serves eager, and its steps, once adopted, give generate's tokens.
@@ -87,6 +87,25 @@ def test_greedy_equals_generate_alone(model, cc, workload, name):
         assert engine.scheduler.num_preemptions > 0
     if name == "prefix_cache":
         assert engine.block_manager.stats["hit_blocks"] > 0
+
+
+def test_token_trees_run_compiled_with_their_mask_in_the_metadata(model, cc, workload):
+    """Tree verify rows padded to a compiled size: the tree mask rides in the cache's metadata,
+    which the graph's opaque attention op reads, so greedy still equals generate alone."""
+    from tree_drafters import TreeDrafter
+    prompts, max_tokens, refs = workload
+    drafter = TreeDrafter(model, needs_features=False)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=200, max_num_seqs=2,
+                                           max_num_batched_tokens=16, compilation_config=cc),
+                       speculative_config={"method": "medusa", "num_speculative_tokens": 2,
+                                           "model": drafter,
+                                           "speculative_token_tree": [(0,), (1,), (0, 0)]})
+    engine.spec.switch.probe_steps = 10**9                          # every verify a tree
+    sizes = _counting(engine)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=k) for k in max_tokens])
+    assert [o.token_ids for o in outs] == refs and engine.num_free_blocks == engine.num_blocks
+    assert drafter.trees > 0 and engine.spec.switch.kept.get((1, 1), 0) > 0
+    assert any(rows < size == 8 for size, rows in sizes)           # tree steps padded to 8
 
 
 def test_seeded_sampling_with_n_equals_the_eager_engine(model, cc, workload):

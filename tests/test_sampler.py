@@ -123,7 +123,7 @@ def test_the_spec_decoder_only_proposes(draft):
     p = SamplingParams(temperature=1.0, seed=1, max_tokens=6)
     seqs = [_seq(p, output=[5, 6]), _seq(p, output=[5, 6, 7, 8, 9])]     # room for 3 and for 0
     drafts = spec.propose(seqs, Sampler(torch.device("cpu")).draft_generator)
-    assert len(drafts[0][0]) == 3 and drafts[0][1].shape == (1, 3, V) and drafts[1] == ([], None)
+    assert len(drafts[0][0]) == 3 and drafts[0][1].shape == (1, 3, V) and drafts[1] == ([], None, None)
     assert all(s.draft_token_ids == [] and s.draft_probs is None for s in seqs)
 
 

@@ -105,7 +105,8 @@ class LLMEngine(StepUpdate):
                                     max_num_seqs=cfg.max_num_seqs, drafter=drafter,
                                     tree=cfg.speculative_token_tree, target=model,
                                     disable_by_batch_size=cfg.speculative_disable_by_batch_size,
-                                    min_seq_len=cfg.speculative_min_seq_len)
+                                    min_seq_len=cfg.speculative_min_seq_len,
+                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.needs_features = self.spec is not None and self.spec.needs_features
         param = next(model.parameters())
         scheduler = (StaticScheduler if cfg.scheduling == "static" else
@@ -288,9 +289,10 @@ class LLMEngine(StepUpdate):
         decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.output_token_ids]
         seqs = self.spec.select(decoding, self.scheduler.running)
         for seq in decoding:
-            seq.draft_token_ids, seq.draft_probs = [], None
-        for seq, (ids, probs) in zip(seqs, self.spec.propose(seqs, self.sampler.draft_generator)):
-            seq.draft_token_ids, seq.draft_probs = ids, probs
+            seq.clear_drafts()
+        drafts = self.spec.propose(seqs, self.sampler.draft_generator)
+        for seq, (ids, probs, parents) in zip(seqs, drafts):
+            seq.draft_token_ids, seq.draft_probs, seq.draft_parents = ids, probs, parents
         if decoding:
             self._spec_step = bool(seqs)
 

@@ -10,6 +10,9 @@ It only runs. Given a `SchedulerOutput` it
 3. runs `model(input_ids, positions, cache, logits_index)` with `logits_index` at the last token
    of each sequence whose chunk reaches its end (only those sample a new token), and at each
    speculative draft's position;
+A sequence verifying a token tree (`seq.draft_parents`) runs its newest token and its nodes in
+node order: node i's position is the newest token's plus its depth, and the cache's metadata
+gets its parents, so each node attends to the context and its own ancestors only.
 and returns those sequences with their logits (`execute_with_hidden`: also the final norm's output
 at every scheduled token, the features trained drafters read). Turning logits into tokens is the sampler's job
 (sampler.py); applying them is the engine's.
@@ -50,6 +53,14 @@ class PromptRows:
     count: int
 
 
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a token tree (root 0): its RoPE position is the root's + depth."""
+    d = [0] * len(parents)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
 def prompt_rows(out: SchedulerOutput) -> list[PromptRows]:
     """The prompt-logprob rows a step computes, in order: for each scheduled chunk of a request
     that asks for prompt logprobs and has no output yet, its positions that predict a prompt
@@ -82,6 +93,10 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """K/V of slots src -> dst in every layer (token trees' accepted paths, step_update.py)."""
+        self.cache.move_slots(src, dst)
+
     def move_blocks(self, out: SchedulerOutput) -> None:
         if out.offload:       # first: the blocks they read may be written by anything below
             self.host.store(self.cache, out.offload)
@@ -99,12 +114,15 @@ class ModelRunner:
         logits_index is None when every token samples (a step of decodes only). The sampling
         rows come first, then the `prompt_rows(out)`."""
         ids, pos, qlens, ctxs, tables, last, sampling = [], [], [], [], [], [], []
+        trees = []                                # per sequence: a token tree's parents, or None
         flat = {}                                 # seq -> index of its chunk's first token in ids
         for seq, n in out.scheduled:
             start, k = seq.num_computed_tokens, len(seq.draft_token_ids)
             flat[seq.seq_id] = len(ids)
             ids += seq.token_ids_from(start)[:n]
-            pos += range(start, start + n)
+            tree = seq.draft_parents if k and n == k + 1 else None
+            trees.append(tree)
+            pos += range(start, start + n) if tree is None else [start + d for d in depths(tree)]
             qlens.append(n)
             ctxs.append(start + n)
             tables.append(self.bm.block_table(seq.seq_id))
@@ -122,8 +140,10 @@ class ModelRunner:
             qlens.append(1)
             ctxs.append(1)
             tables.append([self.cache.num_blocks - 1])   # the scratch block (see LLMEngine)
+            trees.append(None)
+        trees = trees if any(t is not None for t in trees) else None
         self.attn_lists = (qlens, ctxs, tables)  # what the cache's metadata is built from
-        self.cache.prepare(qlens, ctxs, tables)
+        self.cache.prepare(qlens, ctxs, tables, trees)
         input_ids = long_tensor(ids, self.device)[None]                         # (1, M)
         positions = long_tensor(pos, self.device)                               # (M,)
         prows = prompt_rows(out)

@@ -9,7 +9,10 @@ drafted K tokens (its last token and each draft). `Sampler.sample` reads them, r
 - a plain row: the argmax (temperature 0; all such rows in one call) or one draw from
   `logits_to_probs` (temperature, top-k, min-p, top-p);
 - K + 1 rows: `greedy_verify` (temperature 0) or `rejection_sample` (the exact rule) keep n
-  drafts and one more token.
+  drafts and one more token;
+- a token tree (`seq.draft_parents`; one row per node, the newest token first): `tree_accept`
+  (spec/tree_rejection.py) keeps a root-to-node path and one more token, greedy or by exact
+  recursive rejection over each node's children; `Sampled.path` names the kept nodes.
 A request that asks for logprobs (or uses best_of) gets each token's entry from the distribution
 it was drawn from: log `logits_to_probs` of its row, or for temperature 0 the log-softmax of the
 processed logits. Under speculative decoding that is the target row the token's law is (the
@@ -37,6 +40,8 @@ from minillm.engine.logits_process import needs_processing, process_logits, toke
 from minillm.engine.sequence import Logprob, SamplingParams, Sequence
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.spec.rejection import greedy_verify, rejection_sample
+from minillm.spec.tree import TreeDraft
+from minillm.spec.tree_rejection import tree_accept
 
 DRAFT_OFFSET = 10**6     # the drafter of token k draws from the seed rule at k + DRAFT_OFFSET
 
@@ -86,6 +91,7 @@ class Sampled:
     num_drafts: int = 0            # K (0 for a plain row)
     error: str | None = None       # why no token could be drawn (say, non-finite logits)
     logprobs: list[dict[int, Logprob]] | None = None   # one per token, when the request asks
+    path: list[int] | None = None  # a token tree's kept nodes, root (0) first; None: a chain
 
     @property
     def num_accepted(self) -> int:
@@ -194,6 +200,8 @@ class Sampler:
     def _verify(self, r: SampleRow, logits: torch.Tensor) -> Sampled:
         """logits (K+1, V) at the last token and the K drafts -> the tokens to append (1..K+1)."""
         seq, k, p, lk = r.seq, r.num_drafts, r.seq.params, logprobs_k(r.seq.params)
+        if seq.draft_parents is not None:
+            return self._verify_tree(r, logits)
         try:
             ids = list(seq.draft_token_ids)
             if needs_processing(seq):
@@ -222,5 +230,28 @@ class Sampler:
             tokens = toks[0, :n + 1].tolist()
             return Sampled(tokens, k, logprobs=None if lk is None else
                            token_logprobs(logp[:n + 1], tokens, lk))
+        except (ValueError, RuntimeError) as e:
+            return Sampled([], k, error=f"{type(e).__name__}: {e}")
+
+    def _verify_tree(self, r: SampleRow, logits: torch.Tensor) -> Sampled:
+        """logits (N, V), one row per node of the sequence's token tree (its newest token, then
+        the drafts in node order) -> the kept path's tokens and one more (1..depth + 1). A tree is
+        drafted only for requests without logits processors, grammar or min_p (spec_decoder.py),
+        so the rows are the law `tree_accept` reads as they are."""
+        seq, p, lk = r.seq, r.seq.params, logprobs_k(r.seq.params)
+        k = r.num_drafts
+        try:
+            draft = TreeDraft(torch.tensor([seq.token_ids[-1]] + seq.draft_token_ids),
+                              seq.draft_parents)
+            gen = None if p.temperature == 0 else self.generator_for(p, r.index,
+                                                                     len(seq.output_token_ids))
+            path, nxt = tree_accept(logits, draft, p.temperature, p.top_k, p.top_p, generator=gen)
+            tokens = [seq.draft_token_ids[i - 1] for i in path[1:]] + [nxt]
+            logp = None
+            if lk is not None:
+                rows = logits[path].float()                                   # (len(path), V)
+                logp = torch.log_softmax(rows, -1) if p.temperature == 0 else probs_for(rows, p).log()
+            return Sampled(tokens, k, logprobs=None if lk is None else token_logprobs(logp, tokens, lk),
+                           path=path)
         except (ValueError, RuntimeError) as e:
             return Sampled([], k, error=f"{type(e).__name__}: {e}")

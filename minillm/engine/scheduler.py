@@ -144,7 +144,8 @@ class Scheduler:
                     q.remove(seq)
             if seq.seq_id in self.bm:
                 self.bm.free(seq.seq_id)
-            seq.draft_token_ids, seq.draft_probs, seq.swapped_kv = [], None, None
+            seq.clear_drafts()
+            seq.swapped_kv = None
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
@@ -180,7 +181,7 @@ class Scheduler:
             if seq.draft_token_ids and (1 + len(seq.draft_token_ids) > budget or not
                                         self.bm.can_append(seq.seq_id, self._growth(seq))):
                 # drafts are optional: drop them rather than exceed the budget or preempt anyone
-                seq.draft_token_ids, seq.draft_probs = [], None
+                seq.clear_drafts()
             if not self._make_room(seq, out):
                 continue  # seq itself was preempted
             new = seq.token_ids_from(self.bm.num_tokens(seq.seq_id))   # newest token + drafts
@@ -256,7 +257,7 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         out.preempted.append(seq)
-        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.clear_drafts()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # a block still waiting for its host-tier restore has nothing to swap out yet

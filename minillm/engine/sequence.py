@@ -138,6 +138,7 @@ class Sequence:
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache at admission
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
     draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
+    draft_parents: list[int] | None = None   # a token tree: parents of [newest, *drafts]; None: chain
     features: object = None              # FeatureWindow: the target's hidden rows (features.py)
     error: str | None = None             # why it was aborted, when a token could not be drawn
     detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
@@ -147,6 +148,9 @@ class Sequence:
     grammar: object = None               # GrammarState (structured.py) for structured output
     logprobs: list = field(default_factory=list)   # one {token id: Logprob} per output token
     cumulative_logprob: float = 0.0      # sum of the output tokens' logprobs (when computed)
+
+    def clear_drafts(self) -> None:      # no drafts this step, chain or tree
+        self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
 
     @property
     def num_tokens(self) -> int:

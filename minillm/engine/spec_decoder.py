@@ -42,18 +42,27 @@ missed, lookahead shifts its guesses, and the target's features are kept every s
 
 The trained drafters' drafts are deterministic (q None), so the same exact rule verifies them.
 
+Token trees (`speculative_token_tree`, a proposer with `propose_tree`: Medusa, EAGLE, lookahead):
+`tree_for` gives a sequence the switch's current tree (tree_choice.py: probed, then kept only if
+tree sizing predicts it wins on this machine; else the chain), `propose` returns its nodes as the
+drafts and its parents, and the runner, the sampler (`tree_accept`) and the engine verify it in
+the same one pass (one row per node). Requests with logits processors, a grammar or min_p draft
+chains. A proposer without `propose_tree` (n-gram, a draft model) always drafts a chain.
+
 Left out on purpose: a batched/paged draft-model cache (the draft model runs batch 1, one
-sequence after another, each with its own contiguous cache keyed by seq_id), tree verification
-in the paged engine (a `speculative_token_tree` is checked, and the chain of its rank-0 drafts is
-verified), per-request K.
+sequence after another, each with its own contiguous cache keyed by seq_id), per-request K and
+per-request trees.
 """
 from dataclasses import dataclass
 
 import torch
 
+from minillm.engine.logits_process import needs_processing
 from minillm.engine.sequence import Sequence
 from minillm.engine.spec_methods import SPEC_METHODS, check_tree, make_proposer
+from minillm.engine.tree_choice import TreeSwitch
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
+from minillm.spec.tree import TokenTree, TreeDraft
 
 
 @dataclass
@@ -78,25 +87,34 @@ class SpecDecoder:
     def __init__(self, method: str, k: int, draft_model=None, max_seq_len: int | None = None,
                  ngram: tuple[int, int] = (1, 3), max_num_seqs: int = 32, drafter=None,
                  tree=None, target=None, disable_by_batch_size: int | None = None,
-                 min_seq_len: int | None = None):
+                 min_seq_len: int | None = None, max_num_batched_tokens: int = 64):
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_method must be one of {list(SPEC_METHODS)}, got {method!r}")
         if method == "draft" and draft_model is None:
             raise ValueError("speculative_method='draft' needs LLMEngine(..., draft_model=...)")
         self.k, self.method, self.max_seq_len = k, method, max_seq_len
         self.disable_by_batch_size, self.min_seq_len = disable_by_batch_size, min_seq_len
+        self.max_tokens = max_num_batched_tokens
         if method == "ngram":
             self.proposer = NgramProposer(min_ngram=ngram[0], max_ngram=ngram[1])
         elif method == "draft":
             self.proposer = DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs)
         else:
             self.proposer = make_proposer(method, drafter, target, k, max_num_seqs)
-        self.tree = check_tree(tree, k, getattr(self.proposer, "max_rank", None))
+        max_rank = getattr(self.proposer, "max_rank", None)
+        self.tree = check_tree(tree, k, max_rank)
+        # a token tree is verified when one is configured and the proposer drafts trees; the
+        # switch probes it and keeps it only if tree sizing predicts it wins here (tree_choice.py)
+        self.switch = None
+        if self.tree is not None and callable(getattr(self.proposer, "propose_tree", None)):
+            self.switch = TreeSwitch(self.tree if self.tree == "auto" else TokenTree(self.tree),
+                                     k, target, max_rank=max_rank, max_tokens=max_num_batched_tokens)
         self.needs_features = bool(getattr(self.proposer, "needs_features", False))
         self.feature_window = getattr(self.proposer, "feature_window", 1)
         # a proposer with state per sequence (lookahead's guesses) is keyed by seq_id and sees
         # the verify logits (`observe`)
         self.keyed = method == "draft" or callable(getattr(self.proposer, "observe_chain", None))
+        self._trees: dict = {}         # seq_id -> the TreeDraft it verifies (keyed proposers)
 
     def select(self, decoding: list[Sequence], running: list[Sequence]) -> list[Sequence]:
         """The switch: which of this step's decoding sequences draft. None when the running
@@ -108,13 +126,24 @@ class SpecDecoder:
             return list(decoding)
         return [s for s in decoding if s.num_tokens >= self.min_seq_len]
 
-    def propose(self, seqs: list[Sequence],
-                draft_generator) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Drafts for decoding sequences: one (draft token ids, q) per sequence, q (1, K, V) for a
-        sampling draft model, else None; ([], None) where no draft fits. `draft_generator(seq)`
-        gives the generator to draft with (the seed rule's, `Sampler.draft_generator`). A
-        drafter that reads features gets each sequence's tail (features.py; None if it has none)."""
-        drafts = []
+    def tree_for(self, seq: Sequence) -> TokenTree | None:
+        """The token tree `seq` drafts this step, or None (a chain): the switch's current tree,
+        for requests whose rows are the law as the model gives it (no logits processors, grammar
+        or min_p: those verify chains, row j processed as after drafts[:j])."""
+        if self.switch is None or self.switch.current is None:
+            return None
+        if needs_processing(seq) or seq.params.min_p:
+            return None
+        return self.switch.current
+
+    def propose(self, seqs: list[Sequence], draft_generator) -> list[tuple]:
+        """Drafts for decoding sequences: one (draft token ids, q, parents) per sequence, q
+        (1, K, V) for a sampling draft model, else None; parents: a token tree's (of the newest
+        token and the drafts, node order; depth <= K), else None; ([], None, None) where no draft
+        fits. `draft_generator(seq)` gives the generator to draft with (the seed rule's,
+        `Sampler.draft_generator`). A drafter that reads features gets each sequence's tail
+        (features.py; None if it has none)."""
+        drafts, self._trees = [], {}
         for seq in seqs:
             p = seq.params
             room = p.max_tokens - len(seq.output_token_ids) - 1       # the bonus token needs room
@@ -122,21 +151,43 @@ class SpecDecoder:
                 room = min(room, self.max_seq_len - seq.num_tokens - 1)
             k = min(self.k, room)
             if k < 1:
-                drafts.append(([], None))
+                drafts.append(([], None, None))
                 continue
             extra = {}
             if self.keyed:
                 extra["key"] = seq.seq_id                            # its own cache or state
+            feats = None
             if self.needs_features:
                 feats = seq.features.tail(seq.num_tokens) if seq.features is not None else None
                 extra["features"] = [feats]                          # (w, C) or None
+            tree = self.tree_for(seq)
+            if tree is not None:
+                drafts.append(self._propose_tree(seq, tree, k, feats, extra.get("key")))
+                continue
             prop = self.proposer.propose([seq.token_ids], k, p.temperature, p.top_k, p.top_p,
                                          generator=draft_generator(seq), **extra)
             n = k if prop.num_proposed is None else int(prop.num_proposed[0])
             n = min(n, k, prop.token_ids.shape[1])
             probs = prop.probs[:, :n] if prop.probs is not None else None             # (1, K, V)
-            drafts.append((prop.token_ids[0, :n].tolist(), probs))
+            drafts.append((prop.token_ids[0, :n].tolist(), probs, None))
         return drafts
+
+    def _propose_tree(self, seq: Sequence, tree: TokenTree, k: int, feats, key) -> tuple:
+        """One sequence's tree draft, cut to depth <= k (the room left), as (ids, None, parents)."""
+        extra = {} if key is None else {"key": key}
+        draft = self.proposer.propose_tree(seq.token_ids, feats, tree, **extra)
+        if not isinstance(draft, TreeDraft) or int(draft.tokens[0]) != seq.token_ids[-1]:
+            raise ValueError(f"propose_tree must return a TreeDraft rooted at the context's last "
+                             f"token {seq.token_ids[-1]}, got {draft!r}")
+        if max(draft.depths) > k:
+            draft = draft.prune(k)
+        if draft.num_nodes > self.max_tokens:                 # never more than a step's budget
+            draft = draft.first(self.max_tokens)
+        if self.keyed:
+            self._trees[seq.seq_id] = draft                   # for its observe, this step only
+        if draft.num_nodes == 1:
+            return [], None, None
+        return draft.tokens[1:].tolist(), None, list(draft.parents)
 
     def observe(self, rows, logits: torch.Tensor | None) -> None:
         """Hand a keyed proposer the verify logits of its drafts (K + 1 rows at the last token
@@ -145,7 +196,11 @@ class SpecDecoder:
         if observe is None or logits is None:
             return
         for r in rows:
-            if r.num_drafts:
+            if r.num_drafts and r.seq.draft_parents is not None:     # a tree: its own rule
+                draft = self._trees.pop(r.seq.seq_id, None)
+                if draft is not None and draft.num_nodes == r.num_drafts + 1:
+                    self.proposer.observe(draft, logits[r.row:r.row + draft.num_nodes])  # (N, V)
+            elif r.num_drafts:
                 seq = r.seq
                 observe(seq.token_ids, seq.draft_token_ids,
                         logits[r.row:r.row + r.num_drafts + 1], key=seq.seq_id)       # (K+1, V)

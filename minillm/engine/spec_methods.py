@@ -18,8 +18,7 @@ the machine). `check_tree` refuses paths that are not prefix-closed, deeper than
 the drafter does not produce, naming `speculative_token_tree`.
 
 Left out on purpose: training heads (the front door, `LLM`, trains or loads them: this floor
-cannot), tree verification in the paged engine (trees are checked here; the engine verifies the
-chain of rank-0 candidates).
+cannot). Trees are checked here and verified by the engine (spec_decoder.py, tree_choice.py).
 """
 import os
 

@@ -8,7 +8,12 @@ fork on their prompt's last row, rejected drafts roll back, tokens (and logprobs
 text) are appended up to the one that finishes a sequence, finished sequences leave the
 scheduler at once, and the step's trace row and the requests' metrics are written.
 
-Left out on purpose: anything that runs tensors (model_runner.py) or draws tokens (sampler.py).
+A token tree's accepted path is moved to consecutive slots here too (`_settle_drafts`): the
+block manager's record is rewritten at once, and the K/V copy is handed to the runner in one
+call per step, before anything can read those slots.
+
+Left out on purpose: anything that runs tensors (model_runner.py, asked for the K/V moves) or
+draws tokens (sampler.py).
 """
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.features import FeatureWindow
@@ -37,6 +42,7 @@ class StepUpdate:
         appended, finished sequences stop, and metrics and the trace are written. A row that
         could not be sampled (say, NaN logits) aborts its own request and nobody else's."""
         self._keep_features(out, hidden, rows, sampled)
+        self._kv_moves = []               # token trees' accepted paths: (src, dst) slots
         num_decode, prefill_ids = self._advance(out, t0)
         for seq, first, entries in prompt_logprobs:     # a recomputed chunk writes the same again
             self.requests[seq.request_id].prompt_logprobs[first:first + len(entries)] = \
@@ -52,6 +58,8 @@ class StepUpdate:
                     self._settle_drafts(seq, s)
                 self._append(seq, s.token_ids, now, s.logprobs)
             advanced[seq.request_id] = self.requests[seq.request_id]
+        if self._kv_moves:                # before any later step reads, swaps or offloads them
+            self.runner.move_slots(*zip(*self._kv_moves))
         for seq in out.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
             if seq.features is not None and seq.num_computed_tokens == 0:
@@ -103,23 +111,36 @@ class StepUpdate:
         the rows of rejected drafts. Runs before the counts move (and before any fork)."""
         if hidden is None:
             return
-        rejected = {r.seq.seq_id: s.num_rejected for r, s in zip(rows, sampled) if r.num_drafts}
+        # rows kept per verifying sequence: a chain's first n - rejected, a tree's path
+        kept = {r.seq.seq_id: s.path if s.path is not None else s.num_drafts - s.num_rejected + 1
+                for r, s in zip(rows, sampled) if r.num_drafts}
         at = 0
         for seq, n in out.scheduled:
             if seq.features is None:
                 seq.features = FeatureWindow(self.spec.feature_window)
-            kept = n - rejected.get(seq.seq_id, 0)
-            seq.features.extend(seq.num_computed_tokens, hidden[at:at + kept])     # (kept, C)
+            keep = kept.get(seq.seq_id, n)
+            rows_ = hidden[at:at + keep] if isinstance(keep, int) else hidden[[at + i for i in keep]]
+            seq.features.extend(seq.num_computed_tokens, rows_)                    # (kept, C)
             at += n
 
     def _settle_drafts(self, seq: Sequence, s: Sampled) -> None:
         """K drafts were verified: the rejected ones' KV is void (num_computed_tokens -= rejected,
         their slots go back), the rest is registered, and the counts go to the request's metrics
-        and the engine's."""
+        and the engine's. A token tree's kept path first takes the places its nodes were booked
+        in: its tokens in the block table's record, its K/V moved to the slots plain decoding
+        would have written (booked in `_kv_moves`, made once the step's results are in)."""
+        if s.path is not None and s.path != list(range(len(s.path))):
+            root = seq.num_computed_tokens - 1 - s.num_drafts       # the newest token's position
+            slots = self.block_manager.slot_mapping(seq.seq_id, root, root + 1 + s.num_drafts)
+            moves = [(slots[node], slots[j]) for j, node in enumerate(s.path) if node != j]
+            self._kv_moves += moves
+            self.block_manager.replace_tokens(seq.seq_id, root + 1, s.token_ids[:-1])
+        if s.path is not None and self.spec.switch is not None:    # the tree's probe counts
+            self.spec.switch.record(seq.draft_parents, s.path)
         seq.num_computed_tokens -= s.num_rejected
         self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
         self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.clear_drafts()
         for counts in (self.requests[seq.request_id].metrics, self.spec_stats):
             counts.num_spec_steps += 1
             counts.num_draft_tokens += s.num_drafts

@@ -295,6 +295,18 @@ class BlockManager(PrefixCache, Offload):
         del seq.table[keep:], seq.tokens[num_tokens:], seq.chain[num_tokens // self.block_size:]
         seq.num_computed = min(seq.num_computed, num_tokens)
 
+    def replace_tokens(self, seq_id, start: int, token_ids: list[int]) -> None:
+        """Overwrite the tokens at positions start.. with `token_ids`, keeping every block: after a
+        token tree's verify the accepted path's tokens take the places its nodes were booked in
+        (their KV is moved there too, `PagedKVCache.move_slots`). Only tokens not yet computed
+        (so never hashed into the prefix cache) may change."""
+        seq, toks = self._get(seq_id), _check_tokens(token_ids, allow_empty=True)
+        check_int("start", start, seq.num_computed)
+        if start + len(toks) > len(seq.tokens):
+            raise ValueError(f"start + len(token_ids) must be <= num_tokens={len(seq.tokens)}, "
+                             f"got {start} + {len(toks)}")
+        seq.tokens[start:start + len(toks)] = toks
+
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent. Fork after the parent's KV is written
         (e.g. right after prefill) and before either side appends its own next token."""

@@ -81,10 +81,28 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.pools())
 
-    def prepare(self, query_lens, context_lens, block_tables) -> PagedAttentionMetadata:
+    def prepare(self, query_lens, context_lens, block_tables,
+                tree_parents=None) -> PagedAttentionMetadata:
+        """The step's metadata; `tree_parents` (None, or per sequence None or the parents of its
+        new tokens) gives a sequence verifying a token tree its tree mask (metadata.py)."""
         self.metadata = PagedAttentionMetadata(query_lens, context_lens, block_tables,
-                                               self.block_size, self.k.device)
+                                               self.block_size, self.k.device, tree_parents)
         return self.metadata
+
+    def move_slots(self, src, dst) -> None:
+        """Copy the K/V (codes and scales as stored) of slots `src` to slots `dst` in every layer,
+        all read before any is written: the accepted path of a token tree moved to the slots
+        plain decoding would have used (overlapping lists are safe)."""
+        if len(src) != len(dst):
+            raise ValueError(f"src and dst must have one length, got {len(src)}, {len(dst)}")
+        if not len(src):
+            return
+        s = torch.as_tensor(src, dtype=torch.long, device=self.k.device)
+        d = torch.as_tensor(dst, dtype=torch.long, device=self.k.device)
+        for pools in self.pools():
+            for pool in pools:                       # (L, N, P, ...) viewed as (L, N*P, ...)
+                flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
+                flat[:, d] = flat[:, s]
 
     def attend(self, layer_idx: int, q, k, v, positions=None):
         """q (1, H, M, D), k/v (1, Hkv, M, D) of the flattened batch -> (1, H, M, D). The slots
