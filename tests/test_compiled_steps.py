@@ -258,6 +258,7 @@ def test_a_background_compile_serves_eager_first_then_compiled(model, workload, 
     from minillm.kernels import background_steps as bs
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
                         lambda *a, **k: pytest.fail("compiled in the serving process"))
+    monkeypatch.setattr(bs, "NICE", 0)          # a loaded test machine would starve a niced child
     cfg = cs.CompilationConfig(compile_sizes=(1,), mode="default", keep="agreeing", rounds=1,
                                cache_dir=str(tmp_path), background=True)
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_batched_tokens=16,

@@ -6,6 +6,7 @@ switch and the host KV tier export the same names with 0 when off, and what the 
 when on; per-priority gauges; queue timeouts in their own counter)."""
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -158,20 +159,27 @@ def test_per_priority_gauges_count_the_queues(tok):
 
 
 def test_a_queue_timeout_is_counted_in_its_own_counter(tok):
-    """One seat, a class that gives up after 1 ms: the second of two requests is refused with
-    503 queue_timeout, counted once in request_queue_timeouts_total (and in request_aborted_total)."""
-    classes = (PriorityClass("batch", 0, 0.001, on_timeout="reject"),)
+    """One seat, held by an unbounded class; a second request of a class that gives up after 1 ms
+    is refused with 503 queue_timeout, counted once in request_queue_timeouts_total (and in
+    request_aborted_total). The first holds its seat before the second is sent, so a slow machine
+    cannot time out the first."""
+    classes = (PriorityClass("interactive", 0), PriorityClass("batch", 1, 0.001, on_timeout="reject"))
     llm = tiny_llm(tok, scheduling_policy="priority", priority_classes=classes, max_num_seqs=1)
     with running(llm, served_model_name=MODEL) as s:
         codes = []
-        def send():
-            codes.append(httpx.post(s.base_url + "/completions", json=completion(max_tokens=24),
-                                    timeout=60).status_code)
-        threads = [threading.Thread(target=send) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+
+        def send(priority, max_tokens):
+            codes.append(httpx.post(s.base_url + "/completions", timeout=60,
+                                    json=completion(max_tokens=max_tokens, ignore_eos=True,
+                                                    priority=priority)).status_code)
+        first = threading.Thread(target=send, args=(0, 400))    # long: holds the seat
+        first.start()
+        deadline = time.monotonic() + 30
+        while not scrape(s.url).get(("minillm:num_requests_running", frozenset())) and \
+                time.monotonic() < deadline and first.is_alive():
+            time.sleep(0.01)
+        send(1, 4)
+        first.join()
         m = scrape(s.url)
     assert sorted(codes) == [200, 503]
     assert m[("minillm:request_queue_timeouts_total", frozenset())] == 1
