@@ -27,10 +27,12 @@ from minillm.model.chat import encode_chat
 
 @dataclass
 class Sample:
-    """One distilled sequence: ids (S,), the target's features hidden (S, C), answer start."""
+    """One distilled sequence: ids (S,), the target's features hidden (S, C), answer start, and
+    for fixed text the target's greedy label at each position (S,) (None: the ids are its own)."""
     ids: torch.Tensor
     hidden: torch.Tensor
     start: int
+    labels: torch.Tensor | None = None
 
 
 def generate_answers(model, tokenizer, prompts: list[str], max_tokens: int = 128,
