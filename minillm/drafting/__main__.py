@@ -39,18 +39,19 @@ def main(argv=None) -> None:
         if args.threads < 1:
             p.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.command == "build-data":
+        if args.tokens < 1:
+            p.error(f"--tokens must be >= 1, got {args.tokens}")
+        try:
+            recipe = DataRecipe(args.source, max_answer=args.max_answer, shard_seqs=args.batch).check()
+        except ValueError as err:
+            p.error(str(err))
     model, tok = load_model(device="cpu")
     t0 = time.perf_counter()
     if args.command == "train":
         heads, drafter = train_medusa(model, tok), train_eagle(model, tok)
         print(f"Medusa heads and EAGLE drafter cached ({time.perf_counter() - t0:.0f} s)")
         return
-    if args.tokens < 1:
-        p.error(f"--tokens must be >= 1, got {args.tokens}")
-    try:
-        recipe = DataRecipe(args.source, max_answer=args.max_answer, shard_seqs=args.batch).check()
-    except ValueError as err:
-        p.error(str(err))
     s = build_data(model, tok, args.tokens, recipe)
     print(f"{s['shards']} shards ({s['built']} built now), {s['sequences']} sequences, "
           f"{s['tokens']} tokens of which {s['answer_tokens']} answer tokens, "
