@@ -1,5 +1,6 @@
 """Drafting without a copy (chapter 10): tau and speedup over plain decoding for Medusa, EAGLE,
-lookahead, n-gram and chapter 6's best self-draft, on held-out open chat prompts.
+lookahead, n-gram, chapter 6's best self-draft (bf16) and the int4 copy of the target (chapter 7),
+on held-out open chat prompts.
 
 1. Batch 1 (`speculative_generate`, the batch-1 loop with one tree pass per step), greedy and at
    temperature 0.7 (seeded): tokens per step (tau), speedup over plain `generate` in the same
@@ -18,6 +19,7 @@ use, minutes). Measure on a quiet machine; `--threads=N` pins torch's thread cou
 
     python -m benchmarks drafting [--quick]
 """
+import copy
 import json
 import time
 
@@ -33,6 +35,7 @@ from minillm.engine.sequence import SamplingParams
 from minillm.lab.drafting_runs import drafting_costs, time_methods, verify_costs
 from minillm.model.chat import encode_chat
 from minillm.model.loading import default_device, load_model
+from minillm.quant.api import quantize
 from minillm.spec.lookahead import LookaheadProposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer, bf16_copy
 from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
@@ -53,6 +56,7 @@ SETTINGS = {False: dict(prompts=4, max_new_tokens=64, rounds=1, batch=4),
 def _methods(model, heads, drafter, tree):
     return {"ngram": (NgramProposer(min_ngram=2), None, 4),
             "bf16 self-draft": (DraftModelProposer(bf16_copy(model)), None, 4),
+            "int4 self-draft": (DraftModelProposer(quantize(copy.deepcopy(model), "int4")), None, 4),
             "medusa": (MedusaProposer(model, heads), tree, 3),
             "eagle": (EagleProposer(model, drafter, dynamic=True), tree, 3),
             "lookahead": (LookaheadProposer(window=4, ngram=3, max_candidates=4), None, 4)}

@@ -75,7 +75,7 @@ def test_text_labels_are_the_targets_argmax(tiny, tok, tmp_path, monkeypatch):
         assert tok.decode(d.ids[d.start:]).strip() in ex.answer
         with torch.inference_mode():
             logits, h = tiny(d.ids[None], return_hidden=True)
-        assert d.labels[0] == -1 and torch.equal(d.labels[1:], logits[0, :-1].argmax(-1))
+        assert d.labels[0] == d.ids[0] and torch.equal(d.labels[1:], logits[0, :-1].argmax(-1))
         torch.testing.assert_close(d.hidden, h[0], atol=3e-3, rtol=3e-3)
 
 

@@ -11,8 +11,8 @@ through the target), so its `Sample` keeps tokens 0..S-2 and drops the last one.
 
 `teacher_force` runs fixed text (a prompt and someone else's answer) through the target in
 padded batches and returns each sequence's features and the target's own greedy label at every
-position (labels[t] = argmax of the lm_head at row t - 1; -1 at t = 0): what the target would
-have said there, which is what a drafter must learn, not the text's next token.
+position (`objectives.greedy_labels`: labels[t] = argmax of the lm_head at row t - 1): what the
+target would have said there, which is what a drafter must learn, not the text's next token.
 
 Left out on purpose: sampled answers, prefix caching while recording (a cached prefix computes
 no rows), several layers' features.
@@ -20,6 +20,7 @@ no rows), several layers' features.
 import torch
 
 from minillm.drafting.distill import Sample
+from minillm.drafting.objectives import greedy_labels
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
@@ -105,11 +106,7 @@ def teacher_force(model, texts: list[tuple[list[int], int]], pad_id: int = 0,
         _, hidden = model(x.to(model.device), logits_index=torch.tensor([0]), return_hidden=True)
         for r, j in enumerate(batch):                                     # causal: pads unseen
             ids, start = texts[j]
-            h = hidden[r, :len(ids)]                                      # (S, C)
-            labels = torch.full((len(ids),), -1, dtype=torch.long)
-            for lo in range(0, len(ids) - 1, 512):
-                hi = min(lo + 512, len(ids) - 1)
-                labels[lo + 1:hi + 1] = model.lm_head(h[lo:hi]).argmax(-1).cpu()
-            out[j] = Sample(torch.tensor(ids), h.to("cpu", torch.float16), start, labels)
+            h, t = hidden[r, :len(ids)], torch.tensor(ids)                # (S, C), (S,)
+            out[j] = Sample(t, h.to("cpu", torch.float16), start, greedy_labels(h, model.lm_head, t))
         i += B
     return [out[j] for j in range(len(texts))]

@@ -7,8 +7,9 @@ The prompts are the first exchanges of an offline chat corpus (`corpus.py`). Wit
 "answers" the target answers them greedily through the engine, its features captured on the way
 (`capture.answer_with_features`), so the answers are its own; with "text" the corpus's answers
 are teacher-forced and labelled with the target's greedy choices (`capture.teacher_force`).
-Shard k holds prompts [k n, (k + 1) n) of the corpus in its order: ids and labels (N,) int32,
-features (N, C) fp16 (about 1.2 KB a token), each sequence's length and answer start. The folder
+Shard k holds prompts [k n, (k + 1) n) of the corpus in its order: ids and labels (N,) int32
+(labels -1 where the ids are the target's own), features (N, C) fp16 (about 1.2 KB a token),
+each sequence's length and answer start. The folder
 is `cache_dir() / "drafting-data" / <weights fingerprint>-<key>`, where the key hashes the recipe
 and the prompts; a shard is written whole (a temporary file, then a rename), so an interrupted
 build resumes at the first missing shard, and a shard that does not load or belongs to another

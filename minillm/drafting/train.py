@@ -4,11 +4,12 @@
 The target answers the training prompts greedily (`distill.py`), one pass records its features,
 and the drafter learns to predict the target's own next tokens from them (`objectives.py`):
 AdamW, seeded (same seed and thread count -> the same weights), a tqdm bar. A "small" recipe
-trains live in a chapter cell; the default "full" one takes a few minutes and is cached under
+trains live in a chapter cell; the default "full" one takes a few minutes (`python -m
+minillm.drafting train` runs it) and is cached under
 `cache_dir() / "drafters"`, keyed by the target's weights fingerprint and the recipe, so the next
 call loads it (a corrupt cache file is reported and trained again); `cached_drafter` only looks
-it up, so a chapter can use the full drafters when they exist without training them. The distilled answers (token
-ids only) are cached there too: Medusa and EAGLE share them.
+it up, so a chapter can use the full drafters when they exist without training them. The
+distilled answers (token ids only) are cached there too: Medusa and EAGLE share them.
 
 Left out on purpose: mixed precision, learning-rate schedules beyond a linear warm-down,
 multi-process data loading, sampled (temperature > 0) training answers.
@@ -53,8 +54,8 @@ class Recipe:
 DRAFT_VOCAB = 8192
 
 RECIPES = {
-    "small": Recipe(n_chat=24, n_humaneval=8, n_stdlib=8, steps=80,
-                    batch_rows=128),
+    "small": Recipe(n_chat=24, n_humaneval=4, n_stdlib=4, max_tokens=64, steps=80,
+                    batch_rows=128),              # about a minute in all on a quiet 2-core CPU
     "full": Recipe(n_stdlib=24),
 }
 
@@ -76,8 +77,8 @@ _FEATURES: dict = {}      # (fingerprint, max_tokens, prompt) -> Sample, for thi
 
 def distilled(model, tokenizer, recipe: Recipe, cache: bool = True, progress: bool = True):
     """The recipe's training samples. Answers are cached as token ids per prompt (one file per
-    target and answer length), so a recipe whose prompts another recipe already answered (the
-    small one is a subset of the full one) generates only the missing ones; features are kept
+    target and answer length), so a recipe whose prompts another recipe of the same answer
+    length already answered generates only the missing ones; features are kept
     in memory for the process, so Medusa and EAGLE trained one after the other record them once."""
     prompts = training_prompts(recipe.n_chat, recipe.n_humaneval, recipe.n_stdlib)
     fp = weights_fingerprint(model)
@@ -91,6 +92,7 @@ def distilled(model, tokenizer, recipe: Recipe, cache: bool = True, progress: bo
     missing = [p for p in prompts if p not in answers]
     if missing:
         answers.update(zip(missing, generate_answers(model, tokenizer, missing, recipe.max_tokens,
+                                                     max_num_seqs=min(64, max(16, len(missing))),
                                                      progress=progress)))
         if cache:
             path.parent.mkdir(parents=True, exist_ok=True)
