@@ -54,8 +54,9 @@ class Recipe:
 DRAFT_VOCAB = 8192
 
 RECIPES = {
-    "small": Recipe(n_chat=24, n_humaneval=4, n_stdlib=4, max_tokens=64, steps=80,
-                    batch_rows=128),              # about a minute in all on a quiet 2-core CPU
+    # chat only (the held-out prompts are chat), one engine batch: about a minute with its EAGLE
+    # drafter on a quiet 2-core CPU; its answers are the full recipe's first 32 (same length)
+    "small": Recipe(n_chat=32, n_humaneval=0, n_stdlib=0, steps=80, batch_rows=128),
     "full": Recipe(n_stdlib=24),
 }
 
