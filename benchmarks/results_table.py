@@ -102,6 +102,8 @@ HEADLINES = [
              "n-gram speculation through the engine, compiled steps, vs plain eager (summarize)", "x"),
     Headline("serve_compare", "targets.output_tok_s_ratio_at_saturation",
              "HTTP: minillm vs transformers serve, output tok/s at saturation", "x"),
+    Headline("serve_compare_compiled", "targets.output_tok_s_ratio_at_saturation",
+             "HTTP: minillm with compiled steps vs transformers serve, output tok/s at saturation", "x"),
     Headline("serve_compare", "targets.ttft_p99_ms_at_half_saturation.minillm",
              "HTTP: TTFT p99 at half of minillm's saturation rate, minillm", "ms"),
     Headline("serve_compare", "targets.ttft_p99_ms_at_half_saturation.transformers",
