@@ -111,3 +111,43 @@ def test_bad_input(tiny, tok):
     for argv in (["build-data", "--tokens", "0"], ["build-data", "--batch", "0"], ["nothing"]):
         with pytest.raises(SystemExit):
             main(argv)
+
+
+def test_data_recipe_trains_on_the_shards_with_a_held_out_curve(tiny, tok, tmp_path, monkeypatch):
+    """Recipe(source="data") reads what build_data stored (ids as the targets, inputs normalized)
+    and scores held-out samples as it trains: the last point equals `sample_accuracy` of the
+    drafter it returns. No data: a ValueError saying how to build it."""
+    import minillm.drafting.train as train
+    from minillm.drafting.evaluate import sample_accuracy
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    build_data(tiny, tok, 10**6, ANSWERS, exchanges=EX, max_num_seqs=2, progress=False)
+    monkeypatch.setattr(train, "load_data", lambda m, t, tokens=None: load_data(
+        m, t, ANSWERS, exchanges=EX, tokens=tokens))
+    r = train.Recipe(source="data", steps=6, batch_rows=16, eagle_chunk=8, norm_inputs=True)
+    held = load_data(tiny, tok, ANSWERS, exchanges=EX)[:2]
+    d = train.train_eagle(tiny, tok, r, held_out=held, eval_every=3, draft_vocab_size=40,
+                          cache=False, progress=False)
+    assert d.norm_inputs and d.draft_vocab.numel() == 40
+    assert [c["step"] for c in d.meta["curve"]] == [0, 3, 6]
+    final = sample_accuracy(tiny, d, held, depth=2)
+    assert d.meta["curve"][-1]["top1"] == [round(x, 4) for x in final["top1"]]
+    heads = train.train_medusa(tiny, tok, 2, r, draft_vocab_size=40, cache=False, progress=False)
+    assert heads.meta["recipe"]["source"] == "data"
+    monkeypatch.setattr(train, "load_data", lambda m, t, tokens=None: [])
+    with pytest.raises(ValueError, match="build-data"):
+        train.train_eagle(tiny, tok, r, cache=False, progress=False)
+    with pytest.raises(ValueError, match="eval_every"):
+        train.train_eagle(tiny, tok, r, held_out=held, eval_every=0, cache=False)
+    with pytest.raises(ValueError, match="recipe.source"):
+        train.train_eagle(tiny, tok, train.Recipe(source="web"), cache=False)
+
+
+def test_recipes_made_before_the_data_fields_keep_their_cache_files():
+    """Fields added to Recipe stay out of the key at their defaults: the keys below were
+    computed by the training code before those fields existed."""
+    from minillm.drafting.train import DRAFT_VOCAB, RECIPES, _key, _recipe_key
+    old = {("small", "eagle", None): "a3c367d93ff9620e", ("small", "medusa", 4): "26a723b6977941ab",
+           ("full", "eagle", None): "d57517df6ba92ac3", ("full", "medusa", 4): "955d96bcb26e0e6a"}
+    for (name, kind, extra), key in old.items():
+        assert _key([kind, _recipe_key(RECIPES[name]), extra, 0, DRAFT_VOCAB]) == key
+    assert _recipe_key(RECIPES["data"])["source"] == "data"

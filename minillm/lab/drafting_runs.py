@@ -10,7 +10,8 @@ the per-(depth, rank) acceptance the run saw, and the step's verify size. `verif
 forward of n tokens after a cached context (chapter 1's `forward_cost`, the tuned route), the cost
 curve `spec.tree_sizing.size_tree` turns into a tree for this machine. `drafting_costs` times one
 EAGLE chain proposal of K tokens, with the drafter's key/value cache and without it, against one
-plain decode step in the same rounds: the drafting term of the speedup.
+plain decode step in the same rounds: the drafting term of the speedup. `speedup_terms` splits
+a run into the formula's terms (tau, draft, verify, in plain steps) and the speedup they predict.
 
 Left out on purpose: the engine (batch > 1 lives in the benchmark), prefill-only timings.
 """
@@ -24,6 +25,7 @@ from minillm.lab.forward_cost import forward_cost
 from minillm.model.generate import generate
 from minillm.spec.loop import SpecStats, speculative_generate
 from minillm.spec.trained_proposers import EagleProposer, context_features
+from minillm.spec.tree_sizing import cost_fn
 
 VERIFY_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -63,8 +65,8 @@ def time_methods(model, prompts: list[list[int]], methods: dict, max_new_tokens:
             for name, (proposer, tree, k) in cases.items():
                 out, sec, st = _run(model, prompt, proposer, tree, k, max_new_tokens,
                                     temperature, seed + i, stop)
-                best[name][i] = min(best[name][i], sec)
-                if r == 0:
+                if sec < best[name][i]:                 # the best round's counts and times
+                    best[name][i] = sec
                     outs[(name, i)], stats[(name, i)] = out, st
     plain_s = sum(best["plain"])
     result = {}
@@ -74,6 +76,8 @@ def time_methods(model, prompts: list[list[int]], methods: dict, max_new_tokens:
             st = stats[(name, i)]
             merged.num_proposed += st.num_proposed
             merged.num_accepted += st.num_accepted
+            merged.draft_s += st.draft_s
+            merged.verify_s += st.verify_s
             for key, v in st.node_tested.items():
                 merged.node_tested[key] = merged.node_tested.get(key, 0) + v
             for key, v in st.node_accepted.items():
@@ -86,8 +90,37 @@ def time_methods(model, prompts: list[list[int]], methods: dict, max_new_tokens:
             "steps": merged.num_steps, "speedup": plain_s / seconds,
             "same_as_plain": (all(outs[(name, i)] == outs[("plain", i)] for i in range(len(prompts)))
                               if temperature == 0 else None),      # sampled runs: the same law only
-            "acceptance": merged.acceptance_by_position() if name != "plain" else {}}
+            "acceptance": merged.acceptance_by_position() if name != "plain" else {},
+            "draft_s": merged.draft_s, "verify_s": merged.verify_s,
+            "verify_rows": [n + 1 for n in merged.num_proposed]}
     return result
+
+
+def speedup_terms(runs: dict, costs: dict) -> dict:
+    """The speedup formula's terms for each method of a `time_methods` result, in plain decode
+    steps (the plain run's seconds per token in the same run), and the speedup they predict:
+
+      speedup = tau / (draft + verify),  draft = drafting seconds per step / plain step,
+      verify = mean over the steps of cost(rows) / cost(1), from `costs` ({n: time},
+      `verify_costs`: a forward of n tokens, timed apart from the run).
+
+    Also "verify_measured": the run's own verify seconds per step (with the acceptance and
+    cache bookkeeping around the forward) / plain step, and "measured" the run's speedup."""
+    cost, n_max = cost_fn(costs)
+    plain = runs["plain"]
+    step = plain["seconds"] / max(1, plain["tokens"])
+    out = {}
+    for name, r in runs.items():
+        if name == "plain" or not r.get("steps"):
+            continue
+        rows = r["verify_rows"]
+        verify = sum(cost(min(n, n_max)) for n in rows) / len(rows) / cost(1)
+        draft = r["draft_s"] / r["steps"] / step
+        out[name] = {"tau": r["tau"], "draft": draft, "verify": verify,
+                     "verify_measured": r["verify_s"] / r["steps"] / step,
+                     "rows": sum(rows) / len(rows), "predicted": r["tau"] / (draft + verify),
+                     "measured": r["speedup"]}
+    return out
 
 
 @torch.inference_mode()
