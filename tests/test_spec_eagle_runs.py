@@ -115,3 +115,50 @@ def test_drafting_costs_times_every_case(model):
     r = drafting_costs(model, _drafter(model, 0), ks=(1, 2), context=12, rounds=1, window=4)
     assert r["plain_ms"] > 0 and set(r["cached"]) == set(r["no cache"]) == {1, 2}
     assert r["cached per_token"][2] == pytest.approx(r["cached"][2] / 2 / r["plain_ms"])
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_stable_window_keys_values_equal_a_fresh_window(model, norm):
+    """Contexts of one sequence growing by 2, 1, 0 and 4 tokens, and another sequence between
+    them: the kept-and-extended keys and values equal `keys_values` of the whole window computed
+    afresh, and only the rows accepted since the last proposal are computed."""
+    from minillm.spec.eagle_runs import StableWindow
+    d, W = _drafter(model, 5, norm), 5
+    g = torch.Generator().manual_seed(4)
+    seq, other = torch.randint(0, 256, (40,), generator=g).tolist(), torch.randint(0, 256, (30,),
+                                                                                 generator=g).tolist()
+    stable = StableWindow(slots=2)
+    computed = []
+    for ctx in (seq[:10], other[:9], seq[:12], seq[:13], seq[:13], other[:11], seq[:17]):
+        S = len(ctx)
+        f = context_features(model, ctx)[-W:]                             # (W, C)
+        win = f, torch.tensor(ctx[S - W:]), torch.arange(S - W, S)
+        before = stable.rows_computed
+        kv = stable.keys_values(d, model.embed, ctx, win)
+        k, v = d.keys_values(f[None, :-1], win[1][None, :-1], model.embed, win[2][:-1])
+        torch.testing.assert_close(kv.k, k)
+        torch.testing.assert_close(kv.v, v)
+        computed.append(stable.rows_computed - before)
+    assert computed == [4, 4, 2, 1, 0, 2, 4]          # seq[:17] starts past what seq[:13] kept
+    with pytest.raises(ValueError, match="slots"):
+        StableWindow(slots=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 32])
+def test_proposals_along_a_sequence_draft_what_the_reference_drafts(model, window):
+    """The proposer with its stable window, called as decoding calls it (each context the last
+    plus what was accepted), against the reference that reruns the window every time."""
+    d = _drafter(model, 6, norm=True)
+    seq = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    for dynamic in (False, True):
+        fast = EagleProposer(model, d, window=window, dynamic=dynamic, dynamic_width=3)
+        ref = EagleProposer(model, d, window=window, dynamic=dynamic, dynamic_width=3,
+                            kv_cache=False)
+        S = 3
+        for grow in (1, 3, 2, 1, 4, 1, 2, 5, 1, 3):
+            S += grow
+            a, b = fast.propose_tree(seq[:S], None, DEEP), ref.propose_tree(seq[:S], None, DEEP)
+            assert a.parents == b.parents and torch.equal(a.tokens, b.tokens)
+        assert fast.stable.rows_reused > 0 or window == 1
+        fast.reset()
+        assert not fast.stable.kept

@@ -127,30 +127,36 @@ def speedup_terms(runs: dict, costs: dict) -> dict:
 def drafting_costs(model, drafter, ks=(1, 2, 3), context: int = 150, rounds: int = 15,
                    window: int = 32) -> dict:
     """Median ms of one plain decode step after `context` cached tokens and of one EAGLE chain
-    proposal of k tokens at that context (features given, as the verify pass hands them over),
-    by the cached proposer ("cached") and the reference that reruns its window ("no cache"),
-    all interleaved in each round. "per_token": proposal ms / k / plain step ms."""
-    ctx = torch.randint(0, model.config.vocab_size, (context,),
+    proposal of k tokens at about that context (features given, as the verify pass hands them
+    over), by the cached proposer ("cached": each round's context is its last plus `grow`
+    accepted tokens, so its stable window computes `grow` rows) and the reference that reruns
+    its window ("no cache"), all interleaved in each round. "per_token": ms / k / plain ms."""
+    grow = 2
+    ctx = torch.randint(0, model.config.vocab_size, (context + grow * (rounds + 1),),
                         generator=torch.Generator().manual_seed(0)).tolist()
-    feats = context_features(model, ctx)                               # (context - 1, C)
+    feats = context_features(model, ctx)                               # (len - 1, C)
     _, step = prefilled(model, 1, context, 1)
     x = torch.ones(1, 1, dtype=torch.long, device=model.device)
-    props = {"no cache": EagleProposer(model, drafter, window=window, kv_cache=False),
-             "cached": EagleProposer(model, drafter, window=window)}
-    cases = {("plain", 0): lambda: step(x)}
-    for name, prop in props.items():
-        for k in ks:
-            cases[(name, k)] = lambda p=prop, k=k: p.propose([ctx], k, features=[feats])
+    names = {"no cache": False, "cached": True}
+    cases = {("plain", 0): lambda r: step(x)}
+    for name, cached in names.items():
+        for k in ks:                         # a proposer each: its own stable window
+            prop = EagleProposer(model, drafter, window=window, kv_cache=cached)
+            cases[(name, k)] = lambda r, p=prop, k=k: p.propose(
+                [ctx[:context + grow * r]], k, features=[feats[:context + grow * r - 1]])
+    for fn in cases.values():
+        fn(0)                                # warm: the stable windows start filled
     times = {key: [] for key in cases}
-    for _ in range(rounds):
+    for r in range(1, rounds + 1):
         for key, fn in cases.items():
             t0 = time.perf_counter()
-            fn()
+            fn(r)
             times[key].append((time.perf_counter() - t0) * 1e3)
     med = {key: statistics.median(v) for key, v in times.items()}
     plain = med[("plain", 0)]
-    out = {"plain_ms": plain, "context": context, "window": window, "rounds": rounds}
-    for name in props:
+    out = {"plain_ms": plain, "context": context, "window": window, "rounds": rounds,
+           "accepted_per_round": grow}
+    for name in names:
         out[name] = {k: med[(name, k)] for k in ks}
         out[f"{name} per_token"] = {k: med[(name, k)] / k / plain for k in ks}
     return out

@@ -16,8 +16,13 @@ predicted feature). Node 0's input is the window's last row. Node n sits at posi
   for (the frontier: one row per depth on a chain) against those plus their ancestors' cached
   keys and values (`EagleDrafter.extend`). Same outputs, to float rounding.
 
-Left out on purpose: keeping the window's keys and values across proposals (EAGLE's stable KV:
-the engine would have to say which sequence is which), batching several sequences' drafts.
+- `StableWindow` (EAGLE's stable KV): the window rows' keys and values kept from one proposal to
+  the next. A row at position p depends only on the tokens up to p, so a new context that starts
+  with a kept one reuses every row that context covered and computes only the rows of the tokens
+  accepted since (one to a few, not W - 1). Sequences are recognised by their tokens alone (up to
+  `slots` kept, least recently used dropped), so the engine need not say which is which.
+
+Left out on purpose: batching several sequences' drafts.
 """
 from dataclasses import dataclass, field
 
@@ -68,15 +73,70 @@ class WindowRun:
         return out[[W - 1 + i for i in nodes]]
 
 
-class CachedRun:
-    """Window keys and values once; each call runs only the nodes asked for."""
+class StableWindow:
+    """Window keys and values kept across proposals, for up to `slots` sequences."""
 
-    def __init__(self, drafter: EagleDrafter, embed, win):
+    def __init__(self, slots: int = 64):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        self.slots, self.kept = slots, []     # [(context, first position, k, v)], newest last
+        self.rows_reused = self.rows_computed = 0
+
+    def _match(self, context: list[int]):
+        S = len(context)
+        for i in range(len(self.kept) - 1, -1, -1):
+            ctx = self.kept[i][0]
+            n = len(ctx)                      # cheap tests first, then the whole prefix
+            if n <= S and ctx[-1] == context[n - 1] and ctx[n // 2] == context[n // 2] \
+                    and context[:n] == ctx:
+                return self.kept.pop(i)
+        return None
+
+    def keys_values(self, drafter: EagleDrafter, embed, context: list[int], win) -> DraftKV:
+        """The keys and values of the window rows before the root's (positions pos[0] ..
+        S - 2), reused where a kept context covers them; the result is kept for next time."""
+        f, t, pos = win
+        first, need = int(pos[0]), f.shape[0] - 1                  # rows wanted: first + [0, need)
+        k = v = None
+        reuse = 0
+        found = self._match(context)
+        if found is not None and found[1] <= first:
+            ctx, p0, k_old, v_old = found
+            reuse = max(0, min(len(ctx) - 2 - first + 1, need))    # positions first .. len(ctx)-2
+            lo = first - p0
+            k, v = k_old[:, :, lo:lo + reuse], v_old[:, :, lo:lo + reuse]
+        kv = DraftKV()
+        if reuse:
+            kv.append(k, v)
+        if need > reuse:                                           # rows accepted since
+            kv.append(*drafter.keys_values(f[None, reuse:need], t[None, reuse:need], embed,
+                                           pos[reuse:need]))
+        self.rows_reused += reuse
+        self.rows_computed += need - reuse
+        if kv.rows:
+            self.kept.append((list(context), first, kv.k, kv.v))
+            del self.kept[:-self.slots]
+        return kv
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+
+class CachedRun:
+    """Window keys and values once (or from a `StableWindow`); each call runs only the nodes
+    asked for. `stable` and `context` (the context's token ids) go together."""
+
+    def __init__(self, drafter: EagleDrafter, embed, win, stable: StableWindow | None = None,
+                 context: list[int] | None = None):
         self.drafter, self.embed, self.win = drafter, embed, win
         f, t, pos = win
-        self.kv, self.slot = DraftKV(), {}                          # node -> its row in kv
-        if f.shape[0] > 1:                                         # rows before the root's
-            self.kv.append(*drafter.keys_values(f[None, :-1], t[None, :-1], embed, pos[:-1]))
+        self.slot = {}                                             # node -> its row in kv
+        if stable is not None and f.shape[0] > 1:
+            self.kv = stable.keys_values(drafter, embed, context, win)
+        else:
+            self.kv = DraftKV()
+            if f.shape[0] > 1:                                     # rows before the root's
+                self.kv.append(*drafter.keys_values(f[None, :-1], t[None, :-1], embed, pos[:-1]))
 
     def __call__(self, draft: Draft, nodes: list[int]) -> torch.Tensor:
         """-> the predicted features of `nodes` (never run before), (len(nodes), C)."""

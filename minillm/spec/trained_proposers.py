@@ -14,8 +14,9 @@ over the context (`context_features`).
   because they are different ranks of one top-k. EAGLE: the drafter runs over a window of the
   last `window` context rows plus the nodes drafted so far (each attends to the window, its
   ancestors and itself), and a node's children are the top ranks of its own predicted feature.
-  Each depth runs only the new nodes against cached keys and values (`eagle_runs.CachedRun`;
-  `kv_cache=False`: the reference that reruns the window, `WindowRun`).
+  Each depth runs only the new nodes against cached keys and values (`eagle_runs.CachedRun`),
+  and the window's keys and values carry over from the last proposal of the same sequence
+  (`StableWindow`); `kv_cache=False`: the reference that reruns the window, `WindowRun`.
   With `dynamic=True` EAGLE grows EAGLE-2's tree instead: at each depth it expands the
   `dynamic_width` nodes with the highest cumulative draft probability, then keeps the
   `tree.num_nodes - 1` most probable nodes of all (a child is never more probable than its
@@ -24,11 +25,11 @@ over the context (`context_features`).
   the drafts are deterministic, which is exact at any temperature under rejection sampling.
 
 Left out on purpose: Medusa's typical acceptance (lossy; chapter 10 measures it as a contrast),
-keeping the drafter's keys and values from one proposal to the next, batched trees.
+batched trees.
 """
 import torch
 
-from minillm.spec.eagle_runs import CachedRun, Draft, WindowRun
+from minillm.spec.eagle_runs import CachedRun, Draft, StableWindow, WindowRun
 from minillm.spec.heads import EagleDrafter, MedusaHeads
 from minillm.spec.proposers import Proposal, _check_k, _contexts
 from minillm.spec.tree import TokenTree, TreeDraft
@@ -123,6 +124,7 @@ class EagleProposer(_TrainedProposer):
         self.model, self.drafter = model, drafter.to(model.device, model.dtype).eval()
         self.window, self.dynamic, self.dynamic_width = window, dynamic, dynamic_width
         self.kv_cache = kv_cache
+        self.stable = StableWindow() if kv_cache else None     # window rows across proposals
 
     def _runner(self, context_ids, features):
         feats = self._features(context_ids, features)                       # (w, C)
@@ -132,8 +134,13 @@ class EagleProposer(_TrainedProposer):
         dev = feats.device
         toks = torch.tensor(context_ids[lo + 1:], dtype=torch.long, device=dev)   # (W,)
         win = feats, toks, torch.arange(lo + 1, S, device=dev)
-        run = CachedRun if self.kv_cache else WindowRun
-        return run(self.drafter, self.model.embed, win)
+        if self.kv_cache:
+            return CachedRun(self.drafter, self.model.embed, win, self.stable, context_ids)
+        return WindowRun(self.drafter, self.model.embed, win)
+
+    def reset(self) -> None:
+        if self.stable is not None:
+            self.stable.clear()
 
     def _children_logp(self, out: torch.Tensor, width: int):
         """out (M, C) predicted features -> (top log-probs, token ids), each (M, width)."""
