@@ -1,6 +1,7 @@
 """The front page and docs/ hold: README.md stays a front page (at most 10 KB), every relative
 link in it and in docs/ points at a file that exists, every `from minillm... import ...` line the
-docs show imports, and every `python -m ...` command they name is a module that exists."""
+docs show imports, and every `python -m ...` command they name is a module that exists;
+docs/api.md stays a reference in chapter sections, small enough to read, naming all of `minillm.__all__`."""
 import importlib
 import importlib.util
 import re
@@ -17,6 +18,19 @@ COMMAND = re.compile(r"python -m ((?:minillm|benchmarks)[\w.]*)")
 
 def test_readme_is_a_front_page():
     assert (ROOT / "README.md").stat().st_size <= 10_000
+
+
+API_MD_MAX_BYTES = 29_000   # the aim is ~25 KB (issue 53); every documented name must still fit
+
+
+def test_api_md_is_sections_that_name_every_public_name():
+    import minillm
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert len(text.encode()) <= API_MD_MAX_BYTES
+    headings = re.findall(r"^## (\d\d) ", text, re.M)
+    assert headings == [f"{i:02d}" for i in range(12)], headings   # one section per chapter
+    words = set(re.findall(r"\w+", text))
+    assert [n for n in minillm.__all__ if n not in words] == []
 
 
 def test_the_docs_the_readme_promises_exist():

@@ -5,26 +5,16 @@ another model, a corrupt file) refused before the engine is built."""
 import pytest
 import torch
 
-from engine_configs import CONFIGS, workload
+from engine_configs import CONFIGS
 from minillm import EagleDrafter, MedusaHeads, generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
+from tree_drafters import model, work  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = {"chunk8": CONFIGS["bs3_chunk8"], "prefix_cache_swap": CONFIGS["prefix_cache_swap"],
             "preempt_recompute": dict(block_size=2, num_blocks=28, max_num_seqs=64,
                                       max_num_batched_tokens=64)}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(vocab_size=256, seed=0, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def work(model):
-    prompts, max_tokens = workload()
-    return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
 def drafter_for(model, method):

@@ -11,12 +11,13 @@ so drafts are both accepted and rejected, and a drafter that reads features chec
 import pytest
 import torch
 
-from engine_configs import CONFIGS, workload
+from engine_configs import CONFIGS
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.kernels.flat_forward import flatten
 from minillm.spec.proposers import Proposal
+from tree_drafters import model, work  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K = 3
@@ -95,17 +96,6 @@ class StandInLookahead(StandInDrafter):
 DRAFTERS = {"medusa": dict(needs_features=True, feature_window=1),
             "eagle": dict(needs_features=True, feature_window=5),
             "lookahead": dict(needs_features=False)}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(vocab_size=256, seed=0, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def work(model):
-    prompts, max_tokens = workload()
-    return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
 def stand_in(model, method):

@@ -17,13 +17,13 @@ and through rank-1 siblings."""
 import pytest
 import torch
 
-from engine_configs import CONFIGS, workload
-from minillm import EagleDrafter, MedusaHeads, generate, tiny_model
+from engine_configs import CONFIGS
+from minillm import EagleDrafter, MedusaHeads, generate
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sequence import SamplingParams
 from minillm.engine.tree_choice import decide_tree, verify_costs
 from minillm.model.kv_cache import KVCache
-from tree_drafters import TreeDrafter
+from tree_drafters import TreeDrafter, model, work  # noqa: F401 (model, work: shared fixtures)
 from minillm.spec.tree import TokenTree
 from minillm.spec.tree_sizing import predicted_speedup
 
@@ -34,17 +34,6 @@ CONFIGS = {**CONFIGS, "prefix_cache_swap": dict(CONFIGS["prefix_cache_swap"], nu
 FLAT = {1: 1.0, 64: 1.0}                     # a machine where a pass of 64 costs what 1 does
 STEEP = {1: 1.0, 64: 64.0}                   # ... where every token costs the same
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(vocab_size=256, seed=0, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def work(model):
-    prompts, max_tokens = workload()
-    return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
 def tree_engine(model, cfg, costs=FLAT, tree=TREE):

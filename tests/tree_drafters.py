@@ -2,12 +2,28 @@
 it drafts from the target's own greedy continuation, with the right token at each depth placed at
 a rank set by the context length (0, 1, or 2: none of a rank-0/1 tree's), so verified paths end
 early, late, and through rank-1 siblings. It checks any features it is handed against a dense
-forward pass's hidden rows."""
+forward pass's hidden rows. It also holds the fixtures the engine's speculative tests share: the
+tiny float64 target (`model`) and the workload with each prompt's plain greedy continuation
+(`work`), the trusted reference those tests compare against."""
+import pytest
 import torch
 
-from minillm import generate
+from engine_configs import workload
+from minillm import generate, tiny_model
 from minillm.spec.proposers import Proposal
 from minillm.spec.tree import TokenTree, TreeDraft
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=256, seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def work(model):
+    """(prompts, max_tokens, references): `minillm.generate` run alone on each prompt."""
+    prompts, max_tokens = workload()
+    return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
 class TreeDrafter:

@@ -80,6 +80,19 @@ class SizeTiming:
     saved: bool = False              # eager/compiled ms and the verdict read from an earlier run
 
 
+def kept_and_eager(timings: list[SizeTiming], kept) -> tuple[str, int]:
+    """The part of a summary line both step kinds share: "kept 1 (1.30x), 2 (1.10x); eager at 4
+    (not faster)" (size, then speed-up over eager or why not kept), and the largest size kept (0)."""
+    won = [t for t in timings if t.size in kept]
+    lost = [t for t in timings if t.size not in kept]
+    part = ("kept " + ", ".join(f"{t.size} ({t.eager_ms / t.compiled_ms:.2f}x)" for t in won)
+            if won else "none kept")
+    if lost:
+        part += "; eager at " + ", ".join(
+            f"{t.size} ({'disagrees' if not t.tokens_equal else 'not faster'})" for t in lost)
+    return part, max((t.size for t in won), default=0)
+
+
 _MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {config: steps}
 
 
@@ -284,17 +297,10 @@ class CompiledSteps:
             return f"compiled steps: none, the compiler failed ({self.why_eager}); every step eager"
         if not self.timings:
             return "compiled steps: not compiled yet"
-        won = [t for t in self.timings if t.size in self.kept]
-        lost = [t for t in self.timings if t.size not in self.kept]
-        part = ("kept " + ", ".join(f"{t.size} ({t.eager_ms / t.compiled_ms:.2f}x)" for t in won)
-                if won else "none kept")
-        if lost:
-            part += "; eager at " + ", ".join(
-                f"{t.size} ({'disagrees' if not t.tokens_equal else 'not faster'})" for t in lost)
+        part, largest = kept_and_eager(self.timings, self.kept)
         saved = " (timings saved by an earlier quiet run)" if any(t.saved for t in self.timings) else ""
         return (f"compiled steps ({torch.get_num_threads()} thread(s), rows: speed-up over eager): "
-                f"{part}; steps over {max(won, key=lambda t: t.size).size if won else 0} rows run eager"
-                f"{saved}")
+                f"{part}; steps over {largest} rows run eager{saved}")
 
     def as_dict(self) -> dict:
         return {"compile_sizes": list(self.config.compile_sizes), "kept": list(self.kept),

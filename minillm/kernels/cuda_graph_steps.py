@@ -41,7 +41,7 @@ import torch
 
 from minillm.kernels.compilation_config import CompilationConfig
 from minillm.kernels.compiled import _pick, reference_twin
-from minillm.kernels.compiled_steps import ATOL_REL, CONTEXT, SizeTiming
+from minillm.kernels.compiled_steps import ATOL_REL, CONTEXT, SizeTiming, kept_and_eager
 from minillm.kernels.tuning_cache import notice
 from minillm.model.llama import rope_cos_sin
 
@@ -276,16 +276,10 @@ class CudaGraphSteps:
             return f"cuda graphs: none, the capture failed ({self.why_eager}); every step eager"
         if not self.timings:
             return "cuda graphs: not captured yet"
-        won = [t for t in self.timings if t.size in self.kept]
-        lost = [t for t in self.timings if t.size not in self.kept]
-        part = ("kept " + ", ".join(f"{t.size} ({t.eager_ms / t.compiled_ms:.2f}x)" for t in won)
-                if won else "none kept")
-        if lost:
-            part += "; eager at " + ", ".join(
-                f"{t.size} ({'disagrees' if not t.tokens_equal else 'not faster'})" for t in lost)
+        part, largest = kept_and_eager(self.timings, self.kept)
         return (f"cuda graphs (piecewise, {self.pieces.L + 1} pieces, captured in "
                 f"{self.capture_s:.1f} s; rows: speed-up over eager): {part}; steps over "
-                f"{max(t.size for t in won) if won else 0} rows run eager")
+                f"{largest} rows run eager")
 
     def as_dict(self) -> dict:
         return {"capture_sizes": list(self.config.capture_sizes), "kept": list(self.kept),
