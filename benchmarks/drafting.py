@@ -14,8 +14,13 @@ on held-out open chat prompts.
    plain decode step in the same rounds, with the drafter's key/value cache and without it
    (`lab.drafting_runs.drafting_costs`).
 
-The drafters are the cached full-recipe ones (`train_medusa`, `train_eagle`: trained on first
-use, minutes). Measure on a quiet machine; `--threads=N` pins torch's thread count.
+5. The speedup's terms per method (`lab.drafting_runs.speedup_terms`): tau, drafting and verify
+   in plain steps, the speedup they predict beside the measured one, and the H200's bound (its
+   roofline verify cost, drafting left out).
+
+The drafters are the "data" recipe's where `python -m minillm.drafting train --recipe data`
+cached them, else the full recipe's (`train_medusa`, `train_eagle`: trained on first use,
+minutes). Measure on a quiet machine; `--threads=N` pins torch's thread count.
 
     python -m benchmarks drafting [--quick]
 """
@@ -28,11 +33,11 @@ import torch
 from benchmarks.records import write_result
 from minillm.analysis.roofline import get_hardware
 from minillm.drafting.prompts import EVAL_CHAT_PROMPTS
-from minillm.drafting.train import train_eagle, train_medusa
+from minillm.drafting.train import cached_drafter, train_eagle, train_medusa
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sequence import SamplingParams
-from minillm.lab.drafting_runs import drafting_costs, time_methods, verify_costs
+from minillm.lab.drafting_runs import drafting_costs, speedup_terms, time_methods, verify_costs
 from minillm.model.chat import encode_chat
 from minillm.model.loading import default_device, load_model
 from minillm.quant.api import quantize
@@ -40,7 +45,7 @@ from minillm.spec.lookahead import LookaheadProposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer, bf16_copy
 from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
 from minillm.spec.tree import TokenTree
-from minillm.spec.tree_sizing import expected_tau, roofline_costs, size_tree
+from minillm.spec.tree_sizing import cost_fn, expected_tau, roofline_costs, size_tree
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 WIDE = [(r,) for r in range(4)] + [(0, r) for r in range(4)] + [(0, 0, r) for r in range(4)]
@@ -59,7 +64,17 @@ def _methods(model, heads, drafter, tree):
             "int4 self-draft": (DraftModelProposer(quantize(copy.deepcopy(model), "int4")), None, 4),
             "medusa": (MedusaProposer(model, heads), tree, 3),
             "eagle": (EagleProposer(model, drafter, dynamic=True), tree, 3),
+            "eagle K=1": (EagleProposer(model, drafter), TokenTree.chain(1), 1),
             "lookahead": (LookaheadProposer(window=4, ngram=3, max_candidates=4), None, 4)}
+
+
+def drafters(model, tok):
+    """The best drafters this machine has: the "data" recipe's where `python -m minillm.drafting
+    train --recipe data` cached them, else the full recipe's (trained now if missing)."""
+    heads, drafter = cached_drafter(model, "medusa", "data"), cached_drafter(model, "eagle", "data")
+    if heads is not None and drafter is not None:
+        return heads, drafter, "data"
+    return train_medusa(model, tok), train_eagle(model, tok), "full"
 
 
 def _engine(model, prompts, spec: dict | None, B: int, n: int, stop) -> dict:
@@ -101,21 +116,29 @@ def run(quick: bool = False, device=None, out_dir=None, num_threads: int | None 
         torch.set_num_threads(num_threads)
     device = torch.device(device) if device is not None else default_device()
     model, tok = load_model(device=device)
-    heads, drafter = train_medusa(model, tok), train_eagle(model, tok)
+    heads, drafter, recipe = drafters(model, tok)
     stop = [tok.eos_token_id]
     prompts = [encode_chat(tok, p) for p in EVAL_CHAT_PROMPTS[:s["prompts"]]]
     tree = TokenTree(TREE)
-    result = {"units": UNITS, "settings": {**s, "tree": TREE, "wide_tree": WIDE,
-                           "sampled_temperature": SAMPLED_TEMPERATURE}, "batch1": {}}
+    result = {"units": UNITS, "settings": {**s, "tree": TREE, "wide_tree": WIDE, "recipe": recipe,
+                           "sampled_temperature": SAMPLED_TEMPERATURE}, "batch1": {},
+              "eagle_curve": drafter.meta.get("curve", [])}    # held-out top-1 as it trained
+    here = verify_costs(model)
+    gpu, _ = cost_fn(roofline_costs(model.config, get_hardware("h200"), max_tokens=64))
     for label, temp in (("greedy", 0.0), ("sampled", SAMPLED_TEMPERATURE)):
         runs = time_methods(model, prompts, _methods(model, heads, drafter, tree), s["max_new_tokens"],
                             temperature=temp, rounds=s["rounds"], stop=stop)
         result["batch1"][label] = {k: {**v, "acceptance": {str(a): p for a, p in v["acceptance"].items()}}
                                        for k, v in runs.items()}
+        if temp == 0.0:
+            terms = speedup_terms(runs, here)
+            for t in terms.values():       # the H200's roofline verify, drafting left out: a bound
+                t["h200_bound"] = t["tau"] * gpu(1) / gpu(min(64, round(t["rows"])))
+            result["terms"] = terms
     wide = time_methods(model, prompts, {"wide": (MedusaProposer(model, heads), TokenTree(WIDE), 3)},
                         s["max_new_tokens"], rounds=1, stop=stop)["wide"]
     accept = wide["acceptance"]
-    costs = {"this machine": verify_costs(model),
+    costs = {"this machine": here,
              "H200 roofline bf16": roofline_costs(model.config, get_hardware("h200"), max_tokens=64)}
     sizing = {}
     for machine, c in costs.items():
@@ -144,6 +167,12 @@ def report(r: dict) -> str:
         lines.append(f"batch 1, {label}:   tau   speedup  same as plain")
         for name, v in runs.items():
             lines.append(f"  {name:16} {v['tau']:.2f}  {v['speedup']:.2f}x    {v['same_as_plain']}")
+    lines.append(f"the speedup's terms (greedy, {r['settings'].get('recipe', 'full')} drafters), in plain "
+                 f"steps: tau / (draft + verify) = predicted, beside measured")
+    for name, t in r.get("terms", {}).items():
+        lines.append(f"  {name:16} tau {t['tau']:.2f}  draft {t['draft']:.3f}  verify {t['verify']:.2f}  "
+                     f"predicted {t['predicted']:.2f}x  measured {t['measured']:.2f}x  "
+                     f"H200 bound {t['h200_bound']:.2f}x")
     t = r["tree_sizing"]
     for machine, c in t["trees"].items():
         lines.append(f"tree for {machine}: {len(c['paths'])} draft nodes, tau {c['tau']:.2f}, "

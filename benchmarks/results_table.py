@@ -75,6 +75,8 @@ HEADLINES = [
     Headline("drafting", "batch1.greedy.eagle.speedup", "EAGLE-2 tree speedup, batch 1, held-out chat", "x"),
     Headline("drafting", "batch1.greedy.medusa.tau", "Medusa tree, tokens per step, batch 1, held-out chat", ""),
     Headline("drafting", "batch1.greedy.lookahead.speedup", "lookahead speedup, batch 1, held-out chat", "x"),
+    Headline("drafting", "batch1.greedy.eagle K=1.speedup", "EAGLE chain of 1 speedup, batch 1, held-out chat", "x"),
+    Headline("drafting", "batch1.greedy.int4 self-draft.speedup", "int4 self-draft speedup, batch 1, held-out chat", "x"),
     Headline("drafting", "batch_engine.methods.eagle.speedup", "EAGLE chain speedup, batch 4 in the engine", "x"),
     Headline("spec_replay", "speedup", "n-gram speedup, real schedule replayed (weights in record)", "x"),
     Headline("quant", "rows.int4_g32_fast.ms_per_token", "batch-1 decode, int4 g32 weights (fused kernel)", "ms"),

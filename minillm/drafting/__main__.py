@@ -16,6 +16,8 @@ import time
 import torch
 
 from minillm.drafting.data import SOURCES, DataRecipe, build_data
+from minillm.drafting.distill import generate_answers, record_features
+from minillm.drafting.prompts import EVAL_CHAT_PROMPTS
 from minillm.drafting.train import RECIPES, train_eagle, train_medusa
 from minillm.model.loading import load_model
 
@@ -52,9 +54,13 @@ def main(argv=None) -> None:
     model, tok = load_model(device="cpu")
     t0 = time.perf_counter()
     if args.command == "train":
+        held, every = None, None
+        if args.recipe == "data":            # its held-out curve: the chapter plots it
+            held = record_features(model, generate_answers(model, tok, EVAL_CHAT_PROMPTS, 256), True)
+            every = max(1, RECIPES["data"].steps // 12)
         try:
             train_medusa(model, tok, recipe=args.recipe)
-            train_eagle(model, tok, recipe=args.recipe)
+            train_eagle(model, tok, recipe=args.recipe, held_out=held, eval_every=every)
         except ValueError as err:                 # recipe "data" with no data built here
             p.exit(2, f"{p.prog} train: {err}\n")
         print(f"{args.recipe} recipe: Medusa heads and EAGLE drafter cached "

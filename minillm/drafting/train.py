@@ -71,13 +71,13 @@ RECIPES = {
     # drafter on a quiet 2-core CPU; its answers are the full recipe's first 32 (same length)
     "small": Recipe(n_chat=32, n_humaneval=0, n_stdlib=0, steps=80, batch_rows=128),
     "full": Recipe(n_stdlib=24),
-    # the target's own answers to a chat corpus (`python -m minillm.drafting build-data`, 100k+
-    # answer tokens), normalized inputs, about three passes: tens of minutes on 2 cores
+    # the target's own answers to a chat corpus (`python -m minillm.drafting build-data`: the
+    # first 170k answer tokens), normalized inputs, about 4.5 passes: tens of minutes on 2 cores
     # (`python -m minillm.drafting train --recipe data`). Its vocabulary stays the 8,192 most
     # frequent: the data's own tokens cover only 0.88 of held-out chat even taken whole (those
     # covering 0.95 of the data: 0.79), while frequency with ties broken by id (BPE's early,
     # common merges) covers 0.91 at 8,192 and 0.97 at 16,384, whose lm_head rows cost twice.
-    "data": Recipe(source="data", steps=3000, batch_rows=128, norm_inputs=True),
+    "data": Recipe(source="data", data_tokens=170_000, steps=6000, batch_rows=128, norm_inputs=True),
 }
 
 
@@ -176,9 +176,11 @@ def training_samples(model, tokenizer, recipe, cache: bool = True, progress: boo
         samples = load_data(model, tokenizer, tokens=recipe.data_tokens)
     except ModuleNotFoundError as err:                  # the corpus package: the data extra
         raise ValueError(f"recipe.source is 'data': {err}") from None
-    if not samples:
-        raise ValueError("recipe.source is 'data' but no drafter data is cached for this model: "
-                         "build it once with `python -m minillm.drafting build-data`")
+    have = sum(s.ids.numel() - s.start for s in samples)
+    if not samples or (recipe.data_tokens is not None and have < recipe.data_tokens):
+        raise ValueError(f"recipe.source is 'data' but the drafter data cached for this model holds "
+                         f"{have} answer tokens, not {recipe.data_tokens or 1}: build it once with "
+                         f"`python -m minillm.drafting build-data --tokens {recipe.data_tokens or 200_000}`")
     return samples
 
 

@@ -1,5 +1,5 @@
-"""Figures for chapter 10: a token tree's attention mask, and the tree each machine should verify.
-Every function returns a Figure.
+"""Figures for chapter 10: a token tree's attention mask, the tree each machine should verify, and
+a drafter's held-out accuracy as it trained. Every function returns a Figure.
 
 Letters: N tree nodes (root included), m draft nodes (N - 1).
 """
@@ -39,5 +39,22 @@ def plot_tree_sizing(curves: dict, chosen: dict):
     b.set_ylabel("predicted speedup over plain decoding")
     b.axhline(1.0, color="grey", lw=0.8, ls=":")
     b.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_held_out_curve(curve: list[dict]):
+    """curve: [{"step", "top1": [depth 1, depth 2, ...], "top5": [...]}] (`train_eagle`'s
+    `meta["curve"]`) -> held-out top-1 (solid) and top-5 (dashed) per depth against the step."""
+    fig, ax = plt.subplots(figsize=(5.2, 3.2))
+    steps = [c["step"] for c in curve]
+    for d in range(len(curve[0]["top1"])):
+        line, = ax.plot(steps, [c["top1"][d] for c in curve], label=f"top-1, depth {d + 1}")
+        ax.plot(steps, [c["top5"][d] for c in curve], ls="--", color=line.get_color(),
+                label=f"top-5, depth {d + 1}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(0, None)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
