@@ -77,7 +77,7 @@ class SamplingParams:
     # what comes back
     logprobs: int | None = None                # [0, 20] top logprobs per output token (0: its own)
     prompt_logprobs: int | None = None         # the same for each prompt token
-    best_of: int | None = None                 # >= n: sample best_of, return the n best
+    best_of: int | None = None                 # >= n: sample best_of, return the n best (n: None)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
@@ -165,7 +165,9 @@ class SamplingParams:
         return None if k is None else check_int("prompt_logprobs", k, 0, MAX_LOGPROBS)
 
     def _check_best_of(self):
-        return None if self.best_of is None else check_int("best_of", self.best_of, self.n)
+        if self.best_of is None or check_int("best_of", self.best_of, self.n) == self.n:
+            return None                                # best_of n of n: the same as none
+        return self.best_of
 
     def _check_structured_outputs(self):
         so = self.structured_outputs

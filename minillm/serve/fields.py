@@ -140,12 +140,6 @@ def token_ids_in_vocab(body: dict, vocab_size: int) -> None:
                          "stop_token_ids")
 
 
-def best_of(body: dict, n) -> object:
-    """vLLM's best_of as SamplingParams takes it: best_of == n is the same as none."""
-    b = body.get("best_of")
-    return None if type(b) is int and type(n) is int and b == n else b
-
-
 def temperature(value):
     """vLLM clamps 0 < T < 0.01 up to 0.01: logits / 1e-40 is inf in fp32, then NaN."""
     if type(value) not in (int, float):

@@ -204,7 +204,7 @@ def _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n
         "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
         "stop_token_ids")}
     given.update(fields.logprobs(body, kind), logit_bias=fields.logit_bias(body, vocab_size),
-                 best_of=fields.best_of(body, _or(body.get("n"), 1)), structured_outputs=structured,
+                 best_of=body.get("best_of"), structured_outputs=structured,
                  max_tokens=_or(body.get(_max_tokens_name(body)), room),   # vLLM's default: the room
                  temperature=fields.temperature(_or(body.get("temperature"), 1.0)))   # OpenAI's
     try:              # the ranges are SamplingParams' own: null is the field's default
