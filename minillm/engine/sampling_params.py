@@ -146,8 +146,8 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
                             f"{type(self.logit_bias).__name__}")
-        return {check_int("logit_bias token id", tok, 0):
-                check_real(f"logit_bias[{tok}]", bias, -100, 100) for tok, bias in self.logit_bias.items()}
+        return {check_int("logit_bias token id", tok, 0): check_real(f"logit_bias[{tok}]", b, -100, 100)
+                for tok, b in self.logit_bias.items()}
 
     def _check_min_tokens(self):
         return check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
