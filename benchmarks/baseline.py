@@ -49,7 +49,7 @@ args = json.loads(sys.argv[1])
 import minillm
 try:                                            # the package by concept
     from minillm.engine.llm_engine import EngineConfig, LLMEngine
-    from minillm.engine.sequence import SamplingParams
+    from minillm.engine.sampling_params import SamplingParams
     from minillm.model.loading import tiny_model
 except ImportError:                             # the flat package of earlier commits
     from minillm.engine import EngineConfig, LLMEngine

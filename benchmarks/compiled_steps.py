@@ -31,7 +31,7 @@ from benchmarks.records import write_result
 from minillm.analysis.roofline import step_costs, step_time
 from minillm.distributed.tp_worker import CacheSpec
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels import compiled_steps as cs
 from minillm.kernels.load_now import Watch
 from minillm.lab.measure import measure_hardware

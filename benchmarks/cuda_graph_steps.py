@@ -21,7 +21,7 @@ from benchmarks.decode import _ms_per_token, floor_run
 from benchmarks.gpu_model import bench_model
 from benchmarks.records import write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels.compilation_config import CompilationConfig
 from minillm.lab.measure import measure_bandwidth
 from minillm.model.loading import default_device

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.records import machine_info, write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels.cpu_tuning import accelerate, kernel_report
 from minillm.lab.common import time_fn
 from minillm.lab.forward_cost import COST_ROWS, forward_cost, least_forward_ratio

@@ -25,7 +25,7 @@ import time
 
 from benchmarks.records import write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.datasets import chapter_prompts
 from minillm.model.loading import default_device
 from minillm.serve.cli import SERVER_DEFAULTS

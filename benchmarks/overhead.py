@@ -42,7 +42,7 @@ from benchmarks.records import write_result
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.kernels.flat_forward import FlatTransformer, flatten, unflatten
 from minillm.model.loading import tiny_model
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.common import prefilled
 
 

@@ -34,7 +34,8 @@ from minillm.model.loading import default_device, tiny_model
 from minillm.model.llama import Transformer
 from minillm.paging.paged_cache import PagedKVCache
 from minillm.model.sampling import logits_to_probs, sample
-from minillm.engine.sequence import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import CompletionOutput, Logprob, RequestOutput
 from minillm.engine.structured import StructuredOutputsParams
 from minillm.spec.lookahead import LookaheadProposer
 from minillm.spec.loop import speculative_generate

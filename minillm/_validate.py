@@ -49,10 +49,14 @@ def check_real(name: str, value, low: float | None = None, high: float | None = 
     want = _range("a real number", low, high, low_open, high_open)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name} must be finite ({want}), got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{name} must be {want}, got {value!r}")
     if high is not None and (value >= high if high_open else value > high):
         raise ValueError(f"{name} must be {want}, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:                       # an int past every float: not finite either
+        raise ValueError(f"{name} must be finite ({want}), got an int of "
+                         f"{value.bit_length()} bits") from None

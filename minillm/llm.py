@@ -40,7 +40,8 @@ from minillm.analysis.roofline import torch_dtype
 from minillm.drafting.train import train_eagle, train_medusa
 from minillm.engine.args import apply_speculative_config
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import RequestOutput, SamplingParams
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import RequestOutput
 from minillm.kernels.cpu_kernels import ROUTES
 from minillm.kernels.background import start_background_tuning
 from minillm.kernels.cpu_tuning import accelerate

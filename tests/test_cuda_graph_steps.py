@@ -14,7 +14,7 @@ import torch
 
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels import compiled_steps as cs
 from minillm.kernels import cuda_graph_steps as cgs
 from minillm.kernels.compilation_config import CompilationConfig

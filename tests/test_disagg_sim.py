@@ -121,7 +121,7 @@ def tiny_engine_factory():
 
 @pytest.mark.parametrize("case", range(8))
 def test_steps_hold_what_the_engines_scheduler_puts_in_them(case, tiny_engine_factory, one_thread):
-    from minillm.engine.sequence import SamplingParams
+    from minillm.engine.sampling_params import SamplingParams
     g = torch.Generator().manual_seed(case)
     pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))   # noqa: E731
     n = pick(2, 7)

@@ -28,7 +28,7 @@ from minillm.analysis.kv_math import kv_cache_bytes
 from minillm.engine.config import EngineConfig
 from minillm.engine.kv_transfer import can_import, export_prompt_kv, import_prefilled
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.model.config import get_config
 from minillm.model.loading import tiny_model
 from minillm.serve.disagg_worker import run_remote

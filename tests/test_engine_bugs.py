@@ -9,7 +9,8 @@ from minillm.paging.block_manager import BlockManager
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.spec.proposers import DraftModelProposer
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import SamplingParams, Sequence
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Sequence
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 

@@ -24,7 +24,7 @@ import minillm.engine.sampler as engine_sampler
 import minillm.spec.rejection as speculative
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from test_spec_stats import LENGTH, PROMPT, SMALL, V, chi_square_pvalue, exact_target_law
 
 F64 = torch.float64

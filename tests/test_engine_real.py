@@ -3,7 +3,7 @@ preemption gives every prompt the same greedy tokens as `minillm.generate` alone
 import pytest
 
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Write a haiku about the sea.\n", "1, 2, 3, 4,"]

@@ -8,7 +8,7 @@ import torch
 from engine_configs import CONFIGS
 from minillm import EagleDrafter, MedusaHeads, generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from tree_drafters import model, work  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

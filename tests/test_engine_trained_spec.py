@@ -14,7 +14,7 @@ import torch
 from engine_configs import CONFIGS
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels.flat_forward import flatten
 from minillm.spec.proposers import Proposal
 from tree_drafters import model, work  # noqa: F401 (shared fixtures)

@@ -20,7 +20,7 @@ import torch
 from engine_configs import CONFIGS
 from minillm import EagleDrafter, MedusaHeads, generate
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.tree_choice import decide_tree, verify_costs
 from minillm.model.kv_cache import KVCache
 from tree_drafters import TreeDrafter, model, work  # noqa: F401 (model, work: shared fixtures)

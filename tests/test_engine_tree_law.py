@@ -17,7 +17,7 @@ import torch
 
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.spec import tree_rejection
 from minillm.spec.proposers import Proposal
 from minillm.spec.tree import TokenTree, TreeDraft

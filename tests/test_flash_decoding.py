@@ -10,7 +10,7 @@ import torch
 from minillm import generate, tiny_model
 from minillm.attention.flash_decoding import DecodePlan, flash_decode, merge_partials
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.attention.metadata import PagedAttentionMetadata
 from minillm.attention.paged import dense_attention, paged_attention
 from minillm.paging.paged_cache import PagedKVCache

@@ -13,7 +13,7 @@ import torch
 
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.model.loading import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # fixture in conftest.py

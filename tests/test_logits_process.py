@@ -14,7 +14,8 @@ from transformers.generation import logits_process as hf
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.logits_process import LogitsProcessors, process_logits, token_counts
-from minillm.engine.sequence import SamplingParams, Sequence
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Sequence
 from minillm.engine.structured import StructuredOutputsParams
 from minillm.model.sampling import logits_to_probs
 

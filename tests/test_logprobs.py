@@ -16,7 +16,7 @@ import torch
 import minillm.engine.logits_process as logits_process
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.model.sampling import logits_to_probs
 from test_spec_stats import LENGTH, PROMPT, SMALL, V, chi_square_pvalue
 

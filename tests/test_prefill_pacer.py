@@ -10,7 +10,7 @@ import torch
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.prefill_pacer import PrefillPacer
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 # A loaded 2-core CPU, in simulated seconds: a step costs 0.2 s plus 20 ms per token, so a
 # 384-token chunk takes 7.9 s (the issue: 6-18 s per chunk of SmolLM2-135M at load 7).

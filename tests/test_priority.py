@@ -12,7 +12,7 @@ import torch
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.priority import SEED_CLASSES, PriorityClass
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 P = [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16], [17, 18, 19]]
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from minillm import tiny_model
 from minillm.analysis.kv_math import kv_bytes_per_token
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.model.llama import DenseCausalAttention
 from minillm.attention.paged import ragged_dense_attention
 from minillm.paging.kv_storage import dequantize_kv, kv_dtype_bytes, quantize_kv

@@ -16,7 +16,7 @@ import torch
 import minillm.engine.sampler as engine_sampler
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.model.generate import generate
 from minillm.quant.api import is_quantized, quantize
 from minillm.spec.loop import SpecStats, speculative_generate

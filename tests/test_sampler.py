@@ -14,7 +14,8 @@ import torch
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sampler import SampleRow, Sampler
-from minillm.engine.sequence import SamplingParams, Sequence
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Sequence
 from minillm.engine.spec_decoder import SpecDecoder
 from minillm.model.sampling import logits_to_probs
 from minillm.spec.rejection import rejection_sample

@@ -7,7 +7,8 @@ from minillm import generate, tiny_model
 from minillm.paging.block_manager import BlockManager
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ refused with a 400 naming it; values that change nothing pass and give the very 
 them. Checked on `parse_request` directly (no server, no model: SmolLM2's tokenizer only)."""
 import pytest
 
-from minillm.engine.sequence import MAX_LOGPROBS
+from minillm.engine.sampling_params import MAX_LOGPROBS
 from minillm.engine.structured import StructuredOutputsParams
 from minillm.serve import fields
 from minillm.serve.protocol import APIError, parse_request

@@ -10,7 +10,8 @@ import math
 import pytest
 
 from minillm.engine.detokenizer import Detokenizer
-from minillm.engine.sequence import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minillm.serve import responses
 from minillm.serve.protocol import GenRequest
 from minillm.serve.streaming import StreamWriter

@@ -27,7 +27,9 @@ def srv(tok):
 
 
 def send(srv, body, path=None, **kw):
-    path = path or ("/chat/completions" if isinstance(body, dict) and "prompt" not in body else "/completions")
+    raw = body.encode() if isinstance(body, str) else body               # a raw body: by its text
+    is_chat = "prompt" not in body if isinstance(body, dict) else b'"messages"' in raw
+    path = path or ("/chat/completions" if is_chat else "/completions")
     kw = {"content": body} if isinstance(body, (bytes, str)) else {"json": body, **kw}
     return httpx.post(srv.base_url + path, timeout=120, **kw)
 

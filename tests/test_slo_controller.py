@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.priority import PriorityClass
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.slo_controller import SLOController
 
 TPOT_MS, TTFT_MS = 100.0, 1000.0

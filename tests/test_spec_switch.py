@@ -18,7 +18,7 @@ import torch
 from engine_configs import workload
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.serve.cli import engine_options, parser
 from test_engine_laws import SPEC, pvalue
 from test_engine_trained_drafters import drafter_for

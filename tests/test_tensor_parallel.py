@@ -17,7 +17,7 @@ from minillm.distributed.tp_layers import SoloComm
 from minillm.engine import tp_runner
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.llm import LLM
 from minillm.model.config import get_config
 from minillm.model.llama import DenseCausalAttention, rope_cos_sin

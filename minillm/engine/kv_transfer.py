@@ -29,7 +29,8 @@ import torch
 
 from minillm.engine.args import request_state
 from minillm.engine.scheduler import SchedulerOutput
-from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, SamplingParams, Sequence
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, Sequence
 from minillm.paging.block_manager import NoFreeBlocksError
 
 
@@ -137,7 +138,6 @@ def import_prefilled(engine, h: Handoff) -> RequestOutput:
     if rid in engine.requests:
         raise ValueError(f"request_id {rid!r} is already in use")
     ids = engine._check_prompt(list(h.prompt_token_ids), h.params)
-    h.params.validate()
     if not can_import(engine, h):
         raise NoFreeBlocksError(f"no room for request {rid!r}: {engine.num_free_blocks} free "
                                 f"blocks, {len(engine.scheduler.running)} running sequences")

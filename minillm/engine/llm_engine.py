@@ -72,8 +72,8 @@ from minillm.engine.slo_controller import SLOController
 from minillm.engine.static_scheduler import StaticScheduler
 from minillm.engine.step_update import StepUpdate
 from minillm.engine.trace import progress_bar
-from minillm.engine.sequence import (Request, RequestMetrics, RequestOutput, SamplingParams, Sequence,
-                       SequenceStatus)
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
 
 
 class LLMEngine(StepUpdate):
@@ -157,7 +157,6 @@ class LLMEngine(StepUpdate):
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()                      # again: a frozen dataclass can still be altered
         num_seqs = params.best_of or params.n
         if num_seqs > self.config.max_num_seqs:
             name = "best_of" if params.best_of else "n"

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from minillm._validate import ArgumentTypeError
-from minillm.engine.sequence import Logprob, SamplingParams
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Logprob
 
 NEG_INF = float("-inf")
 

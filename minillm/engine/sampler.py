@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from minillm.engine.logits_process import needs_processing, process_logits, token_logprobs
-from minillm.engine.sequence import Logprob, SamplingParams, Sequence
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import Logprob, Sequence
 from minillm.model.sampling import logits_to_probs, sample
 from minillm.spec.rejection import greedy_verify, rejection_sample
 from minillm.spec.tree import TreeDraft

@@ -1,5 +1,6 @@
-"""Request and sequence state of the serving engine: what each request asked for (`SamplingParams`),
-where each of its sequences stands (`Sequence`), and what the engine hands back (`RequestOutput`).
+"""Request and sequence state of the serving engine: where each sequence of a request stands
+(`Sequence`), and what the engine hands back (`RequestOutput`). What a request asks for,
+`SamplingParams`, and its checks are in sampling_params.py.
 
 No tensors and no policy here: the scheduler decides, the runner runs, these classes only
 remember. One request holds `n` sequences (parallel sampling); it starts with one, which is
@@ -26,92 +27,7 @@ Left out on purpose: beam search, LoRA.
 import enum
 from dataclasses import dataclass, field
 
-from minillm._validate import check_int, check_real
-from minillm.engine.structured import StructuredOutputsParams
-from minillm.model.sampling import check_sampling_args
-
-MAX_LOGPROBS = 20                   # most top logprobs a request may ask for (vLLM's max_logprobs)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request (vLLM's names). temperature 0 = greedy; top_k -1 and top_p 1.0
-    are off; `seed` gives the request its own random stream; `n` completions share the prompt.
-    **Unlike vLLM (temperature=1.0) the default is greedy.** `stop`: a str or list of str; the
-    text is cut before the first one it contains, with finish_reason "stop" (needs a tokenizer)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stop: list[str] | None = None
-    # logits processors (vLLM's names; 0 / 1.0 / None are off)
-    presence_penalty: float = 0.0              # [-2, 2], minus once per token already output
-    frequency_penalty: float = 0.0             # [-2, 2], minus per occurrence in the output
-    repetition_penalty: float = 1.0            # > 0, over prompt + output (transformers' rule)
-    min_p: float = 0.0                         # [0, 1], drop tokens below min_p * the top prob
-    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    min_tokens: int = 0                        # no EOS / stop token before this many tokens
-    bad_words: list[str] | None = None         # words (token sequences) never completed
-    # what comes back
-    logprobs: int | None = None                # top-k logprobs per output token (0: the token's)
-    prompt_logprobs: int | None = None         # the same for each prompt token
-    best_of: int | None = None                 # sample best_of, return the n best (cum. logprob)
-    structured_outputs: StructuredOutputsParams | None = None
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        """Check every field (TypeError / ValueError naming it) and bring `stop` to one form.
-        Runs at construction; the engine runs it again on each request, since a frozen
-        dataclass can still be altered through `object.__setattr__`."""
-        if self.top_k is None or self.top_p is None:
-            raise TypeError("top_k and top_p must be numbers here (top_k -1 and top_p 1.0 are off), got None")
-        check_sampling_args(self.temperature, self.top_k, self.top_p)   # NaN, inf, types too
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
-        if self.stop is not None:
-            stop = [self.stop] if isinstance(self.stop, str) else self.stop
-            if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
-                raise TypeError(f"stop must be None, a str or a list of str, got {self.stop!r}")
-            if "" in stop:
-                raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
-            object.__setattr__(self, "stop", list(stop) or None)     # one form: list[str] | None
-        check_real("presence_penalty", self.presence_penalty, -2, 2)
-        check_real("frequency_penalty", self.frequency_penalty, -2, 2)
-        check_real("repetition_penalty", self.repetition_penalty, 0, None, low_open=True)
-        check_real("min_p", self.min_p, 0, 1)
-        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
-                                f"{type(self.logit_bias).__name__}")
-            for tok, bias in self.logit_bias.items():
-                check_int("logit_bias token id", tok, 0)
-                check_real(f"logit_bias[{tok}]", bias, -100, 100)
-        if self.bad_words is not None:
-            if (not isinstance(self.bad_words, (list, tuple))
-                    or not all(isinstance(w, str) and w for w in self.bad_words)):
-                raise TypeError(f"bad_words must be a list of non-empty str, got {self.bad_words!r}")
-            object.__setattr__(self, "bad_words", list(self.bad_words) or None)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
-        if self.best_of is not None:
-            check_int("best_of", self.best_of, self.n)
-        if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
-            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or None, got "
-                            f"{type(self.structured_outputs).__name__}")
+from minillm.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

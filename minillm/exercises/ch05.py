@@ -50,7 +50,7 @@ def _cached_prefix_run() -> int:
     TTFT in engine steps."""
     from minillm.lab.workloads import long_prompt_workload, replay, request_latencies
     from minillm.engine.config import EngineConfig
-    from minillm.engine.sequence import SamplingParams
+    from minillm.engine.sampling_params import SamplingParams
     work = long_prompt_workload(256, num_running=_RUNNING, output_len=12, long_prompt_len=384,
                                 arrival=4)
     eng = _engine(_tiny(), EngineConfig(max_num_batched_tokens=_BUDGET, enable_prefix_caching=True))
@@ -82,7 +82,7 @@ def engine_chunk_plan(prompt_len: int, num_decodes: int, budget: int) -> list[in
     `prompt_len`-token prompt to the one that finishes it, while `num_decodes` requests decode
     throughout, with `max_num_batched_tokens=budget` (decode-first), read from the engine's trace."""
     from minillm.engine.config import EngineConfig
-    from minillm.engine.sequence import SamplingParams
+    from minillm.engine.sampling_params import SamplingParams
     for name, v, lo in (("prompt_len", prompt_len, 2), ("num_decodes", num_decodes, 0),
                         ("budget", budget, num_decodes + 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:

@@ -65,7 +65,7 @@ def _test_quantile(candidate) -> None:
 
 def _stream(texts: list[str], seed: int) -> list[str]:
     """SSE lines of a chat stream of len(texts) completions, pieces interleaved, usage at the end."""
-    from minillm.engine.sequence import SamplingParams
+    from minillm.engine.sampling_params import SamplingParams
     from minillm.serve.protocol import GenRequest
     from minillm.serve.responses import chunk, usage_chunk
     rng = random.Random(seed)
@@ -162,7 +162,7 @@ def _steps_until_rejected() -> float:
     from minillm.model.loading import tiny_model
     from minillm.engine.llm_engine import EngineConfig, LLMEngine
     from minillm.engine.priority import PriorityClass
-    from minillm.engine.sequence import SamplingParams
+    from minillm.engine.sampling_params import SamplingParams
     classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, 0.2, "reject"))
     engine = LLMEngine(tiny_model(vocab_size=64, dtype=torch.float64),
                        EngineConfig(max_num_seqs=1, num_blocks=32, block_size=4, max_num_batched_tokens=8,
@@ -184,7 +184,8 @@ def _running(rng: random.Random, n: int) -> list[dict]:
 
 def _test_victim(candidate) -> None:
     from minillm.engine.priority import PriorityScheduler
-    from minillm.engine.sequence import SamplingParams, Sequence
+    from minillm.engine.sampling_params import SamplingParams
+    from minillm.engine.sequence import Sequence
     if not callable(candidate):
         raise AssertionError("pass your function victim(running) -> index of the request to preempt")
     rng = random.Random(8)

@@ -31,7 +31,7 @@ import torch
 
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels.compilation_config import DEFAULT_SIZES, CompilationConfig
 from minillm.kernels.compiled import inductor_cache_dir
 from minillm.kernels.compiled_steps import CONTEXT, CompiledSteps

@@ -11,7 +11,7 @@ import numpy as np
 
 from minillm.model.chat import encode_chat
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.prompts import DEMO_QUESTIONS, SPEC_PROMPTS
 from minillm.lab.spec_costs import small_batch
 from minillm.lab.workloads import poisson_workload, replay

@@ -28,7 +28,7 @@ import torch
 from minillm.analysis.roofline import dtype_name, prefill_costs, step_time
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.common import sync
 from minillm.lab.measure import measure_hardware
 from minillm.model.chat import encode_chat

@@ -15,7 +15,7 @@ import warnings
 from minillm.analysis.parallel_math import tp_collectives
 from minillm.distributed.tensor_parallel import allowed_sizes
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.prompts import DEMO_QUESTIONS
 from minillm.model.chat import encode_chat
 

@@ -19,7 +19,7 @@ from minillm._validate import check_int
 from minillm.analysis.disagg_sim import (SimConfig, SimRequest, simulate_colocated,
                                          simulate_disaggregated)
 from minillm.engine.config import EngineConfig
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 
 def engine_config(sim: SimConfig | None = None) -> EngineConfig:

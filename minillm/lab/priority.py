@@ -37,7 +37,7 @@ import numpy as np
 from minillm.lab.workloads import priority_mix_workload, replay
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.priority import SEED_CLASSES
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot": 6}}
 CLASS_OF = {c.priority: c.name for c in SEED_CLASSES}

@@ -38,7 +38,7 @@ import statistics
 from minillm.analysis.slo import goodput, percentile, slo_attainment
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.workloads import WorkloadRequest, replay
 
 

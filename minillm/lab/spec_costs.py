@@ -14,7 +14,7 @@ import time
 import torch
 
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.common import prefilled
 from minillm.model.kv_cache import KVCache
 

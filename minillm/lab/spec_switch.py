@@ -30,7 +30,7 @@ import os
 import time
 
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.prompts import SPEC_PROMPTS
 from minillm.model.chat import encode_chat
 

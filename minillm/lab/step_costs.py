@@ -24,7 +24,7 @@ from minillm._validate import check_int
 from minillm.analysis.step_fit import StepCosts, fit_error, fit_step_costs
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 
 def _model(model_or_llm):

@@ -31,7 +31,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from minillm.engine.sequence import RequestOutput, SamplingParams
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import RequestOutput
 
 
 @dataclass(frozen=True)

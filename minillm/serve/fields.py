@@ -1,7 +1,8 @@
 """Every OpenAI and vLLM request field past the basics: honoured (mapped to `SamplingParams` by
 vLLM's names) or refused with a 400 that names it. A field is never silently ignored when its
 value would change the answer; a value that changes nothing (a penalty of 0, `logprobs: false`,
-`logit_bias: {}`) passes.
+`logit_bias: {}`) passes. This module turns the HTTP shapes into SamplingParams' fields; their
+ranges are SamplingParams' own (engine/sampling_params.py).
 
     logprobs + top_logprobs (chat), logprobs=k (completions)   -> logprobs=k
     echo (completions; with logprobs, the prompt's too)        -> prompt_logprobs=k
@@ -23,7 +24,6 @@ images, beam search, `include_stop_str_in_output`, `allowed_token_ids`, prompt t
 """
 import json
 
-from minillm.engine.sequence import MAX_LOGPROBS
 from minillm.engine.structured import StructuredOutputsParams
 
 MIN_TEMPERATURE = 0.01     # vLLM's clamp: 0 < temperature < 0.01 overflows logits / T in fp32
@@ -91,49 +91,33 @@ def _tools(body: dict) -> None:
                          f"is accepted)", tools if given else choice)
 
 
-def _int(body: dict, name: str, low: int, high: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return None
-    if type(v) is not int or v < low or (high is not None and v > high):
-        want = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise FieldError(f"'{name}' must be an integer {want}, got {v!r}", name)
-    return v
-
-
-def _real(body: dict, name: str, default: float, low: float, high: float, low_open=False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if type(v) not in (int, float) or v != v or v > high or v < low or (low_open and v == low):
-        raise FieldError(f"'{name}' must be a number in {'(' if low_open else '['}{low}, {high}], "
-                         f"got {v!r}", name)
-    return float(v)
-
-
 def logprobs(body: dict, kind: str) -> dict:
-    """{logprobs, prompt_logprobs} for SamplingParams (None = off)."""
+    """{logprobs, prompt_logprobs} for SamplingParams (None = off), from the HTTP shapes: chat's
+    `logprobs` boolean with `top_logprobs`, completions' `logprobs` count with `echo`. Their
+    ranges are SamplingParams'."""
     if kind == "chat":
-        on, top = body.get("logprobs"), _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        on, top = body.get("logprobs"), body.get("top_logprobs")
         if on not in (None, True, False):
             raise FieldError(f"'logprobs' must be a boolean in chat completions, got {on!r}", "logprobs")
-        if not on and top:
+        if not on and top is not None and not (type(top) is int and top == 0):
             raise FieldError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        k = (top or 0) if on else None
+        k = (0 if top is None else top) if on else None
         echo_k = None
     else:
-        k = _int(body, "logprobs", 0, MAX_LOGPROBS)
+        k = body.get("logprobs")
         echo = body.get("echo")
         if echo not in (None, True, False):
             raise FieldError(f"'echo' must be a boolean, got {echo!r}", "echo")
         echo_k = k if echo else None
-    asked = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)                  # vLLM's extra
-    prompt_k = max((x for x in (asked, echo_k) if x is not None), default=None)
+    asked = body.get("prompt_logprobs")                                     # vLLM's extra
+    prompt_k = asked if echo_k is None else echo_k if asked is None else (
+        max(asked, echo_k) if type(asked) is int and type(echo_k) is int else asked)
     return {"logprobs": k, "prompt_logprobs": prompt_k}
 
 
-def logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
-    """{"123": 5} -> {123: 5.0}; JSON keys are strings of token ids."""
+def logit_bias(body: dict, vocab_size: int) -> dict[int, object] | None:
+    """{"123": 5} -> {123: 5}; JSON keys are strings of token ids (the bias range is
+    SamplingParams')."""
     raw = body.get("logit_bias")
     if raw is None or raw == {}:
         return None
@@ -144,56 +128,22 @@ def logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
             raise FieldError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got "
                              f"{ascii(key)}", "logit_bias")
-        if type(bias) not in (int, float) or not -100 <= bias <= 100:
-            raise FieldError(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} "
-                             f"for token {key}", "logit_bias")
-        out[int(key)] = float(bias)
+        out[int(key)] = bias
     return out
 
 
-def penalties(body: dict, vocab_size: int) -> dict:
-    """The logits processors' fields, checked (vLLM's ranges)."""
-    out = {"presence_penalty": _real(body, "presence_penalty", 0.0, -2.0, 2.0),
-           "frequency_penalty": _real(body, "frequency_penalty", 0.0, -2.0, 2.0),
-           "repetition_penalty": _real(body, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
-           "min_p": _real(body, "min_p", 0.0, 0.0, 1.0),
-           "logit_bias": logit_bias(body, vocab_size)}
-    words = body.get("bad_words")
-    if words is not None and (not isinstance(words, list)
-                              or not all(isinstance(w, str) and w for w in words)):
-        raise FieldError("'bad_words' must be an array of non-empty strings", "bad_words")
-    out["bad_words"] = words or None
+def token_ids_in_vocab(body: dict, vocab_size: int) -> None:
+    """stop_token_ids within this model's vocabulary (their type and sign are SamplingParams')."""
     ids = body.get("stop_token_ids")
-    if ids is not None and (not isinstance(ids, list)
-                            or not all(type(t) is int and 0 <= t < vocab_size for t in ids)):
+    if isinstance(ids, list) and any(type(t) is int and t >= vocab_size for t in ids):
         raise FieldError(f"'stop_token_ids' must be an array of token ids in [0, {vocab_size})",
                          "stop_token_ids")
-    out["stop_token_ids"] = ids or None
-    return out
 
 
-def best_of(body: dict, n: int, max_n: int, stream: bool) -> int | None:
-    """vLLM's best_of: sample best_of, return the n of highest cumulative logprob."""
-    b = _int(body, "best_of", 1, None)
-    if b is None or b == n:
-        return None                                     # the same as n alone
-    if b < n:
-        raise FieldError(f"'best_of' must be >= n ({n}), got {b}", "best_of")
-    if b > max_n:
-        raise FieldError(f"'best_of' must be <= {max_n} (max_num_seqs), got {b}", "best_of")
-    if stream:
-        raise FieldError("'best_of' > n cannot be streamed: the best completions are known only "
-                         "at the end", "best_of")
-    return b
-
-
-def min_tokens(body: dict) -> int:
-    """vLLM's min_tokens (EOS and stop tokens masked until then); <= max_tokens is checked later."""
-    return _int(body, "min_tokens", 0) or 0
-
-
-def temperature(value: float) -> float:
+def temperature(value):
     """vLLM clamps 0 < T < 0.01 up to 0.01: logits / 1e-40 is inf in fp32, then NaN."""
+    if type(value) not in (int, float):
+        return value                                   # SamplingParams refuses it
     return MIN_TEMPERATURE if 0.0 < value < MIN_TEMPERATURE else value
 
 

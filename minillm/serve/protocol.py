@@ -3,8 +3,12 @@ response and stream-chunk shapes are in responses.py; the fields past the basics
 
 A body becomes a `GenRequest` (prompt token ids, one `SamplingParams`, stream flags, priority)
 or an `APIError`, which the app answers as a 4xx with OpenAI's error object
-{"error": {"message", "type", "param", "code"}}. Everything is checked here, before the engine
-sees it, so a bad request costs its sender a 400 and nobody else anything. The app runs
+{"error": {"message", "type", "param", "code"}}. Everything is checked before the engine sees
+it, so a bad request costs its sender a 400 and nobody else anything. The sampling fields'
+ranges are SamplingParams' own: the body builds one, and its `SamplingParamError` becomes the
+400, naming the field as the body spells it (`HTTP_NAMES`). Checked here: what depends on this
+server and model (n and best_of within max_num_seqs, max_tokens within the room the prompt
+leaves, token ids within the vocabulary) and the HTTP-only fields. The app runs
 `parse_request` in one worker thread (tokenizing a 4 MiB prompt takes seconds), and a prompt
 whose characters could not fit the context even at the tokenizer's longest token
 (`max_token_chars` characters a token) is refused before it is tokenized at all.
@@ -19,16 +23,14 @@ penalties, logit_bias, best_of, structured output) or refuses (suffix, tools, ..
 Left out on purpose: tool calls (this model's chat template has none), batches of prompts in one
 completions request, images and audio, the developer and tool roles.
 """
-import math
 from dataclasses import dataclass
 
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParamError, SamplingParams
 from minillm.model.chat import encode_chat
 from minillm.serve import fields
 from minillm.serve.fields import FieldError
 
 ROLES = ("system", "user", "assistant")
-MAX_STOP = 4                        # OpenAI allows up to 4 stop sequences
 
 
 class APIError(Exception):
@@ -142,43 +144,32 @@ def _prompt(body: dict, kind: str, tokenizer, vocab_size: int, context: int,
                         "(one prompt per request here)", "prompt")
 
 
-def _stop(body: dict) -> list[str] | None:
-    stop = body.get("stop")
-    if stop is None:
-        return None
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise APIError(400, f"'stop' must be a non-empty string or an array of at most {MAX_STOP} "
-                            "non-empty strings", "stop")
-    return stop or None
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open=False) -> float:
-    v = float(_get(body, name, (int, float), default))
-    if not math.isfinite(v) or v > high or v < low or (low_open and v == low):
-        raise APIError(400, f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {v}", name)
-    return v
-
-
-def _max_tokens(body: dict, prompt_len: int, context: int, pool_tokens: int) -> int:
-    """max_tokens checked against the room the context leaves, and the KV pool: a sequence
-    longer than the whole pool could never finish (it would be preempted forever)."""
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    limit = min(context, pool_tokens)
-    what = f"context {context}" if limit == context else f"KV cache {pool_tokens} tokens"
-    room = limit - prompt_len
+def _room(body: dict, prompt_len: int, context: int, pool_tokens: int) -> int:
+    """The most tokens a completion can have: what the context leaves, and the KV pool (a
+    sequence longer than the whole pool could never finish: it would be preempted forever)."""
+    room = min(context, pool_tokens) - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context} "
                             f"tokens (KV cache {pool_tokens}), which leaves no room for a completion",
                        "messages" if "messages" in body else "prompt", code="context_length_exceeded")
-    value = _get(body, name, (int,), None)
-    if value is None:                              # vLLM's default: whatever the context leaves
-        return room
-    if value < 1 or value > room:
-        raise APIError(400, f"'{name}' must be in [1, {room}] ({what} - prompt {prompt_len} "
-                            f"tokens), got {value}", name, code="context_length_exceeded"
-                       if value > room else None)
-    return value
+    return room
+
+
+def _max_tokens_name(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+HTTP_NAMES = {  # SamplingParams field -> the body field that carries it, where the names differ
+    "chat": {"logprobs": "top_logprobs"},
+    "completion": {},
+}
+
+
+def http_name(field: str, body: dict, kind: str) -> str:
+    """The body field to name in a 400 about SamplingParams' `field`."""
+    if field == "max_tokens":
+        return _max_tokens_name(body)
+    return HTTP_NAMES[kind].get(field, field)
 
 
 def parse_request(body, kind: str, served_model: str, tokenizer, context: int, vocab_size: int,
@@ -201,34 +192,52 @@ def parse_request(body, kind: str, served_model: str, tokenizer, context: int, v
 
 def _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n, max_token_chars):
     fields.refuse_unimplemented(body, kind)
-    n = _get(body, "n", (int,), 1)
-    if not 1 <= n <= max_n:
-        raise APIError(400, f"'n' must be in [1, {max_n}] (max_num_seqs), got {n}", "n")
-    seed = _get(body, "seed", (int,), None)
-    top_k = _get(body, "top_k", (int,), -1)
-    if top_k == 0 or top_k < -1:
-        raise APIError(400, f"'top_k' must be -1 (off) or >= 1, got {top_k}", "top_k")
     stream = _get(body, "stream", (bool,), False)
     opts = _get(body, "stream_options", (dict,), {}) or {}
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    stop, ignore_eos = _stop(body), _get(body, "ignore_eos", (bool,), False)
     priority = _get(body, "priority", (int,), 0)
-    extras = {**fields.penalties(body, vocab_size), **fields.logprobs(body, kind),
-              "best_of": fields.best_of(body, n, max_n, stream)}
+    fields.token_ids_in_vocab(body, vocab_size)
     structured, structured_param = fields.structured_outputs(body)
-    min_tokens = fields.min_tokens(body)
     ids, text = _prompt(body, kind, tokenizer, vocab_size, context, max_token_chars)
-    max_tokens = _max_tokens(body, len(ids), context, pool_tokens)
-    if min_tokens > max_tokens:
-        raise APIError(400, f"'min_tokens' must be <= max_tokens ({max_tokens}), got {min_tokens}",
-                       "min_tokens")
-    params = SamplingParams(
-        temperature=fields.temperature(temperature), top_p=top_p, top_k=top_k,
-        max_tokens=max_tokens, seed=seed, n=n, stop=stop, ignore_eos=ignore_eos,
-        min_tokens=min_tokens, structured_outputs=structured, **extras)
+    room = _room(body, len(ids), context, pool_tokens)
+    given = {name: body.get(name) for name in (
+        "top_p", "top_k", "seed", "n", "stop", "ignore_eos", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
+        "stop_token_ids")}
+    given.update(fields.logprobs(body, kind), logit_bias=fields.logit_bias(body, vocab_size),
+                 best_of=body.get("best_of"), structured_outputs=structured,
+                 max_tokens=_or(body.get(_max_tokens_name(body)), room),   # vLLM's default: the room
+                 temperature=fields.temperature(_or(body.get("temperature"), 1.0)))   # OpenAI's
+    try:              # the ranges are SamplingParams' own: null is the field's default
+        params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    except SamplingParamError as err:
+        raise APIError(400, f"'{http_name(err.field, body, kind)}': {err}",
+                       http_name(err.field, body, kind)) from None
+    _limits(body, params, room, context, pool_tokens, max_n, stream)
     echo = None
     if kind == "completion" and body.get("echo"):
         echo = text if text is not None else tokenizer.decode(ids)
     return GenRequest(kind, model, ids, params, stream, bool(opts.get("include_usage", False)),
                       priority, echo, body.get("prompt_logprobs") is not None, structured_param)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _limits(body, params: SamplingParams, room: int, context: int, pool_tokens: int, max_n: int,
+            stream: bool) -> None:
+    """What this server and model allow beyond the fields' own ranges."""
+    if params.max_tokens > room:
+        limit = min(context, pool_tokens)
+        what = f"context {context}" if limit == context else f"KV cache {pool_tokens} tokens"
+        name = _max_tokens_name(body)
+        raise APIError(400, f"'{name}' must be in [1, {room}] ({what} - prompt {limit - room} "
+                            f"tokens), got {params.max_tokens}", name, code="context_length_exceeded")
+    if params.n > max_n:
+        raise APIError(400, f"'n' must be in [1, {max_n}] (max_num_seqs), got {params.n}", "n")
+    if params.best_of is not None and params.best_of > max_n:
+        raise APIError(400, f"'best_of' must be <= {max_n} (max_num_seqs), got {params.best_of}",
+                       "best_of")
+    if params.best_of is not None and stream:
+        raise APIError(400, "'best_of' > n cannot be streamed: the best completions are known "
+                            "only at the end", "best_of")

@@ -33,7 +33,8 @@ from multiprocessing.connection import wait
 
 from minillm.engine.args import check_prompt, request_state
 from minillm.engine.config import EngineConfig
-from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
 from minillm.serve.errors import WorkerUnavailable
 from minillm.serve.kv_link import link_store
@@ -140,7 +141,6 @@ class DisaggregatedEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
         if (params.best_of or params.n) != 1 or params.prompt_logprobs is not None:
             raise ValueError("disaggregated serving samples one completion without prompt "
                              f"logprobs: n and best_of must be 1 and prompt_logprobs None, got "
