@@ -36,7 +36,7 @@ from minillm.drafting.prompts import EVAL_CHAT_PROMPTS
 from minillm.drafting.train import cached_drafter, train_eagle, train_medusa
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.drafting_runs import drafting_costs, speedup_terms, time_methods, verify_costs
 from minillm.model.chat import encode_chat
 from minillm.model.loading import default_device, load_model

@@ -155,7 +155,7 @@ BAD = [  # (body or raw bytes, expected status, param or None)
     ({"model": MODEL, "messages": _msgs("hi"), "max_tokens": "10"}, 400, "max_tokens"),
     ({"model": MODEL, "messages": _msgs("hi"), "max_tokens": 10**6}, 400, "max_tokens"),
     ({"model": MODEL, "messages": _msgs("hi"), "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "messages": _msgs("hi"), "temperature": 3}, 400, "temperature"),
+    ({"model": MODEL, "messages": _msgs("hi"), "temperature": -0.5}, 400, "temperature"),
     ({"model": MODEL, "messages": _msgs("hi"), "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "messages": _msgs("hi"), "n": 0}, 400, "n"),
     ({"model": MODEL, "messages": _msgs("hi"), "stream": "yes"}, 400, "stream"),

@@ -23,7 +23,7 @@ from minillm.drafting.distill import Sample
 from minillm.drafting.objectives import greedy_labels
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 
 
 class HiddenTap:

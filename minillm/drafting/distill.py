@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.sequence import SamplingParams
+from minillm.engine.sampling_params import SamplingParams
 from minillm.model.chat import encode_chat
 
 
