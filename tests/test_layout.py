@@ -49,3 +49,24 @@ def test_the_front_door_names_import_from_minillm():
         assert getattr(minillm, name) is not None
     assert {"LLM", "SamplingParams", "EngineConfig", "LLMEngine", "load_model",
             "tiny_model", "generate", "RequestOutput", "CompletionOutput"} <= set(minillm.__all__)
+
+
+def test_layout_md_sizes_match_the_tree():
+    from layout_sizes import LAYOUT, sizes, stale
+    wrong = stale(LAYOUT.read_text(), sizes())
+    assert not wrong, ("docs/layout.md's sizes have drifted; run `python tests/layout_sizes.py "
+                       "--write` and commit docs/layout.md:\n" + "\n".join(wrong))
+
+
+def test_the_layout_size_check_can_fail():
+    from layout_sizes import LAYOUT, rewrite, sizes, stale
+    counted = sizes()
+    text = rewrite(LAYOUT.read_text(), counted)
+    assert stale(text, counted) == []
+    moved = {**counted, "engine/": (counted["engine/"][0] + 1, counted["engine/"][1])}
+    assert stale(text, moved) == [f"engine/: says {counted['engine/'][0]} files, "
+                                  f"{round(counted['engine/'][1], -2)} lines; counted "
+                                  f"{moved['engine/'][0]}, {moved['engine/'][1]}"]
+    grown = {**counted, "benchmarks/": (counted["benchmarks/"][0], counted["benchmarks/"][1] + 160)}
+    assert [w.split(":")[0] for w in stale(text, grown)] == ["benchmarks/"]
+    assert stale(text, {**counted, "new/": (1, 10)}) == ["new/: no row in docs/layout.md"]
