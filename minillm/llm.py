@@ -1,35 +1,19 @@
 """The front door: vLLM's offline `LLM` class over minillm's `LLMEngine`.
 
-vLLM's quickstart runs with only the import and the model name changed:
-
     from minillm import LLM, SamplingParams
     llm = LLM(model="smollm2-135m")                   # or an HF folder, a .gguf, a Transformer
     outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.8, top_p=0.95))
-    outputs[0].prompt, outputs[0].outputs[0].text
     llm.chat([{"role": "user", "content": "Hi!"}])    # the model's chat template, then generate
 
-`LLM(model, tokenizer=None, **options)`: options are `EngineConfig` fields (block_size,
-max_num_seqs, gpu_memory_utilization, ...) plus `dtype`, `device` (how a named model is loaded),
-`draft_model` and `speculative_config` (vLLM's dict; engine/args.py: "medusa" / "eagle" with
-"model": None use the cached trained heads, trained here on first use), and `quantization`
-("int8", "int4" or "gguf": `minillm.quantize` applied to the model, in place, before the engine
-is built; gptq / awq need a calibration set: quantize the model first and pass it in).
-Prompts may be strings, token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts. A model without a
-tokenizer (`tiny_model()`) takes token ids only.
+`LLM(model, tokenizer=None, **options)`: options are `EngineConfig` fields plus `dtype`, `device`,
+`draft_model`, `speculative_config` (vLLM's dict) and `quantization` ("int8", "int4", "gguf").
+Prompts are strings, token-id lists or vLLM's prompt dicts. `load_model(name, kernels="auto")`
+switches speed on in one visible step: the reference model, then on a CPU `accelerate(model)`
+(the tuned matmul routes and the flat forward); `LLM(name)` loads through it, `LLM(model)` runs
+the model as given. `tensor_parallel_size=n` splits it over n processes; `shutdown()` or `with`.
 
-`load_model(name, kernels="auto")` is where speed is switched on, in one visible step: the
-reference model from `minillm.model.loading`, then, on a CPU in fp32, `accelerate(model)`
-(`minillm.kernels.cpu_tuning`): the matmul routes of this machine's tuned table, or of a
-quick probe while it has none (one line says so; `python -m minillm.kernels` tunes), and the
-flat forward loop. `LLM(name)` loads through it, so it is fast by default; `LLM(model)` runs
-a model you pass as it is.
-
-`LLM(model, tensor_parallel_size=3)` splits the model over 3 processes (engine/tp_runner.py);
-`llm.shutdown()`, or `with LLM(...) as llm:`, stops them (else they stop when Python exits).
-
-Left out on purpose: vLLM's other entry points (`encode`, `embed`, `beam_search`, LoRA requests,
-multi-modal data), hub downloads, pipeline parallelism, and `dtype="auto"` guessing beyond fp32.
-Unlike vLLM, `SamplingParams()` is greedy by default (temperature 0).
+Left out on purpose: `encode`, `embed`, `beam_search`, LoRA, multi-modal data, hub downloads,
+pipeline parallelism. Unlike vLLM, `SamplingParams()` is greedy by default (temperature 0).
 """
 import dataclasses
 import os

@@ -1,7 +1,9 @@
 """The front page and docs/ hold: README.md stays a front page (at most 10 KB), every relative
 link in it and in docs/ points at a file that exists, every `from minillm... import ...` line the
 docs show imports, and every `python -m ...` command they name is a module that exists;
-docs/api.md stays a reference in chapter sections, small enough to read, naming all of `minillm.__all__`."""
+docs/api.md stays a reference in chapter sections, small enough to read, naming all of `minillm.__all__`;
+every module docstring under minillm/ says what the module is in at most MODULE_DOCSTRING_MAX_LINES."""
+import ast
 import importlib
 import importlib.util
 import re
@@ -68,3 +70,26 @@ def test_every_documented_command_is_a_module(page):
     for module in set(COMMAND.findall(page.read_text())):
         module = module.rstrip(".")
         assert importlib.util.find_spec(module) is not None, f"{page.name}: python -m {module}"
+
+
+# The aim is about 15 lines (what the module is, its letters, "Left out on purpose"); reasons and
+# history go to docs/sources.md. Every docstring under minillm/ is at most this long today.
+MODULE_DOCSTRING_MAX_LINES = 30
+
+
+def _docstring_lines(path: Path) -> int:
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+    return len(doc.strip("\n").splitlines()) if doc else 0
+
+
+def test_module_docstrings_are_short():
+    too_long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "minillm").rglob("*.py"))
+                if (n := _docstring_lines(p)) > MODULE_DOCSTRING_MAX_LINES}
+    assert not too_long, (f"module docstrings over {MODULE_DOCSTRING_MAX_LINES} lines (move reasons and "
+                          f"history to docs/sources.md): {too_long}")
+
+
+def test_the_docstring_count_can_fail(tmp_path):
+    long_doc = tmp_path / "m.py"
+    long_doc.write_text('"""' + "line\n" * (MODULE_DOCSTRING_MAX_LINES + 1) + '"""\nx = 1\n')
+    assert _docstring_lines(long_doc) == MODULE_DOCSTRING_MAX_LINES + 1

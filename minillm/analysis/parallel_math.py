@@ -3,35 +3,15 @@
 Letters: L layers, d model width, V vocab, T tokens in a forward step (summed over the batch),
 n ranks in a collective (the tensor-parallel size), p pipeline stages, m micro-batches.
 
-Tensor parallelism (Megatron): every rank holds 1/n of each layer; the row-parallel o_proj and
-down_proj each end in an all-reduce of the (T, d) activations, and the vocabulary-parallel
-embedding ends in one more, so a forward step makes 2L + 1 all-reduces of T*d elements. The
-vocabulary-parallel lm_head gives each rank ceil(V/n) logits per row, gathered in one all-gather.
-`tp_collectives` counts what one rank hands the collectives (the number `Comm.stats` records);
-`ring_wire_bytes` says what a ring algorithm then sends on the wire: an all-reduce is a
-reduce-scatter plus an all-gather, 2(n-1)/n of the tensor per rank; an all-gather sends the
-(n-1) shards the other ranks need.
+Tensor parallelism (Megatron's split): 2L + 1 all-reduces of T*d elements a forward step and one
+all-gather of ceil(V/n) logits per row (`tp_collectives`); `ring_wire_bytes` is what a ring sends.
+Time is the alpha-beta model: k ring steps of latency alpha plus wire bytes over bandwidth (an
+upper bound for small messages, where NCCL switches algorithm). Pipeline parallelism: the bubble
+(p-1)/(m+p-1) (`bubble_fraction`) and the activations sent per boundary (`pp_p2p_bytes`). Link
+presets (NVLink 3/4, PCIe 4.0, Ethernet) are per direction, from the datasheets in docs/sources.md.
 
-Time is the alpha-beta model: a ring collective over n ranks takes k steps (2(n-1) for an
-all-reduce, n-1 for an all-gather), each paying the link's latency alpha, plus wire bytes /
-bandwidth beta. For small messages NCCL switches to tree and low-latency protocols, so the ring's
-latency term is an upper bound there; for large ones it is close to what NCCL reaches.
-
-Pipeline parallelism: p stages, m micro-batches, GPipe's fill and drain leave each stage idle
-(p-1) of (m+p-1) slots, `bubble_fraction`; each stage boundary sends the (T, d) activations once
-per forward, `pp_p2p_bytes`.
-
-Link presets, per direction per GPU (or per NIC), latencies of a few microseconds:
-- NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s each way (NVIDIA H100
-  datasheet, "fourth-generation NVLink ... 900 GB/s"); NVLink 3 (A100 SXM, seed 003's cards):
-  600 GB/s bidirectional = 300 GB/s each way (NVIDIA A100 datasheet).
-- PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s each way, about 25 GB/s reached.
-- Ethernet: line rate / 8 (IEEE 802.3): 400 GbE 50 GB/s (also InfiniBand NDR 400 Gb/s), 100 GbE
-  12.5 GB/s, 25 GbE 3.125 GB/s, 10 GbE 1.25 GB/s; RDMA latencies a few us, kernel TCP tens of us.
-
-Left out on purpose: the driver's per-step broadcast of the step plan (its size is the pickled
-plan, not a function of the model), overlap of communication with compute, NVSwitch SHARP
-in-network reduction, expert and sequence parallelism, and the backward pass.
+Left out on purpose: the driver's broadcast of the step plan, overlap of communication with
+compute, in-network reduction, expert and sequence parallelism, the backward pass.
 """
 import math
 from dataclasses import dataclass

@@ -4,32 +4,16 @@ this machine: timed once, cached.
 Letters: B sequences, H query heads, Hkv kv heads, D head dim, Sg the longest context of a step,
 M new tokens of the step.
 
-Backends (`EngineConfig(attention_backend=...)`, `PagedKVCache(attention_backend=...)`):
-"paged" attends every step through `attend_slot_rows` (paged.py); "flash_decoding" sends every
-decode-only step through `flash_decode` (flash_decoding.py); "auto", the default, sends a
-decode-only step there when it is at least as large as this machine's crossover. Steps with a
-prefill chunk always take the paged path. `BackendChoice` makes that choice once per step, for
-every layer; the cache only asks it.
+"paged" gathers every context into one padded tensor and runs one SDPA (paged.py); it wins while
+that copy is small. "flash_decoding" reads tiles into reused buffers and merges the partials
+(flash_decoding.py). "auto", the default, sends a decode-only step to flash-decoding from this
+machine's crossover, `decode_threshold(...)`: both timed over a grid of (batch, context), keeping
+the key count from which flash-decoding always wins, cached beside the matmul table per CPU,
+torch, threads, device and head shape. Steps with a prefill chunk take the paged path.
+`BackendChoice` chooses once per step for every layer.
 
-The paged path gathers every sequence's whole context into one padded tensor per layer and runs
-one SDPA over it: few operations, so it wins while the gathered copy is small. Flash-decoding
-reads the context tile by tile into small reused buffers and merges chunk partials: more
-operations, less memory traffic, so it wins once the copy is large. Where the two cross depends on
-the machine (its caches, its allocator, its core count), so it is measured, not assumed:
-`decode_threshold(...)` times both on the model's head shape over a grid of (batch, context)
-decode steps and keeps the total number of keys (batch x longest context) from which
-flash-decoding wins at every larger point of the grid. The result is cached as JSON beside the
-matmul table (`$MINILLM_CACHE/kernels/`, one file per CPU model, instruction set, torch version,
-thread count, device and head shape), so a machine decides once and every later run reuses it: a
-run never switches paths because of a timing taken during it. A corrupt or foreign file is
-re-timed; a folder that cannot be written keeps the result for the process.
-
-"auto" asks for the crossover only for decode-only steps whose longest context spans more than
-one chunk (below that, flash-decoding has nothing to split and is never chosen, so short-context
-runs never time anything).
-
-Left out on purpose: a finer model of the crossover (per batch size, per dtype of the KV codes);
-quantized KV pools are timed as their float equivalent.
+Left out on purpose: a finer crossover model (per batch size, per KV dtype); quantized KV pools
+are timed as their float equivalent.
 """
 import time
 

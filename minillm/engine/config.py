@@ -1,41 +1,17 @@
 """`EngineConfig`: every knob of the serving engine in one frozen dataclass, with vLLM's names,
 validated when it is made (a bad value raises ValueError naming the field and its range).
 
-Pool: `num_blocks`, else `gpu_memory_utilization` on a GPU, else `kv_cache_memory_bytes`
-(engine_args.py). Batch: `max_num_seqs` (default: min(32, the token budget)) and the token budget
-`max_num_batched_tokens`, which must cover one token per running sequence and one verify step.
-Order within a step: decodes first (default), or `prefill_first=True` (prompts first, as vLLM's V0
-scheduler did without chunked prefill; `Scheduler(prefill_first=)`). Partial prefills (vLLM's
-names, off by default as there): `long_prefill_token_threshold` caps every prompt's chunk (0: no
-cap; a prompt with more tokens left is "long"), `max_num_partial_prefills` bounds the prompts
-mid-prefill at once and `max_long_partial_prefills` the long ones among them, so a short prompt
-is admitted beside a long one instead of waiting for its whole prefill (scheduler.py). Chunks in
-time: `prefill_step_target_ms` (None or 0: off) caps every prompt chunk at the tokens this machine
-prefilled in that many ms in its last step (measured each step, prefill_pacer.py), so a step
-beside a long prompt costs about that time at any load. Memory of a long-running
-engine: `retain_finished` finished requests and `max_trace_steps` trace rows are kept, the oldest
-dropped first. KV storage: `kv_cache_dtype` "auto" keeps the model's dtype; "int8" and "fp8"
-store one byte per element (paging/kv_storage.py), so the same memory holds about 2x (bf16/fp16) or 4x
-(fp32) the blocks. Order across requests: `scheduling_policy` "fcfs" (arrival order) or "priority"
-(each request's int priority, lower first, with optional `priority_classes`: priority.py).
-Speculative decoding: `num_speculative_tokens` K > 0 with `speculative_method` "ngram", "draft",
-or a trained drafter "medusa" / "eagle" / "lookahead" (its proposer built by spec_methods.py),
-optionally with `speculative_token_tree` (checked against the drafter there). Speculation steps
-aside per step (spec_decoder.py, `SpecDecoder.select`): `speculative_disable_by_batch_size` (vLLM's
-name and rule, >= 2) turns drafting off for a step whose running requests reach it, and
-`speculative_min_seq_len` (seed 001's "sequence length > 32" is 33) keeps a sequence holding fewer
-tokens on plain decoding; both None (default): every step speculates. Decode attention: `attention_backend` "paged" (one SDPA over the gathered cache),
-"flash_decoding" (decode-only steps split the context into chunks merged by log-sum-exp;
-minillm/attention/flash_decoding.py) or "auto", the default (flash-decoding from the step size where
-it wins on this machine, timed once: attention/backends.py); prefill chunks take the paged path.
-`tensor_parallel_size` n > 1 splits the model over n processes (engine/tp_runner.py); which n a
-model allows is checked against it when the engine is built (distributed/tensor_parallel.py).
-SLO targets: `slo_ttft_p95_ms` / `slo_tpot_p95_ms` (positive, or None) start the controller
-(slo_controller.py), which every `slo_interval_s` seconds moves the token budget within
-[one decode step, max_num_batched_tokens] and the classes' queue bounds towards them.
-A second KV tier in host memory: `kv_offloading_size` GiB (vLLM's name; None or 0: off) keeps
-prefix-cache blocks evicted from the pool, or idle for `offload_idle_s` seconds (seed 001's 2 s),
-and restores them on a later hit instead of recomputing them (paging/offload.py).
+The groups, each with the module that reads it: the KV pool (`num_blocks`,
+`gpu_memory_utilization`, `kv_cache_memory_bytes`: args.py; `kv_cache_dtype`: paging/kv_storage.py),
+the batch (`max_num_seqs`, `max_num_batched_tokens`), the order within a step and partial prefills
+(`prefill_first`, `long_prefill_token_threshold`, ...: scheduler.py; `prefill_step_target_ms`:
+prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
+priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
+`speculative_token_tree`, the switch's `speculative_disable_by_batch_size` and
+`speculative_min_seq_len`: spec_decoder.py), the decode attention backend (attention/backends.py),
+`tensor_parallel_size` (tp_runner.py), SLO targets (slo_controller.py), the host KV tier
+(`kv_offloading_size`, `offload_idle_s`: paging/offload.py), and what a long-running engine keeps
+(`retain_finished`, `max_trace_steps`).
 """
 from dataclasses import dataclass
 from minillm._validate import ArgumentTypeError, check_int, check_real
@@ -50,7 +26,7 @@ from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is p
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`,
-    or on a GPU from `gpu_memory_utilization` when set (engine_args.py; ignored on a CPU)."""
+    or on a GPU from `gpu_memory_utilization` when set (args.py; ignored on a CPU)."""
 
     block_size: int = 16
     num_blocks: int | None = None

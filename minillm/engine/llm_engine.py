@@ -4,52 +4,15 @@
     outs = engine.generate(prompts, SamplingParams(max_tokens=32))      # list[RequestOutput]
     rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort_request(rid)
 
-Pieces: `Sequence` state (sequence.py), `BlockManager` (block_manager.py, no tensors),
-`Scheduler` (decides), `ModelRunner` (runs tensors), `Sampler` (logits -> tokens, sampler.py).
-The engine owns them and validates requests (bad input never reaches the scheduler). One method,
-`update_from_output` (vLLM's name; step_update.py, a mixin), applies a step's results: it moves computed counts, forks
-n > 1 completions after the prompt's prefill, rolls rejected drafts back, appends tokens, stops
-finished sequences at once (their blocks go back to the pool), and writes per-request metrics
-(TTFT, TPOT, end-to-end) and the per-step trace (`trace`, `export_trace`).
+Pieces: `Sequence` state (sequence.py), `BlockManager` (paging/block_manager.py, no tensors),
+`Scheduler` (decides), `ModelRunner` (runs tensors), `Sampler` (logits -> tokens). The engine owns
+them and checks requests before anything else sees them; `update_from_output` (step_update.py)
+is the one place a step's results land. The features each engine field switches on live in their
+own modules: speculation (spec_decoder.py), priorities (priority.py), the SLO controller
+(slo_controller.py), the prefill pacer (prefill_pacer.py), structured output (structured.py), the
+host KV tier (paging/host_tier.py) and tensor parallelism (tp_runner.py). `LLM` (llm.py) wraps it.
 
-With `num_speculative_tokens > 0` each decoding sequence drafts tokens (n-gram lookup, a
-`draft_model`, or a trained drafter that reads the target's features, kept per sequence here:
-spec_decoder.py, features.py) that one forward pass scores and the sampler verifies; vLLM's
-`speculative_config` dict and `gpu_memory_utilization` map onto these fields in args.py. Each step
-asks the switch (`SpecDecoder.select`) whether to speculate: under load (`speculative_disable_by_batch_size`)
-or for short sequences (`speculative_min_seq_len`) it steps aside and decodes plainly;
-`spec_active` and `spec_stats.num_steps_speculated` / `num_steps_skipped` say what it did. With a tokenizer, each
-sequence's text grows token by token and `SamplingParams(stop=[...])` ends it (detokenizer.py).
-`llm.py` wraps the engine in vLLM's offline front door, `LLM`.
-
-`scheduling_policy="priority"` orders requests by their `priority` and may bound their queue wait
-(priority.py); the bound is checked at the start of each step, on `self.clock`.
-
-`slo_ttft_p95_ms` / `slo_tpot_p95_ms` make `self.controller` (slo_controller.py): each step
-starts with its `tick` (on `self.clock`) and ends by handing it the step's outputs; it moves the
-scheduler's token budget and the classes' queue bounds, never the tokens a request gets.
-
-`prefill_step_target_ms` makes `self.pacer` (prefill_pacer.py): after each step it sets the
-scheduler's largest prompt chunk to the tokens this machine just prefilled in that time (the
-step's duration on `self.clock`), so chunks follow the machine's speed and load, not a count.
-
-Every field of `SamplingParams` is honoured: penalties, logit_bias, min_tokens, bad_words and
-min_p by the sampler (logits_process.py), structured output by a `GrammarState` per sequence
-(structured.py; started here, advanced in `_append`, forked with the completions), logprobs and
-cumulative logprobs per token, prompt logprobs from the runner's prompt rows, and `best_of`
-(best_of sequences sampled, the n best returned; sequence.py). `prompt_logprobs` is refused with
-`enable_prefix_caching=True`: a prompt token found in the cache is never computed, so it has
-no logits (vLLM skips the cache for such a request instead).
-
-`kv_offloading_size` GiB adds a KV tier in host memory (paging/host_tier.py, offload.py; the
-runner's `HostKVPool`): prefix-cache blocks evicted from the pool, or idle for `offload_idle_s`
-(checked at the start of each step, on `self.clock`), are copied there and restored on a later
-prefix hit instead of being recomputed; `block_manager.host_tier` holds its counters.
-
-`tensor_parallel_size=n > 1` runs the model split over n processes (tp_runner.py: this process is
-rank 0 and drives the rest); `shutdown()` stops them.
-
-Left out on purpose: async serving / streaming over HTTP, pipeline parallelism.
+Left out on purpose: async serving and HTTP streaming (serve/), pipeline parallelism.
 """
 import json
 import time

@@ -3,32 +3,15 @@ a token is drawn, and what comes back about the distribution it was drawn from.
 
 Letters: K draft tokens of one sequence, R = K + 1 logits rows, V vocab.
 
-`process_logits(logits, seq, drafts)` is the one place the processors run, in vLLM's order:
-1. the grammar mask (structured output, `seq.grammar`): tokens it refuses get -inf;
-2. `bad_words`: each word is tokenized with and without a leading space; its last token gets
-   -inf when the output already ends with its other tokens (a one-token word: always);
-3. `min_tokens`: EOS and `stop_token_ids` get -inf while fewer than min_tokens tokens are out
-   (and stop strings count only in the text after them: the engine's `_append`);
-4. `logit_bias`: added to the logits of its token ids;
-5. `repetition_penalty` (transformers' and vLLM's rule) over prompt + output: the logit of a token
-   seen anywhere there is divided by the penalty when positive, multiplied when negative;
-6. `frequency_penalty` and `presence_penalty` (OpenAI's formula) over the output only:
-   logit[t] -= frequency * count[t] + presence * (count[t] > 0).
-Temperature, top-k, min-p and top-p follow in `logits_to_probs` (model/sampling.py), the one
-place they are applied.
+`process_logits(logits, seq, drafts)` is the one place they run, in vLLM's order: the grammar mask,
+`bad_words`, `min_tokens`, `logit_bias`, `repetition_penalty` (over prompt + output), then
+`frequency_penalty` and `presence_penalty` (OpenAI's formula, over the output). Temperature,
+top-k, min-p and top-p follow in `logits_to_probs` (model/sampling.py). Row j of a verify is
+processed as if drafts[:j] were appended, so speculation keeps a penalized or constrained
+request's law. `token_logprobs` builds vLLM's logprobs entry (the token and the top k, ranked).
 
-Speculative decoding scores K drafts at once. Row j predicts the token after drafts[:j], so it is
-processed as if drafts[:j] were already appended: they count for the penalties, bad words and
-min_tokens, and the grammar mask is its row j. The processed rows are then exactly the target
-law the rejection rule preserves, so speculation does not change what a penalized or constrained
-request samples.
-
-`token_logprobs` turns a row's log-probabilities into vLLM's logprobs entry: the sampled token and
-the k most likely ids, each with its rank (1 = most likely).
-
-Left out on purpose: vLLM's allowed_token_ids and custom per-request processors; batching the
-processors over sequences (each sequence that asked for one is processed on its own, and the
-others pay nothing); incremental token counts (they are rebuilt from the output each step).
+Left out on purpose: vLLM's allowed_token_ids and custom processors; batching the processors
+over sequences; incremental token counts.
 """
 from dataclasses import dataclass
 

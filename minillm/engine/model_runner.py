@@ -1,35 +1,17 @@
 """The model runner: turns one scheduler decision into tensors and runs the model.
 
-It only runs. Given a `SchedulerOutput` it
-1. moves blocks first: host-tier offloads, swap-outs to CPU, copy-on-write copies, swap-ins
-   back, host-tier restores (in that order, since a block read by an offload or a swap-out may be
-   freed and become the destination of a copy, a swap-in or a restore this step);
-2. flattens every scheduled sequence's new tokens (prefill chunks and decode tokens mixed) into
-   input_ids (1, M), positions (M,) and attention metadata (slot mapping, block tables, lengths),
-   built once per step and shared by all layers;
-3. runs `model(input_ids, positions, cache, logits_index)` with `logits_index` at the last token
-   of each sequence whose chunk reaches its end (only those sample a new token), and at each
-   speculative draft's position;
-A sequence verifying a token tree (`seq.draft_parents`) runs its newest token and its nodes in
-node order: node i's position is the newest token's plus its depth, and the cache's metadata
-gets its parents, so each node attends to the context and its own ancestors only.
-and returns those sequences with their logits (`execute_with_hidden`: also the final norm's output
-at every scheduled token, the features trained drafters read). Turning logits into tokens is the sampler's job
-(sampler.py); applying them is the engine's.
+Letters: M tokens in the flattened batch, M' padded, K logits rows this step, V vocab, C width.
 
-A request with `SamplingParams(prompt_logprobs=k)` also needs the logits at every prompt position
-of each of its chunks (position i predicts prompt token i + 1). `prompt_rows` says which; their
-rows come after the sampling rows, in the order of `prompt_rows`, and only such requests pay for
-them. A chunk at most `max_num_batched_tokens` long bounds that memory (rows x V floats).
+It only runs. Given a `SchedulerOutput` it moves blocks first (host-tier offloads, swap-outs,
+copy-on-write copies, swap-ins, restores, in that order), flattens every scheduled token into
+input_ids (1, M), positions (M,) and one attention metadata for all layers, and runs the model
+with logits only where a sequence samples (its chunk's end, each draft; a token tree's nodes
+attend to their ancestors only). `execute_with_hidden` also returns the final norm's output, the
+features trained drafters read; `prompt_rows` adds rows for `prompt_logprobs`. With compiled
+steps or CUDA graphs (kernels/compiled_steps.py, cuda_graph_steps.py) `prepare` pads a step to the
+next kept size M' with rows in the scratch block. Sampling is sampler.py's job, applying results
+the engine's.
 
-With compiled steps (`EngineConfig.compilation_config`, kernels/compiled_steps.py) a step of M
-rows runs the graph compiled for the next kept size M' >= M: `prepare` adds M' - M padding rows
-(token 0 at position 0 of the scratch block, the last of the pool, which no sequence owns) and
-only the real rows reach the logits. Larger steps, and sizes not kept, run eager. On a CUDA
-device the same sizes run as piecewise CUDA graphs instead (kernels/cuda_graph_steps.py), padded
-the same way.
-
-Letters: M tokens in the flattened batch, M' padded, K logits rows this step, V vocab, C model width.
 Left out on purpose: overlapping CPU scheduling with GPU work.
 """
 from dataclasses import dataclass

@@ -2,35 +2,18 @@
 
 Letters: R logits rows this step, K draft tokens of one sequence, V vocab.
 
-After the forward pass every sampling sequence owns one logits row, or K + 1 rows when it
-drafted K tokens (its last token and each draft). `Sampler.sample` reads them, row by row:
-- a request with logits processors or a grammar has its rows processed first
-  (`process_logits`, logits_process.py; row j of a verify as if drafts[:j] were appended);
-- a plain row: the argmax (temperature 0; all such rows in one call) or one draw from
-  `logits_to_probs` (temperature, top-k, min-p, top-p);
-- K + 1 rows: `greedy_verify` (temperature 0) or `rejection_sample` (the exact rule) keep n
-  drafts and one more token;
-- a token tree (`seq.draft_parents`; one row per node, the newest token first): `tree_accept`
-  (spec/tree_rejection.py) keeps a root-to-node path and one more token, greedy or by exact
-  recursive rejection over each node's children; `Sampled.path` names the kept nodes.
-A request that asks for logprobs (or uses best_of) gets each token's entry from the distribution
-it was drawn from: log `logits_to_probs` of its row, or for temperature 0 the log-softmax of the
-processed logits. Under speculative decoding that is the target row the token's law is (the
-rejection rule is exact). `prompt_logprobs` reads the runner's prompt rows: the log-softmax of
-the model's logits, unprocessed (as vLLM).
-It only computes: each row gives a `Sampled` record, and `LLMEngine.update_from_output` applies
-them (appends tokens, rolls rejected drafts back, writes metrics). Nothing here changes a
-sequence, a block or a metric.
+Each sampling sequence owns one row, or K + 1 when it drafted K. `Sampler.sample` processes a
+request's rows first when it asks for it (logits_process.py), then takes the argmax or one draw
+from `logits_to_probs` for a plain row, `greedy_verify` or the exact `rejection_sample` for K + 1
+rows, and `tree_accept` (spec/tree_rejection.py) for a token tree. Logprobs come from the
+distribution each token was drawn from; prompt logprobs are the model's unprocessed rows (as
+vLLM). It only computes: each row gives a `Sampled` record, and `update_from_output` applies them.
+One seed rule (`generator_for`): a seeded request draws its k-th token from a generator seeded
+with hash((seed, completion index, k)), so its output does not depend on batching, chunking or
+preemption; drafters use k + DRAFT_OFFSET; unseeded requests share the engine's generator.
 
-One seed rule for every draw (`generator_for`): a request with a `seed` draws its k-th output
-token from a generator seeded with hash((seed, completion index, k)), so its output does not
-depend on the batch, on chunking or on preemption (a resumed sequence draws token k afresh). The
-verify step that produces token k uses that same generator; the drafter proposing from token k
-uses the rule at k + DRAFT_OFFSET, a stream of its own. Unseeded requests share the engine's
-generator (`EngineConfig.seed`), never the global RNG.
-
-Left out on purpose: one batched top-k / top-p over rows with different parameters (rows with
-temperature > 0 are drawn one at a time), and batched logits processors (logits_process.py).
+Left out on purpose: one batched top-k / top-p over rows with different parameters, and batched
+logits processors.
 """
 from dataclasses import dataclass
 

@@ -1,44 +1,18 @@
 """The scheduler: each step, decide which sequences run and how many of their tokens.
 
-It only decides. It keeps the waiting / running / swapped queues and books blocks in the
-`BlockManager` (pure Python); the runner later moves the tensors it asks for (swap, copy-on-write)
-and runs the forward pass.
+It only decides: it keeps the waiting / running / swapped queues and books blocks in the
+`BlockManager`; the runner moves the tensors it asks for and runs the forward pass. One step
+(`schedule()`) within `max_num_batched_tokens`: running sequences first, decodes before prefill
+chunks, preempting the latest arrival when the pool is empty (recompute or swap); then swapped
+sequences come back; then waiting ones are admitted while seats, budget and blocks allow. With
+chunked prefill a prompt takes what budget is left. vLLM's partial-prefill knobs
+(`long_prefill_token_threshold`, `max_num_partial_prefills`, `max_long_partial_prefills`) keep
+short prompts from waiting behind long ones; `prefill_chunk_cap` is set each step by the
+`PrefillPacer`; `prefill_first=True` puts prompts before decodes. Priorities override the small
+hooks here (`_run_key`, `_victim_key`, ...) in priority.py; static batching is static_scheduler.py.
 
-One step (`schedule()`), with a token budget of `max_num_batched_tokens`:
-1. running sequences, oldest first, decodes before prefill chunks: each needs blocks for its
-   new token(s); when the pool is empty the latest-arrived running sequence is preempted
-   (recompute: blocks freed, back to the front of the waiting queue; swap: KV copied to CPU);
-2. swapped sequences come back while blocks allow;
-3. waiting sequences are admitted while `max_num_seqs`, the budget and free blocks allow.
-With chunked prefill a prompt takes whatever budget is left (a chunk); without it a prompt runs
-whole, and only if it fits or is the step's first prefill.
-
-Partial prefills (vLLM's three knobs; all off by default, as in vLLM): a prompt whose tokens still
-to compute exceed `long_prefill_token_threshold` is *long*, and no prompt's chunk in a step exceeds
-that threshold, so a long prompt leaves the rest of the budget to others. A prompt is *partial*
-while it is mid-prefill: it has run a chunk and has tokens left. At most `max_num_partial_prefills`
-prompts are partial at once, at most `max_long_partial_prefills` of them long; a waiting prompt
-that would break either limit keeps its place in the queue while prompts behind it that fit are
-admitted (a short request is never locked out behind a long one). Decodes still go first.
-
-Chunks in time (`prefill_chunk_cap`, None by default): a token count set from outside each step
-by the engine's `PrefillPacer` (prefill_pacer.py), which measures how many prompt tokens this
-machine ran in its last step and aims the next step at `prefill_step_target_ms`. No chunk is
-bigger; it leaves "long" and the partial-prefill slots to the threshold above.
-
-`prefill_first=True` turns the order around (the default, decode-first, is Sarathi-Serve's and
-vLLM's with chunked prefill; prefill-first is how vLLM's V0 scheduler ran without it): running
-prompts' chunks, then waiting prompts (when nothing is swapped out), take the budget first and the
-decodes share what is left. A long prompt's first token comes sooner; every running decode waits
-until the prompts have had their fill, and a steady stream of new prompts can starve them. Static batching, the baseline that
-continuous batching beats, is a subclass of its own (static_scheduler.py).
-
-Priorities (`scheduling_policy="priority"`) are a subclass, `PriorityScheduler` (priority.py): it
-overrides the small hooks below (`_run_key`, `_victim_key`, `_preempt_for_waiting`, `_may_admit`,
-`_may_swap_in`, `_admission_open`); here they keep fcfs order.
-
-Left out on purpose: fairness across users, lookahead scheduling, and vLLM V0's even split of
-the budget among partial prefills (the threshold alone keeps room for the others here).
+Left out on purpose: fairness across users, lookahead scheduling, and vLLM V0's even split of the
+budget among partial prefills.
 """
 from collections import deque
 from dataclasses import dataclass, field

@@ -1,61 +1,18 @@
-"""The SLO controller (seed 001's "when P95 latency exceeds the SLA, lower the max batch
-tokens or shorten the queue timeouts"): a closed loop over the engine's own latencies.
+"""The SLO controller: a closed loop that moves the engine's token budget towards P95 targets.
 
     engine = LLMEngine(model, EngineConfig(slo_tpot_p95_ms=120, slo_ttft_p95_ms=2000))
     engine.controller.budget           # the scheduler's max_num_batched_tokens right now
 
-What it reads. The engine hands every step's outputs to `observe`: a request's TTFT is a sample
-at the step its first token lands, its TPOT one at the step it finishes (requests rejected by a
-queue timeout are counted, `num_queue_timeouts`, never sampled: they have no first token, and
-reading them as a slow TTFT would make the controller shorten the timeouts further, a loop that
-feeds itself). Samples are stamped with the engine's clock (`engine.clock`, so a test drives a
-fake one).
-
-When it moves. `tick(now)` runs at the start of every `LLMEngine.step` and does nothing until
-`interval_s` (EngineConfig.slo_interval_s) has passed since the last decision. Then it takes the
-P95 of each metric over its window: the samples of the last `window_intervals` (3) intervals,
-or, when those are fewer than `min_samples` (8), the newest `min_samples` of the last
-`max_window_intervals` (10): a CPU server finishing under a request a second would otherwise
-never gather enough to decide. No sample older than the last move counts (after a move the
-next decision reads only what was measured under the new setting, so one slow burst is not
-answered twice). A metric with fewer than `min_samples` samples moves nothing.
-
-How it moves (T = the target; "calm" = P95 < `margin` x T, the hysteresis band is [margin x T, T]):
-- the token budget (`scheduler.max_num_batched_tokens`, read by `Scheduler.schedule` every step)
-  answers TPOT. Decode-first scheduling gives the running decodes their tokens first and the
-  rest of the budget to prompt chunks, so a step's time, and every running request's gap
-  between tokens, grows with the budget. TPOT P95 > T: budget x `down` (0.75), counted from
-  the largest step since the last decision when that is smaller (lowering a budget no step
-  reached changes nothing: with short prompts a 512 budget binds only once it is near 64, and
-  steps of 0.75 from 512 would spend most of a load step getting there). TPOT calm for
-  `up_after` (2) decisions in a row: budget x `up` (1.25). In the band: hold, so a P95 sitting
-  between margin x T and T never flaps. Bounds: never below one decode step,
-  max(max_num_seqs, 1 + num_speculative_tokens) (the floor EngineConfig enforces: below it
-  running decodes are skipped and newer requests starve), never above the configured
-  max_num_batched_tokens.
-- TTFT wants the opposite budget: a larger one prefills the queue faster. The rule: with both
-  over, TPOT wins (down); with TTFT P95 > T and TPOT within its target (calm or in the band, or
-  no TPOT target) the budget goes up at once, without waiting for the calm streak. So without
-  priority classes TTFT control means "give the budget back as soon as TPOT allows"; a
-  TTFT-only controller keeps the budget at its maximum, the TTFT-friendliest setting. (A first
-  version raised for TTFT only when TPOT was calm: measured on a 2-core CPU, TPOT then sat in the
-  band at a budget of 28 while the queue, prefilled 28 tokens a step, grew to a 15 s TTFT. When
-  both targets cannot hold, the budget now hovers at the edge between them instead.)
-- with priority classes that bound their queue wait (`PriorityClass.max_queue_wait`), TTFT also
-  moves those bounds: TTFT P95 > T: every bound x `down`; TTFT calm for `up_after` decisions:
-  x `up`; within [configured / 4, configured]. Shorter bounds promote (or reject) a waiting
-  request sooner, so the worst-waiting requests are served (or turned away) before their wait
-  becomes the tail. The floor, a quarter of the configured bound: the operator's bound says how
-  long the class may wait; the controller may tighten it, but not to the point where nearly
-  every request of the class times out on arrival.
-
-What it shows: `budget`, `min_budget`, `max_budget`, `queue_timeouts` ({priority: seconds}),
-`num_adjustments` ({"down": n, "up": n}), `p95` and `targets` ({"ttft": s, "tpot": s}, None
-when unknown / unset), and `timeline`, one dict per decision (t, budget, p95s, sample counts,
-timeouts, action) for chapter 8's figure; the server exports them as minillm:slo_* metrics.
-
-Left out on purpose: a model of the step cost (the loop is blind: it measures and moves, as
-seed 001 describes), P99 or end-to-end targets, per-class targets, and moving `max_num_seqs`.
+`observe` takes each step's outputs: TTFT is sampled when a request's first token lands, TPOT when
+it finishes (queue timeouts are counted, never sampled). `tick(now)` decides every `interval_s`,
+from the P95 of a window of recent samples, none older than the last move. TPOT over its target
+lowers the budget (x `down`), calm TPOT for `up_after` decisions raises it (x `up`), and a hysteresis
+band between `margin` x T and T holds it; TTFT over target raises it as soon as TPOT allows, and
+shortens the priority classes' queue bounds (never below a quarter of the configured one). The
+budget stays within [one decode step, the configured max_num_batched_tokens]. `timeline` keeps one
+row per decision for chapter 8's figure; the server exports the state as minillm:slo_* metrics.
+Left out on purpose: a model of the step cost (the loop only measures and moves), P99 or
+end-to-end targets, per-class targets, and moving `max_num_seqs`.
 """
 import math
 from collections import deque

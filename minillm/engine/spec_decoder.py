@@ -2,56 +2,17 @@
 
 Letters: K draft tokens of one sequence (K <= num_speculative_tokens), V vocab.
 
-One engine step with `EngineConfig(num_speculative_tokens=K, speculative_method=...)`:
-1. `SpecDecoder.propose`: every decoding sequence gets up to K draft tokens from an n-gram lookup
-   over its own tokens ("ngram"), from a draft model ("draft", batch-1 calls), or from a trained
-   drafter ("medusa", "eagle": reading the target's features the engine keeps per sequence,
-   features.py) or lookahead's pool ("lookahead"; spec_methods.py builds these proposers); the
-   engine writes them to `seq.draft_token_ids`;
-2. the scheduler books blocks for the last token + the drafts and schedules K + 1 tokens for it;
-   the runner asks for logits at all K + 1 positions (one ragged forward pass for the whole batch);
-3. the sampler (sampler.py) verifies them: `greedy_verify` (temperature 0) or `rejection_sample`
-   (the exact rule, with the request's own generator) keeps n drafts plus one token;
-4. the engine applies that (`LLMEngine.update_from_output`): appends the tokens, rolls the
-   rejected drafts' slots back (`num_computed_tokens -= rejected`, `BlockManager.truncate`) and
-   adds the counts to the request's metrics and to `SpecDecodingStats`.
-A sequence whose drafts do not fit the step's token budget simply decodes one token. This module
-proposes, and defines the record of the run's counts; it changes no sequence, block or metric.
-
-Speculation that steps aside (`SpecDecoder.select`, asked by the engine before 1. above): drafts
-cost B x (K + 1) verify rows against B plain ones, which pays while a decode step is bound by
-reading the weights (small batches) and stops paying once the batch makes it compute-bound.
-- `disable_by_batch_size` (vLLM's `speculative_disable_by_batch_size`, its V0 rule): no sequence
-  drafts in a step whose running requests (vLLM counts requests, `running_queue_size`: a
-  request's n > 1 completions are one) reach the threshold. Counted before the step's
-  admissions, as the drafts are proposed before the scheduler runs.
-- `min_seq_len` (seed 001's other condition, "sequence length > 32"; named after vLLM's upper
-  bound `speculative_max_model_len`): a sequence holding fewer tokens (prompt + output) decodes
-  plainly beside others that draft (seed 001: speculation as a plug-in for the requests of a
-  batch that qualify). A short context gives a lookup drafter little to match, and a short
-  request has little left to gain.
-Seed 001 reads "enable when concurrency >= 2", the opposite direction: at batch 1 a verify pass
-costs least against what it saves, so we keep vLLM's (the chapter's measurement,
-`minillm.lab.spec_switch.compare`, picks the threshold on the reader's machine).
-A step that steps aside is a plain decode step: the verifier is exact for any drafts and
-no drafts is plain sampling, so the law of every token is unchanged either way (greedy: the
-same tokens). A seeded request's sampled tokens may differ between switched and unswitched runs
-(drafting draws from its generator), as in vLLM; their law does not. Drafters that keep state
-per sequence catch up after steps without drafts: a draft model's cache re-reads the tokens it
-missed, lookahead shifts its guesses, and the target's features are kept every step (features.py).
-
-The trained drafters' drafts are deterministic (q None), so the same exact rule verifies them.
-
-Token trees (`speculative_token_tree`, a proposer with `propose_tree`: Medusa, EAGLE, lookahead):
-`tree_for` gives a sequence the switch's current tree (tree_choice.py: probed, then kept only if
-tree sizing predicts it wins on this machine; else the chain), `propose` returns its nodes as the
-drafts and its parents, and the runner, the sampler (`tree_accept`) and the engine verify it in
-the same one pass (one row per node). Requests with logits processors, a grammar or min_p draft
-chains. A proposer without `propose_tree` (n-gram, a draft model) always drafts a chain.
-
-Left out on purpose: a batched/paged draft-model cache (the draft model runs batch 1, one
-sequence after another, each with its own contiguous cache keyed by seq_id), per-request K and
-per-request trees.
+`SpecDecoder.propose` gives every decoding sequence up to K drafts (n-gram lookup, a draft model,
+a trained drafter reading the target's features from features.py, or lookahead; spec_methods.py
+builds the proposers). The scheduler then books K + 1 tokens, the runner scores them in one
+ragged pass, the sampler verifies them exactly, and `LLMEngine.update_from_output` applies the
+result. This module proposes and defines the record of the counts; it changes no sequence, block
+or metric. `SpecDecoder.select` lets speculation step aside for a step: above
+`disable_by_batch_size` running requests (vLLM's rule) or below `min_seq_len` tokens a sequence
+decodes plainly, and the law of every token is unchanged. `tree_for` gives a sequence a token tree
+(tree_choice.py) when its proposer has `propose_tree`; grammar or logits-processor requests draft
+chains. Design notes: docs/sources.md.
+Left out on purpose: a batched or paged draft-model cache (it runs batch 1), per-request K and trees.
 """
 from dataclasses import dataclass
 

@@ -1,41 +1,17 @@
 """Structured output: a grammar that masks the tokens a sequence may take next (vLLM's
 `StructuredOutputsParams`: `json`, `regex`, `choice`, `grammar`, `json_object`).
 
-The grammar engine is llguidance (one of the two vLLM uses): it compiles a JSON schema, a regex,
-a list of choices or a Lark grammar against the tokenizer, and for each position says which token
-ids may come next, as a bitmask over the vocabulary. The engine turns that into a boolean row
-(True = allowed) and sets every other logit to -inf before it samples, so the answer can only
-take a shape the grammar accepts.
+Letters: V the model's vocabulary (logits width), Vt the tokenizer's, K drafts.
 
-`GrammarState` is one sequence's place in its grammar. Its contract with the engine:
-- `GrammarState.start(params, tokenizer, vocab_size)` compiles (ValueError naming the field on a
-  bad schema, regex or grammar);
-- `allowed(drafts)` -> (len(drafts) + 1, V) bool: the tokens allowed after the output so far and
-  after each prefix drafts[:j] (speculative decoding scores K drafts at once); rows after the
-  first draft the grammar refuses are all True, since that draft's target probability is 0 and
-  the rows after it are never used;
-- `accept(token_ids)` advances by the tokens the engine appended;
-- `fork()` copies the state for the n completions of one prompt;
-- `done`: the grammar is complete and allows nothing more but the end of the sequence.
+llguidance compiles the grammar against the tokenizer and gives, per position, a bitmask of the
+ids allowed next; every other logit becomes -inf. `GrammarState` is one sequence's place:
+`start` compiles (ValueError naming the field), `allowed(drafts)` -> (K + 1, V) bool rows after
+the output and after each draft prefix, `accept` advances, `fork` copies for n > 1, `done` says
+the grammar is complete. Ids >= Vt are never allowed. The translated tokenizer and compiled
+grammars are cached (`GRAMMAR_CACHE_SIZE`). `generate_structured` is the one-sequence reference loop.
 
-Letters: V the model's vocabulary (logits width), Vt the tokenizer's, K drafts. Ids >= Vt are
-never allowed; a model whose V is below Vt never sees ids it cannot produce (a tiny test model
-may then meet a row with nothing allowed: the grammar wanted a token the model does not have).
-
-Two caches, because both cost time: the tokenizer translated for llguidance (a token trie, about
-half a second for SmolLM2) is kept per tokenizer object, and each compiled grammar is kept as a
-fresh matcher that `start` copies (an LRU of `GRAMMAR_CACHE_SIZE` entries), so a server that
-answers the same schema twice compiles it once. Compiling runs in the caller's thread (a few ms
-for a small schema, longer for a large one, bounded by llguidance's default parser limits).
-
-`generate_structured` is the reference loop: one sequence, a KV cache, the mask applied to the
-logits before the same `next_token` the plain generator uses. The engine's batched path is
-tested against what a grammar allows, and this loop is what a notebook reads first.
-
-Left out on purpose: llguidance's own batched mask kernel and thread pool (one sequence's mask
-takes about 0.3 ms here, small beside a CPU forward pass), fast-forward tokens (tokens the
-grammar forces, which could skip forward passes), JSON whitespace options (llguidance's defaults,
-or a schema's own "x-guidance" key), and tool-call grammars.
+Left out on purpose: llguidance's batched mask kernel and thread pool, fast-forward tokens, JSON
+whitespace options, tool-call grammars.
 """
 import json
 import threading

@@ -7,4 +7,4 @@ busy the machine is now), `route_priors` (the untimed guess), `background` (the 
 model's forward as one loop, bit for bit the reference's), and `compiled` (torch.compile of the
 decode and verify steps, timed against eager and kept only where it wins: `compile_if_faster`).
 `python -m minillm.kernels` runs the full tuning. CUDA graph capture of a decode step is measured
-in `minillm.bench.cuda_graphs`."""
+in `minillm.lab.cuda_graphs`."""

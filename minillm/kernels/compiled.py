@@ -1,38 +1,19 @@
 """torch.compile for a decode step and a verify step, measured against eager on this machine.
 
 Letters as in `llama.py`: B batch (1 here), T new tokens per call ("rows": 1 for a decode step,
-N for a verify step that scores N drafted tokens after a cached context), S_max cache slots,
-V vocab.
+N for a verify step), S_max cache slots, V vocab.
 
-A compiler can fuse the few hundred small ops of a step (norms, the rotation, SiLU, the cache
-write) into a handful of loops, and with max-autotune replace a library matmul by its own kernel
-where that timed faster. Whether that pays on a CPU,
-where a batch-1 step is mostly weight reads, is measured here, not assumed:
-`compile_if_faster(model, rows=(1, 9))` compiles the model's forward once per row count, times it
-warm against the eager model in alternating rounds, reports the compile time apart from the step
-time, and keeps the compiled step only for the row counts where it won. Eager is the default
-everywhere else.
+`compile_if_faster(model, rows=(1, 9))` compiles the forward once per row count, times it warm
+against eager in alternating rounds (compile time reported apart), and keeps the compiled step
+only where it won; eager stays the default. What inductor needs: static shapes (one graph per row
+count), no host sync (a `StaticKVCache` masks all S_max slots instead of slicing), no graph breaks
+(`fullgraph=True`), and by default `max-autotune-no-cudagraphs` with frozen weights, which packs a
+copy of each weight for its own GEMMs. The compiled model is a `llama.py` `Transformer` sharing
+the given model's parameters, so the routed `FlatTransformer` stays eager. Compiled code is tied
+to the thread count it was built for.
 
-What inductor needs, and how it gets it:
-- static shapes: one graph per row count (`dynamic=False`), compiled on first use of that count;
-  `recompile_limit` is raised for the compile calls only (each row count is one more entry);
-- no host sync inside the step: the compiled forward reads a `StaticKVCache`, which attends over
-  all S_max slots through a position mask instead of slicing to the last position (a Python int
-  read back from a tensor, which would break the graph);
-- no graph breaks: `fullgraph=True`, so a break raises instead of silently running half eager;
-- the matmuls as inductor's own kernels: by default `mode="max-autotune-no-cudagraphs"` with
-  `freezing` (weights taken as constants), which lets inductor time its C++ GEMM templates
-  against the library's matmul for each weight shape on this CPU and pack each weight once into
-  the layout its kernel reads best. That copy costs memory: packed weights held by each compiled
-  graph, beside the model's own (`mode="default", freezing=False` keeps no copy and
-  calls the library's matmuls, which on a 2-core EPYC ran no faster than eager);
-- the reference forward: the compiled model is a `Transformer` of `llama.py` that shares the
-  given model's parameters (no copy), so the accelerated model (`FlatTransformer`, routed
-  matmuls, whose per-call route lookup is Python the graph cannot hold) stays eager as it is.
-
-The compiled code is built for the torch thread count at compile time; change it and compile
-again. Left out on purpose: batches above one, the paged cache of the engine (its block tables
-change shape every step), bfloat16, GPUs (CUDA graphs are measured in `lab/cuda_graphs.py`).
+Left out on purpose: batches above one, the engine's paged cache (compiled_steps.py), bfloat16,
+GPUs (CUDA graphs: `lab/cuda_graphs.py`).
 """
 import contextlib
 import hashlib

@@ -3,46 +3,16 @@
 Letters: M rows of a step (its prefill chunks and decodes flattened), M' the padded size, L
 layers, H/Hkv heads, D head dim, C model width, V vocab.
 
-An engine step's cost is mostly its matmuls, and at 2-64 rows the library matmuls of an eager
-forward cost far more than the roofline says (chapter 1). Inductor, with the weights frozen into
-the graph and max-autotune, writes its own small-row GEMMs and fuses the norms, the rotary
-embedding, the SwiGLU and the residual adds around them. Two things stand in its way inside the
-engine, and the way vLLM answers them on a GPU is the one taken here:
+Inductor writes its own small-row GEMMs and fuses the norms, rotary, SwiGLU and residuals around
+them. Paged attention changes shape every step, so it stays eager as one opaque op
+(`minillm::paged_attention`, reading the step's metadata through `active_cache`); a graph is
+compiled per size in `CompilationConfig.compile_sizes`, and a step of M rows runs the smallest
+M' >= M with padding rows dropped before the logits. A size is kept only where it agrees with
+eager and beats it on this machine (`compiled.compile_if_faster`); packages are compiled ahead of
+time with AOTInductor (`step_body.compile_package`), cached per CPU, torch and thread count, and
+checked against eager before use. Compiling never starts from a request (background_steps.py).
 
-- **The paged attention changes shape every step** (each sequence's context and block table).
-  It is left eager: it enters the graph as one opaque op, `minillm::paged_attention`, which
-  inductor calls as it is, so what is compiled is the pieces between two attention calls (the
-  output projection and residual of one layer, the MLP, the next layer's norm, q/k/v projection
-  and rotation). The op reads the step's metadata from the cache the runner hands over
-  (`active_cache`), never from a tensor the graph holds.
-- **Every step has another row count.** A graph is compiled for each size in
-  `CompilationConfig.compile_sizes` (vLLM's name), and a step of M rows runs the graph of the
-  smallest size M' >= M: the runner adds M' - M padding rows (token 0 at position 0 of a scratch
-  block no sequence owns), and their rows are dropped before the logits. Steps larger than every
-  kept size run eager.
-
-A size is kept only where its compiled step agrees with the eager one (the same greedy token on
-every row, logits within `ATOL_REL` of their scale) and beats it on this machine (the rule of
-`compiled.compile_if_faster`: median `min_gain` under eager's and most rounds won, over a scratch
-cache of its own), and `summary()` says in one line what was kept. A quiet machine saves these
-verdicts beside the packages (a busy one saves nothing), so a later process with `keep="faster"`
-loads only the sizes that won and times nothing. The lm_head stays eager: it reads only the rows
-that sample (a prefill chunk samples one), through the model's own routes.
-
-Each size is compiled ahead of time into a package on disk (`step_body.compile_package`:
-`torch.export`, then AOTInductor, the weights frozen and prepacked inside) under the minillm
-cache, in a folder keyed by CPU, instruction set, torch and thread count (`inductor_cache_dir`),
-named by a hash of the weights (`weights_digest`). A later process loads a package in about a
-second instead of compiling for minutes; the price is disk, about one copy of the weights per size.
-A package that does not load is compiled again, with one line; every size, loaded or compiled, is
-checked against eager before it is used, so a wrong package can cost time, never an answer.
-Compiling is never started by a request: it happens when an engine is built with
-`compilation_config` (progress on stderr), or, with `background=True`, in a child process while
-the engine serves eager (`background_steps.py`); a machine where the compiler fails runs eager,
-with one line saying why.
-
-Left out on purpose: CUDA graphs (on a CUDA device the engine captures and replays the same
-pieces per size instead: cuda_graph_steps.py), tensor parallelism (refused), compiling the lm_head.
+Left out on purpose: CUDA graphs (cuda_graph_steps.py), tensor parallelism, compiling the lm_head.
 """
 import os
 import statistics

@@ -2,35 +2,17 @@
 
 Letters: R rows (tokens) in one call, I in_features, O out_features, s splits (= threads).
 
-`model/llama.py` builds every projection from plain `nn.Linear`: `F.linear` on a weight stored
-(O, I), the reference. A decode step, a verify step or a small batch multiplies a few rows by
-each weight, and how close that gets to one read of the weight from memory depends on the CPU,
-its BLAS build and the weight's layout, in ways no constant captures: chapter 1's appendix shows
-two CPUs that rank the same routes in opposite orders. So `cpu_tuning` times a few candidate routes for
-each weight shape and row bucket on this machine (when asked: `python -m minillm.kernels`),
-keeps the fastest, caches the table on disk (keyed by CPU model, instruction set, torch version
-and thread count), and `accelerate(model)` turns every `nn.Linear` into a `RoutedLinear` that
-follows it. The table is decided once and reused: a run never switches routes because of a
-timing taken during it. Pin one route with `accelerate(model, route=...)` or, for a block of
-code, `with linear_route(...)`.
+How close a few-row matmul gets to one read of the weight depends on the CPU, its BLAS and the
+weight's layout, so `cpu_tuning` times the routes below per weight shape and row bucket and
+`accelerate(model)` makes every `nn.Linear` a `RoutedLinear` that follows the table (pin one
+with `accelerate(model, route=...)` or `with linear_route(...)`). Routes, all x @ W^T:
+`F.linear` (the reference), `x@W` (W^T contiguous), `ksplit` / `nsplit` (s slices of I or O in one
+bmm, to keep s cores busy on one row), `onednn` / `onednn_io` (oneDNN on either layout),
+`prepacked` (oneDNN's blocked copy, only with `allow_copies=True`), `skinny` ((W @ x^T)^T, kept for
+older code). Layouts "out_in" or "in_out" store each weight once either way.
 
-Routes (all compute x @ W^T; they differ in the last bits):
-  F.linear   PyTorch's own, on the weight as stored
-  x@W        x @ W^T with W^T contiguous: fastest where the BLAS prefers the weight stored (I, O)
-  ksplit     s partial products over slices of I in one bmm, then a sum: keeps s cores busy
-             on a single row, where some BLAS run a matrix-vector product on one core
-  nsplit     s slices of the outputs O in one bmm, same idea
-  onednn     oneDNN's matmul on the weight as stored (O, I): no copy. Where the BLAS is slow
-             at a few rows (MKL's sgemm on AMD CPUs), oneDNN's own kernels often are not
-  onednn_io  the same on the weight stored (I, O)
-  prepacked  oneDNN's matmul on a copy laid out in its blocked format: a second copy of the
-             weight, so it is only chosen with `allow_copies=True`
-  skinny     (W @ x^T)^T, kept for code written against an earlier version
-Layouts: "out_in" (nn.Linear's own) or "in_out": the same bytes re-laid so the weight parameter
-is a transposed view of an (I, O) tensor. Either way each weight is stored once.
-
-Left out on purpose: GPUs (cuda keeps F.linear; chapter 1 times it), dtypes other than fp32,
-biases, autograd (a call that needs a gradient takes F.linear).
+Left out on purpose: GPUs (cuda keeps F.linear), dtypes other than fp32, biases, autograd (a call
+that needs a gradient takes F.linear).
 """
 import contextvars
 import os

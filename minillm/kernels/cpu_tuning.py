@@ -1,37 +1,17 @@
 """Tuning the CPU matmul routes of `cpu_kernels` on the machine that runs them, and applying them.
 
-`tune(model)` times every candidate route for each weight shape of the model and each row bucket,
-on the model's own weights (all layers of that shape in turn, so the working set is a real
-step's share, not one warm weight), and caches the timings as JSON under
-`$MINILLM_CACHE/kernels/` (`tuning_cache.py`), one file per (CPU model, instruction set the
-kernels may use, torch version, thread count), with the other work measured while it timed (`load_now.py`). It takes
-minutes on a 2-core machine, so it runs only when asked: `python -m minillm.kernels` (a progress
-bar), `accelerate(model, tune=True)`, chapter 1. `decide(times)` turns timings into a plan, a pure
-function: the same file gives the same routes on every run.
+`tune(model)` times every candidate route per weight shape and row bucket on the model's own
+weights and caches the timings (tuning_cache.py) per CPU, instruction set, torch version and thread
+count; it takes minutes, so it runs only when asked (`python -m minillm.kernels`,
+`accelerate(model, tune=True)`, chapter 1). `decide(times)` is a pure function from timings to a
+plan. `accelerate(model)` applies one in place (the front door calls it on a CPU): the cached
+table when a quiet one exists, else a quick probe of a few seconds, or on a busy machine the
+committed priors (route_priors.py); `plain(model)` undoes it. Busy means other work now
+(load_now.py); a tuning timed under load is saved marked "busy" and never used. A bad cache file
+is ignored with one line. Every candidate is checked against float64 first and all compute
+x @ W^T, so a wrong table costs speed, never correctness.
 
-`accelerate(model)` applies a plan, in place and in plain sight (the front door's
-`minillm.load_model` calls it on a CPU): this machine's tuned table when a quiet one is cached;
-otherwise a quick probe (`quick_plan`: the routes timed at one row, a few seconds, kept for this
-process only) and one line saying so and how to tune. `plain(model)` undoes it. The front door
-also starts one background tuning (`background.py`) that times everything at the first quiet
-moment and saves the table for later processes.
-
-A measurement taken under noise is not a measurement, and "busy" means other work now: the CPU
-time every other process used during the timing or just before it (`load_now.py`), never the
-1-minute load average, which still counts a build that ended a minute ago and this process's
-own loading. On a busy machine the quick probe times nothing and takes the best untimed guess,
-the routes that won most often on CPUs of this vendor and instruction set in the committed records
-(`route_priors.py`). A tuning during which other work wanted the cores its threads timed on, or
-where more than UNSETTLED_OK of the winning times never settled, is saved marked "busy" and not
-used, and the next tuning times everything again. `accelerate(tune=True)` on a machine already
-busy times nothing: its table could only be saved marked busy. A corrupt, foreign or malformed
-cache file is ignored with one line; a folder that cannot be written keeps the table in memory for
-this process. Every candidate is checked against float64 before it is timed, so a route that is
-missing or wrong on this platform is dropped, never chosen; and every route computes x @ W^T, so
-a wrong table costs speed, never correctness.
-
-Left out on purpose: switching a running process to a table tuned after it started (a run never
-changes routes midway), timing under the exact load a server will see.
+Left out on purpose: switching a running process to a newer table, timing under a server's load.
 """
 import json
 import math

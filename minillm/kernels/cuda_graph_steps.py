@@ -3,34 +3,16 @@ once per padded size and replayed, the paged attention run eager between them (v
 
 Letters: M rows of a step, M' the padded size, L layers, H/Hkv heads, D head dim, C model width.
 
-On a GPU a small decode step costs its kernel launches more than its arithmetic: a few hundred
-launches from Python, each microseconds of work (chapter 1, `lab/cuda_graphs.py`). A CUDA graph
-records the kernels once and replays them with one launch, but on fixed memory and fixed shapes,
-and the paged attention has neither: its block tables, context lengths and the plan chosen from
-them in Python change every step. So the step is cut at each attention call into L + 1 pieces:
+A small GPU step costs its launches more than its arithmetic; a graph replays them in one launch
+but needs fixed memory and shapes, which paged attention lacks. So the step is cut at each
+attention call into L + 1 pieces (embedding to layer 0's q/k/v; o_proj, MLP and the next layer's
+q/k/v; the last MLP and final norm). Each piece is replayed, and attention runs eager between them
+(`cache.attend_rows`). Sizes are `CompilationConfig.capture_sizes`, captured largest first into one
+shared pool; a size is kept where it agrees with eager and beats it (`_pick`). `CudaGraph` wraps
+`torch.cuda.CUDAGraph`; `EagerGraph` is a CPU stand-in so CPU tests check everything but recording.
 
-    piece 0      ids, positions -> embedding, layer 0's input norm, q/k/v projection, rotation
-    piece i      layer i-1's o_proj + residual and MLP + residual, layer i's part before attention
-    piece L      layer L-1's o_proj + residual and MLP + residual, the final norm -> hidden (M', C)
-
-A step copies its ids and positions into the size's static inputs, replays piece 0, runs layer
-0's attention eager on piece 0's q, k, v (`cache.attend_rows`: write the new K/V, attend through
-the block tables the runner prepared), copies its output into piece 1's static input, replays
-piece 1, and so on. Every other tensor a piece reads is an earlier piece's output, read in place.
-Sizes are `CompilationConfig.capture_sizes`, captured largest first into one memory pool that
-every piece and size shares (a smaller graph's scratch fits in what a larger one freed). The
-runner pads a step to the next kept size as for compiled steps (model_runner.py); only the real
-rows reach the lm_head, which stays eager. A size is kept where it agrees with the eager step
-(greedy tokens, logits within `ATOL_REL`) and beats it in alternating rounds (`_pick`).
-
-The graph is an object with `capture(fn) -> outputs` and `replay()`. `CudaGraph` wraps
-`torch.cuda.CUDAGraph` (warm-up runs on a side stream, then the capture); `EagerGraph`, a CPU's
-stand-in, keeps `fn` and on replay runs it again, copying into the outputs of its capture, so a
-CPU test checks everything but the recording: buffers reused, padding, stale values, agreement.
-
-Left out on purpose: inductor-compiled pieces (each piece is eager PyTorch, captured as it is),
-full-step graphs for decode-only batches (vLLM's FULL mode needs an attention whose metadata
-lives in static buffers), tensor parallelism, the lm_head, and capturing during a request.
+Left out on purpose: inductor-compiled pieces, full-step graphs for decode-only batches, tensor
+parallelism, the lm_head, and capturing during a request.
 """
 import statistics
 import time

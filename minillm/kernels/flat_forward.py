@@ -3,33 +3,15 @@
 Letters as in `llama.py`: B batch, T new tokens, H query heads, Hkv kv heads, D head dim,
 R = B * T rows, F d_ff.
 
-At batch 1 on a CPU a 135M model's arithmetic is one read of its weights, about 20 ms, and the
-eager Python around it (nine module calls per layer, a dozen small tensor ops in each rotation)
-added about as much again (`bench overhead` measures it on a many-layer tiny model).
-`FlatTransformer` is the same model: the same parameters, state_dict and cache protocol. Only
-its `forward` differs: one loop over the layers that calls no module (each layer's weights are read
-once per pass), looks the matmul route up once per pass instead of once
-per projection, rotates q and k with one roll instead of two slices, a negation and a
-concatenation, and keeps activations one row per token: a cache that offers `attend_rows` (the
-paged one) gets q, k and v as views into the fused projection and answers rows, so the
-heads-first transposes and copies on the way in and out are not made (about 38 ATen ops per layer
-instead of 47). The arithmetic is the reference's, op for op, so the logits agree bit for bit.
-
-The switch is in plain sight: `accelerate(model)` (cpu_tuning.py, which the front door's
-`minillm.load_model` calls on a CPU) or `flatten(model)` sets the model's class to
-`FlatTransformer`, and `unflatten(model)` or `cpu_tuning.plain(model)` sets it back.
-
-The contract. The flat loop runs when the call is one the reference would answer the same way
-and the model is exactly the reference's structure: a CPU, float32 or float64, no autograd, and
-every module it reads of the reference's own classes (projections `nn.Linear` or `RoutedLinear`
-without bias) with no forward hook of its own, checked on every call. Anything else (a gradient,
-bfloat16, a GPU, a quantized or replaced layer, a bias, a hook on a layer, a norm or a projection)
-takes the reference forward, which runs every module and its hooks; a hook on the model itself
-runs either way. The hooks are seen in each module's own registry (`_forward_hooks`,
-`_forward_pre_hooks`, what `nn.Module.__call__` reads); hooks registered for every module at once
-(`torch.nn.modules.module.register_module_forward_hook`) are not: call `plain(model)` first.
-`tests/test_flat_forward.py` checks logits
-and caches bit for bit against the reference and greedy tokens of the real model.
+At batch 1 on a CPU the eager Python around a small model's forward costs about as much as its
+arithmetic. `FlatTransformer` is the same model (parameters, state_dict, cache protocol); only
+`forward` differs: one loop that calls no module, one route lookup per pass, a cheaper rotation,
+and rows kept one per token so a paged cache (`attend_rows`) gets views, not copies. The
+arithmetic is the reference's op for op, so logits agree bit for bit. The switch is visible:
+`accelerate(model)` or `flatten(model)` sets the class, `unflatten` or `plain` sets it back. The
+flat loop runs only for a call the reference would answer the same way (CPU, fp32/fp64, no
+autograd, the reference's own modules, no per-module hooks); anything else takes the reference
+forward. Global module hooks are not seen: call `plain(model)` first.
 """
 import torch
 import torch.nn as nn

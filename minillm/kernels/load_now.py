@@ -1,40 +1,18 @@
 """How busy the machine is now, not a minute ago: other work's share of the cores over a window.
 
-The 1-minute load average is a poor judge of whether timings can be trusted. It lags by about a
-minute, so a build that ended twenty seconds ago still counts as running, and so does this
-process's own model loading, or the chapter that ran just before. A machine judged busy that way
-falls back to slow routes for no reason. So tuners ask a different question: during the window in
-which they time (or a short one just before), how many cores' worth of CPU did *everything else*
-use?
+The 1-minute load average lags (a build that ended twenty seconds ago, or this process's own
+loading, still counts), so tuners ask instead how many cores' worth of CPU everything else used
+while they timed. `Watch()` reads the per-core busy counters (steal included) and this process's
+CPU time; `.read()` gives a `LoadNow` for the window since it started:
 
-`Watch()` reads the machine's CPU counters (busy time of each core this process may run on,
-the hypervisor's steal included) and this process's own CPU time; `.read()` gives a `LoadNow` for
-the window since it started:
+    others = (busy time of the cores - own CPU time - excluded processes' CPU time) / seconds
 
-    others = (busy time of the cores - this process's CPU time - excluded processes' CPU time)
-             / seconds elapsed
+`load_now(window_s)` is a Watch over a short sleep. Two verdicts: `busy(own_threads)` (others +
+own threads > cores + slack: foreground tuning refuses) and `quiet()` (others <= slack: only then
+does the background tuner run). `slack(cores)` is a tenth of the cores, at least a quarter of one.
+Counters come from psutil and tick in hundredths of a second, so very short windows say little.
 
-A process that finished before the window began adds nothing; this process's own threads never
-count; nor do the processes named in `exclude` (a background tuner of minillm's own, which stops
-the moment anything else runs). Steal time, a neighbour on the same host taking our cores, counts
-as other work. `load_now(window_s)` is a Watch over a short sleep.
-
-Two verdicts, one for each kind of timing:
-- `busy(own_threads)`: others + own_threads > cores + slack. Timing threads that cannot each
-  have a core measure the other work as much as the kernels. Foreground tuning refuses then.
-- `quiet()`: others <= slack. Work that must never slow anybody down (the background tuner) runs
-  only then.
-The slack, `slack(cores)`, is a tenth of the cores and at least a quarter of one: an editor, a
-browser tab or the OS housekeeping are not "other work".
-
-The counters come from psutil (Linux /proc/stat, macOS and Windows' own calls); they tick in
-hundredths of a second, so a window shorter than about 0.1 s says little, and `Watch.read`
-returns others = 0 with `window_s` beside it for the caller to judge. Timing rounds that agree with
-each other (`route_timing.settled`) stay the second check: a noisy neighbour that slips between
-two counter reads still shows in the spread of the rounds.
-
-Left out on purpose: cgroup CPU quotas (a container capped below its visible cores looks
-quieter than it is), and reading the run queue, which counts this process's own waiting threads.
+Left out on purpose: cgroup CPU quotas, and the run queue (it counts this process's own threads).
 """
 import os
 import time

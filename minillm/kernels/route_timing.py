@@ -7,7 +7,7 @@ Letters: R rows (tokens) in one call; a "case" is one (route, R).
 fastest samples agree (`settled`), and says which cases never did: the tuner (`cpu_tuning.py`)
 counts those as noise. `time_shape` sums a row bucket's two ends into a tuning table's entry.
 
-Left out on purpose: timing a whole forward pass (bench/decode does), GPUs' own routes.
+Left out on purpose: timing a whole forward pass (benchmarks/decode.py does), GPUs' own routes.
 """
 import time
 

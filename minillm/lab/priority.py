@@ -1,36 +1,16 @@
-"""Priorities and SLOs (chapter 8): what `scheduling_policy="priority"` buys
-interactive traffic, and seed 001's P95-driven choice of `max_num_batched_tokens`.
+"""Priorities and SLOs (chapter 8): what `scheduling_policy="priority"` buys interactive traffic,
+and choosing `max_num_batched_tokens` from P95 latency.
 
-Both parts as the benchmark runs them:
-1. A mix of interactive requests (short prompts and outputs, priority 0, a tight TTFT target)
-   and batch requests (long outputs, priority 2), Poisson arrivals on the step clock (the same
-   arrivals on every machine), served with fcfs and with priority (SEED_CLASSES, their bounds
-   of 50 / 200 / 1000 ms read as 2 / 8 / 40 steps of 25 ms and scaled to this machine's solo
-   step, `scaled_classes`; promote). Per class: TTFT / TPOT p50 / p95 / p99 in
-   seconds, TTFT in steps, and goodput = requests of the class meeting both of its targets per
-   second of the run.
-2. P95-driven budget tuning: the same mix under priority for several budgets; per budget the
-   output tokens/s and the interactive class's P95 TPOT and TTFT; `tune_budget` picks the
-   largest budget whose P95 TPOT meets the SLA (seed 001: "when P95 exceeds the SLA, lower the
-   max batch tokens").
+1. A mix of interactive (priority 0) and batch (priority 2) requests, Poisson arrivals on the
+   step clock, served fcfs and by priority (`scaled_classes`); per class TTFT / TPOT percentiles
+   and goodput. 2. `tune_budget`: the same mix over several budgets, keeping the largest whose P95
+   TPOT meets the target. Targets are multiples of the solo step `t1` measured in the same run
+   (`SLO_STEPS`), so no constant of one CPU decides anything. `overload_mix` and
+   `try_seed_bounds` run the seed article's queue bounds (`SEED_CLASSES`) under sustained
+   overload on a simulated clock. The benchmark is `python -m benchmarks priority [--quick]`.
 
-Targets are multiples of the solo step `t1`, measured first in the same run (one request
-decoding alone): interactive TTFT <= 8 t1 and TPOT <= 3 t1, batch TTFT <= 400 t1 and
-TPOT <= 6 t1 (`SLO_STEPS`). So the targets scale with the machine and no constant of this CPU
-decides anything. Every step's time is wall clock: on a shared machine the seconds are noisy,
-the step counts are not.
-
-The benchmark (`python -m benchmarks priority [--quick]`) runs both on the real model and
-writes the record; chapter 8 calls these functions on its own mix.
-
-Chapter 8 also runs seed 001's own assignment of bounds (`SEED_CLASSES`: interactive 50 ms,
-standard 200 ms, batch 1000 ms) under sustained overload, on a simulated clock whose step lasts as
-long as a measured step of this machine: `overload_mix` (three kinds of traffic, arrivals spread
-over a given number of simulated seconds) and `try_seed_bounds` (per class: how many hit their
-bound, promoted or rejected, and the TTFT p95 in simulated ms).
-
-Left out on purpose: a closed-loop controller that retunes a live server (the sweep shows the
-rule; the server can apply it), and the standard class (the mix has two kinds of traffic).
+Left out on purpose: retuning a live server (engine/slo_controller.py does), and the standard
+class (the mix has two kinds of traffic).
 """
 import numpy as np
 

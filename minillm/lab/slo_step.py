@@ -1,34 +1,18 @@
-"""The SLO controller under a load step (chapter 8): Poisson arrivals at rate r, then
-2r for `step_s` seconds (the issue's minute; the notebook shortens it and says so), then r again,
-replayed on the wall clock into one `LLMEngine` (`workloads.replay`, as a server's loop feeds
-it: requests join between steps), with the controller on or with a fixed token budget.
+"""The SLO controller under a load step (chapter 8): Poisson arrivals at rate r, then 2r for
+`step_s` seconds, then r again, replayed on the wall clock into one `LLMEngine`
+(`workloads.replay`), with the controller on or with a fixed token budget.
 
     res = load_step(model, rate=0.5, targets_ms={"ttft": 4000, "tpot": 900}, budget=512)
     res["summary"]["goodput"], res["timeline"][10]["p95_tpot"]
 
-Per second of the run (`timeline`): requests sent, the budget in force, and the rolling P95 of
-TTFT and TPOT over the trailing `window_s` (default: the controller's own window, 3 decisions),
-each sample placed at the moment it was measured (a first token; a request's end). Summary:
-goodput and attainment (`minillm.analysis.slo`: a request meets the SLO when its TTFT and its
-TPOT are both within the targets; one rejected or without a first token never does), P95 per
-phase (by arrival), output tokens/s, and how many seconds after the step starts / ends the
-rolling P95 is back within the SLA for good (`recovery_after_start_s`, `..._end_s`; 0: it never
-left; None: not back before the phase ended).
+`timeline` gives per second the requests sent, the budget and the rolling P95s; the summary gives
+goodput and attainment (`minillm.analysis.slo`), P95 per phase, tokens/s and the recovery times.
+`compare(model, ...)` is the whole measurement: r from this machine's decode step, targets from
+two short steady runs (`calibrate`), then the controller and each fixed budget in interleaved
+rounds. The notebook runs a short step; `python -m benchmarks slo_control` a minute-long one.
 
-`compare(model, ...)` is the whole measurement, the notebook's size by default (under a minute
-on 2 loaded cores) and the benchmark's with longer phases: the rate r from this machine's decode
-step (`decode_step_seconds`: r = load x seats / (mean output tokens x step)), the targets from
-two short steady runs with the largest budget, at r and at 2r (`calibrate`: per metric the
-geometric mean of the two P95s, so the SLA holds at r with a big budget and not at 2r), then the controller
-and each fixed budget under the same step, in `rounds` interleaved rounds. The default size
-(3 s at r, 8 s at 2r, 5 s at r; the controller and the 512 budget, one round: 63 s at the
-earlier 4 / 10 / 6 on 2 loaded cores) is the notebook's;
-the issue's minute-long step is the benchmark's (`python -m benchmarks slo_control`).
-
-Left out on purpose: HTTP (the server's loop adds its own milliseconds; the engine's decisions
-are the same), real prompts (random ids: the cost depends on lengths), and a verdict under
-noise: on a shared machine one round can differ from the next by more than the settings do, so
-the benchmark records every round with the load average before it.
+Left out on purpose: HTTP, real prompts (random ids), and a verdict under noise (the benchmark
+records every round with the load average before it).
 """
 import math
 import os

@@ -2,11 +2,11 @@
 
 Letters: N physical blocks in the pool, P block size (token slots per block).
 
-The KV tensors live elsewhere (minillm.paging.paged_attention); this module never touches a tensor,
-it only hands out block ids. Each sequence owns a *block table*: logical block i (token
-positions i*P .. i*P+P-1) -> physical block id, so the physical slot of position `pos` is
-`table[pos // P] * P + pos % P`. Blocks are handed out on demand, one at a time, and come
-back to the pool when the sequence is freed.
+The KV tensors live elsewhere (minillm.paging.paged_cache, read by minillm.attention.paged);
+this module never touches a tensor, it only hands out block ids. Each sequence owns a *block
+table*: logical block i (token positions i*P .. i*P+P-1) -> physical block id, so the physical
+slot of position `pos` is `table[pos // P] * P + pos % P`. Blocks are handed out on demand, one
+at a time, and come back to the pool when the sequence is freed.
 
 Blocks are shared by reference count:
 - `fork(parent, child)`: the child points at every block of the parent (refcounts + 1).

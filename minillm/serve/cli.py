@@ -1,44 +1,16 @@
 """`python -m minillm serve`: the OpenAI-compatible server, with vLLM's flag names.
 
     python -m minillm serve                                  # smollm2-135m on 127.0.0.1:8000
-    python -m minillm serve --port 8001 --max-num-seqs 16 --enable-prefix-caching \\
-        --scheduling-policy priority --api-key secret
+    python -m minillm serve --port 8001 --max-num-seqs 16 --scheduling-policy priority
     python -m minillm serve --speculative-config '{"method": "eagle", "num_speculative_tokens": 4}'
     python -m minillm serve --disaggregated --threads-per-engine 1   # prefill + decode processes
-    python -m minillm serve --disaggregated --role router    # the same in three terminals: the
-    python -m minillm serve --disaggregated --role prefill   # router first (HTTP on --port, workers
-    python -m minillm serve --disaggregated --role decode    # dial --router-address), then each worker
 
-Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...), with the
-server's own defaults for the token budget and partial prefills (`SERVER_DEFAULTS`);
-`--num-gpu-blocks-override` is num_blocks; `--speculative-config` is vLLM's JSON dict, handed to
-`LLM(speculative_config=...)` (a bad one is one line and exit status 2, like any bad flag);
-`--load-format dummy` serves SmolLM2-135M's shape with random weights (a GPU run without the model file; say so in any number it produces). The server
-binds 127.0.0.1 unless `--host` says otherwise, and it binds its port before it loads anything:
-a port in use is one line on stderr and exit status 1, at once. CORS is off unless
-`--allowed-origins` lists the origins a browser page may call the server from (vLLM's flag: a
-JSON list, or here also comma-separated). Loading goes through the front
-door (`LLM`), so the CPU matmul routes are this machine's tuned table, or a quick probe while it
-has none (its one line appears here; `python -m minillm.kernels` tunes).
-
-`--disaggregated` (chapter 11) serves through a router in this process in front of a prefill
-process and a decode process, each with its own engine and `--threads-per-engine` torch threads,
-the prompt's KV moving between them over torch.distributed (minillm/serve/disaggregated.py). The
-model loads through the same front door (`minillm.load_model`, the routes chosen on that many
-threads); no quantization and no speculative decoding here.
-With `--role` the pieces run in terminals of their own (vLLM runs one `vllm serve` per role with
-a `--kv-transfer-config`): give every role the same model and engine flags; the control address
-carries pickles, so it is for this machine's trusted processes (loopback, the key in
-$MINILLM_DISAGG_KEY).
-
-`--tensor-parallel-size 3` splits the model over 3 processes (engine/tp_runner.py), stopped with
-the server. `--enable-prefix-caching --kv-offloading-size 2` adds a 2 GiB KV tier in host memory
-(pinned on a GPU): evicted or idle (`--offload-idle-s`, default 2) prefix-cache blocks go there
-and come back on a later hit instead of being recomputed.
-
-`--slo-ttft-p95-ms 2000 --slo-tpot-p95-ms 150 [--slo-interval-s 2]` start the SLO controller
-(engine/slo_controller.py): it moves the token budget, never above `--max-num-batched-tokens`,
-and the priority classes' queue bounds towards the P95 targets.
+Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...) with the
+server's own defaults (`SERVER_DEFAULTS`); a bad flag is one line and exit status 2. The server
+binds 127.0.0.1 unless `--host` says otherwise, binds its port before loading anything, keeps CORS
+off unless `--allowed-origins` lists origins, and loads through the front door (`LLM`).
+`--disaggregated` puts a router in front of a prefill and a decode process (serve/disaggregated.py;
+`--role` runs each piece in its own terminal, on this machine's trusted loopback only).
 
 Left out on purpose: vLLM's other flags (pipeline parallelism, LoRA, tool parsers, ...).
 """

@@ -1,37 +1,17 @@
 """What the engine keeps itself, exported at scrape time: a prometheus_client custom collector.
 
-`ServerMetrics` (metrics.py) writes counters as requests finish; the values here are different:
-the engine already counts them (speculative decoding's `spec_stats`, the SLO controller's
-adjustments, the host KV tier's `stats`), or they are a state that only the engine knows now
-(per-priority queues, cached blocks, the current token budget). Copying them into a second set
-of counters would be a second place that applies a step, so `EngineCollector.collect` reads them
-when `/metrics` is scraped (prometheus_client's GaugeMetricFamily / CounterMetricFamily).
+`ServerMetrics` (metrics.py) writes counters as requests finish; the values here the engine
+already counts (speculation's `spec_stats`, the SLO controller's moves, the host tier's `stats`)
+or only the engine knows now (per-priority queues, cached blocks, the token budget). Copying them
+would be a second place that applies a step, so `EngineCollector.collect` reads them when
+`/metrics` is scraped: the slo_* series (budget, queue bounds, moves, P95s and targets),
+spec_decode_* (vLLM's draft and accepted counts, the switch), kv_cache_blocks_cached / _free,
+kv_offload_* (the host pool and its traffic) and num_requests_{running,waiting}_by_priority. Every
+read is None-safe: a feature that is off exports the same names with 0, or no sample where a
+value is unknown. Queues are copied with one C-level `tuple(...)` before they are read, since the
+engine steps in another thread.
 
-Every read goes through getattr and is None-safe: a feature that is off (or an engine that has
-no such part, like the disaggregated router) still exports the same names, with 0, or with no
-sample where a value is unknown (a p95 before the controller's first window). So a dashboard
-built for one server reads every other.
-
-    slo_max_num_batched_tokens            the scheduler's token budget now (the controller's, or
-                                          the fixed `max_num_batched_tokens` without one)
-    slo_queue_timeout_seconds{priority}   each class's queue-wait bound now (controller or config)
-    slo_adjustments_total{direction}      the controller's moves, "down" and "up"
-    slo_ttft_p95_seconds, slo_tpot_p95_seconds            what it measured in its last window
-    slo_ttft_p95_target_seconds, slo_tpot_p95_target_seconds   its targets (no sample when unset)
-    spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total (vLLM's names)
-    spec_decode_enabled                   1 when the last step speculated, else 0
-    spec_decode_steps_speculated_total, spec_decode_steps_skipped_total (the switch's counts)
-    kv_cache_blocks_cached                refcount-0 blocks whose KV is still cached (evictable)
-    kv_cache_blocks_free                  blocks holding nothing (total = in_use + cached + free)
-    kv_offload_blocks_in_use, kv_offload_blocks_total     the host tier's pool
-    kv_offload_{stored,restored,evicted,idle_offloaded}_blocks_total   its traffic
-    num_requests_running_by_priority{priority}, num_requests_waiting_by_priority{priority}
-                                          with scheduling_policy="priority" only: every class's
-                                          priority (0 when empty) and any other priority present
-
-The engine steps in a worker thread while a scrape runs on the event loop: queues are copied
-with one C-level `tuple(...)` (no Python code runs inside it, so no step interleaves) before
-they are read. Left out on purpose: vLLM's per-position acceptance counts and LoRA gauges.
+Left out on purpose: vLLM's per-position acceptance counts and LoRA gauges.
 """
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 

@@ -1,39 +1,14 @@
-"""`GET /metrics`: the server's state and latencies in Prometheus' text format, by
-`prometheus_client` (what vLLM uses), in a registry of this server's own (several servers may
-run in one process, in a notebook or a test, and must not count into each other).
+"""`GET /metrics`: the server's state and latencies in Prometheus' text format.
 
-The names are vLLM's with `minillm:` for `vllm:`, so a dashboard built for one reads the other:
-
-    gauges      num_requests_running, num_requests_waiting (queued, not yet running: vLLM's
-                meaning), num_requests_swapped, kv_cache_usage_perc, and minillm's
-                kv_cache_blocks_in_use / kv_cache_blocks_total
-    counters    prompt_tokens_total, generation_tokens_total, request_success_total
-                {finished_reason}, num_preemptions_total, prefix_cache_queries_total,
-                prefix_cache_hits_total, and minillm's request_aborted_total (client gone,
-                error, queue timeout), request_rejected_total (503 at a full queue) and
-                request_queue_timeouts_total (a priority class gave up on the request; these
-                are in request_aborted_total too)
-    histograms  time_to_first_token_seconds, inter_token_latency_seconds (every gap between
-                two tokens), time_per_output_token_seconds and
-                request_time_per_output_token_seconds (per request), e2e_request_latency_seconds,
-                request_queue_time_seconds, request_inference_time_seconds,
-                request_prefill_time_seconds, request_decode_time_seconds,
-                request_prompt_tokens, request_generation_tokens
-
-Read from the engine at scrape time by `EngineCollector` (engine_metrics.py, where the list is):
-the SLO controller's budget, bounds, moves and P95s (slo_*), speculative decoding's counts and
-switch (spec_decode_*), cached and free KV blocks and the host tier's (kv_cache_blocks_cached,
-kv_cache_blocks_free, kv_offload_*), and per-priority running / waiting gauges
-(num_requests_{running,waiting}_by_priority{priority}) under scheduling_policy="priority". A
-feature that is off exports the same names with 0 (or no sample where a value is unknown).
-
-`GET /dashboard` (dashboard.py) draws these in a browser, polling this endpoint.
-
-Gauges are read from the engine when scraped; counters and histograms are written by the
-engine loop as requests advance and finish. A histogram is cumulative buckets `le="..."`, `_sum`
-and `_count`, from which Prometheus computes percentiles (`histogram_quantile`): a p99 resolves
-only to its bucket, so the bounds run from a millisecond (one decode step of a small model on a
-GPU) to ten minutes (a long prompt behind a queue on a 2-core CPU).
+Written with `prometheus_client` into a registry of this server's own, so several servers in one
+process never count into each other. The names are vLLM's with `minillm:` for `vllm:` (a dashboard
+built for one reads the other): gauges of running / waiting / swapped requests and KV usage,
+counters of tokens, finished, aborted, rejected and timed-out requests and prefix-cache hits, and
+histograms of TTFT, inter-token latency, TPOT, end-to-end, queue, prefill and decode time and
+request sizes. Gauges are read at scrape time (`EngineCollector` in engine_metrics.py, which adds
+the SLO controller's, speculation's, the KV tier's and per-priority series; a feature that is off
+exports zeros); counters and histograms are written as requests advance. Histogram bounds run from
+a millisecond to ten minutes. `GET /dashboard` (dashboard.py) draws them in a browser.
 
 Left out on purpose: labels beyond the model name, finish reason, priority and direction; LoRA
 metrics; multiprocess mode.

@@ -3,39 +3,16 @@
 Letters: W window (Jacobi guesses), N n-gram size, G verification candidates, K chain drafts,
 V vocab.
 
-Jacobi decoding guesses W future tokens at once and runs them through the target: the argmax
-at guess i is a better guess for the token after it, having seen the guesses before it. Iterated,
-the guesses settle on the greedy continuation (a fixed point), but rarely more than one new token
-per pass. Lookahead decoding (Fu et al., 2024) keeps iterating anyway and harvests the n-grams
-the guesses form into a pool; an n-gram whose first token is the current last token is a
-candidate continuation, checked in the same forward pass as the next Jacobi step. Both ride in one
-token tree, rooted at the last token (not yet run through the target):
+One token tree, rooted at the last token, carries the W current guesses (the lookahead branch)
+and up to G pool n-grams that followed the root, merged into a trie. The verifier keeps whatever
+path the target agrees with; `observe` does one Jacobi step from the same logits, and each guess's
+lineage (the tokens it grew from across iterations) enters the pool once it is N tokens long. The
+next call shifts the guesses past the accepted tokens. Exact at any temperature: the proposer only
+chooses what to verify. The chain form `propose(contexts, k)` drafts the newest matching n-gram;
+without verify logits its pool learns from the accepted output (`learn_from_output`).
 
-    root ── g1 ── g2 ── ... ── gW          the lookahead branch: the current Jacobi guesses
-       └─── a1 ── ... ── a(N-1)            up to G pool n-grams that followed the root,
-                                           merged into a trie (siblings carry distinct tokens)
-
-The verifier accepts whichever path the target agrees with (the lookahead branch included), and
-`observe` does one Jacobi step from the same logits: the guess for depth i + 1 becomes the argmax
-at the branch's depth-i node (i = 0..W). Each guess keeps its lineage, the tokens it grew from
-along the diagonal of the iterations (the guess at depth i one step ago, at depth i - 1 two steps
-ago, ...: each the argmax after the one before it); a lineage of N tokens enters the pool as an
-n-gram. (The n-grams of one step's guesses read across are worse: a guess's neighbour changed
-since it was computed. On SmolLM2 with W=4, N=3, G=4, greedy open chat, pool from the guesses
-alone: 1.25 tokens per verify with diagonals, 1.12 across.) The next call shifts the guesses
-past the tokens accepted and refills the end by following the pool from the last guess (its
-newest n-gram), else with seeded picks from the context. Exact at any temperature: the proposer
-only chooses what to verify; the verifier's rule decides what is kept.
-
-The chain form `propose(contexts, k)` (for `speculative_generate` and the engine) drafts the
-newest pool n-gram after the last token, continued by the guesses, else the guesses. There the
-proposer never sees the verify logits, so no Jacobi step happens unless the caller passes them to
-`observe_chain`; the pool is then fed from the accepted output instead (`learn_from_output`), which
-makes it prompt lookup over what was generated.
-
-Left out on purpose: the paper's 2-D window (N - 1 past levels of guesses in the tree, with a mask
-of their own): one level of guesses is what a plain token tree carries, and the lineages remember
-the past levels' tokens instead. Sampling the guesses instead of taking the argmax.
+Left out on purpose: the paper's 2-D window (the lineages carry the past levels instead) and
+sampled guesses.
 """
 import torch
 
