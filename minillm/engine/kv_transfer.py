@@ -1,24 +1,17 @@
 """Moving a prefilled request from one engine to another: the prompt's KV blocks and its first token.
 
-    prefill engine: add_request -> step() (prefill + first token) -> export_prompt_kv -> abort_request
+    prefill engine: add_request -> step() (prefill + first token) -> export_prompt_kv
+                    -> abort_request
     decode engine:  can_import(h) -> import_prefilled(h) -> step() ... (decodes from token 2 on)
 
-Letters: L layers, N blocks in a pool, P block size, Hkv kv heads, D head dim, S prompt tokens,
-n_i tokens held by block i (P, except in the last block).
+Letters: L layers, P block size, Hkv kv heads, D head dim, S prompt tokens, n_i tokens in block i.
 
-`export_prompt_kv` reads the request's blocks out of the prefill engine's paged pool in block
-order, each as one tensor (2, L, n_i, Hkv, D) (K then V, every layer), so that a transport can
-send it block by block; only the slots the prompt fills travel, so a request moves exactly
-`minillm.analysis.kv_math.kv_cache_bytes(cfg, S, dtype)` bytes (chapter 2's formula).
-
-`import_prefilled` is the other half, done with the decode engine's own structures: its
-`BlockManager` allocates blocks for the prompt (the two engines' block sizes may differ: the rows
-are written through the decode pool's slot mapping), the rows land in its `PagedKVCache`, the
-prompt is marked computed, and a `Sequence` joins the scheduler's running queue with its first
-token appended by the engine's own `_append` (text, stop checks, metrics), so the next `step()`
-schedules it as a decode. `can_import` says whether there is room now (blocks and a running
-slot); a worker holds a handoff until it is true. With prefix caching on the decode side the
-blocks it already holds are reused and not written again.
+`export_prompt_kv` reads the request's blocks in order, each a (2, L, n_i, Hkv, D) tensor (K then
+V) of the slots the prompt fills: exactly `kv_math.kv_cache_bytes(cfg, S, dtype)` bytes.
+`import_prefilled` allocates blocks in the decode engine's own `BlockManager` (block sizes may
+differ), writes the rows, marks the prompt computed and puts the `Sequence` in the running queue
+with its first token appended, so the next `step()` decodes it. `can_import` says whether there
+is room now; with prefix caching the blocks the decode side holds are reused.
 
 Left out on purpose: a quantized KV cache (int8 / fp8 pools: refused), n > 1 and best_of (they
 fork after the prefill: refused), prompt logprobs (never sent), speculative decoding state.

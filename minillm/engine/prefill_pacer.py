@@ -3,26 +3,12 @@
     engine = LLMEngine(model, EngineConfig(prefill_step_target_ms=500))
     engine.pacer.cap                   # the largest prompt chunk of the next step, in tokens
 
-Why. A chunk of `long_prefill_token_threshold` tokens costs what this CPU makes of it: on a quiet
-2-core CPU a 384-token chunk of SmolLM2-135M near its 8k context takes about a second, on the
-same CPU at load 7 it took 7-18 s. A short request that arrives beside a long prompt waits for
-the step in flight, then runs each of its steps beside another chunk, so its first token and
-every later one wait for chunks; sized in tokens, those chunks cost seconds exactly when the
-machine is loaded. Sized in time, a step that carries a chunk takes about the target whatever
-the load, and the short request's latency is a few targets.
-
-The rule. After every step that ran prompt tokens, the next chunk is at most
-`prefill_tokens * target / step_seconds`: the tokens this machine prefilled in the target at the
-speed it just showed (never below `floor`, one block, so a prompt always moves). A step costs
-about F + p * c (a fixed part F: the weights read once, the decodes beside, Python; p per prompt
-token, growing with the context), so the cap c' = c * T / (F + p * c) climbs or falls to the c
-where the step takes T, without overshooting it (c' < c* exactly when c < c*), and follows p as
-the context grows and the machine's load moves. The first cap, before any step was measured, is
-the floor: a new engine does not bet a long first step on a guess (a few steps reach the target:
-each multiplies the cap by T / step_seconds).
-
-It moves chunk boundaries only, as the token budget already does: test_prefill_pacer.py checks
-that ragged, timing-driven chunks give every request `generate`'s tokens.
+After every step that ran prompt tokens, the next chunk is at most
+`prefill_tokens * target / step_seconds`: what this machine prefilled in the target time at the
+speed it just showed, never below `floor` (one block, so a prompt always moves); the first cap is
+the floor. A step costs about F + p * c, so the cap settles on the chunk whose step takes the
+target, without overshooting, and follows the context and the load. It moves chunk boundaries
+only: every request still gets `generate`'s tokens.
 
 Left out on purpose: a model of the step cost (the ratio is measured, never fitted), pacing the
 decodes (a decode-only step is what it is), and waking a step early for a new request.

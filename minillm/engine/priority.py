@@ -1,28 +1,15 @@
 """Priorities and queue-wait bounds (chapter 8): `scheduling_policy="priority"` in `EngineConfig`.
 
-A request carries an int `priority` (vLLM's convention: a lower value is served first). Classes
-(`PriorityClass`) name the allowed values and may bound how long a request of the class waits for
-its first admission (`max_queue_wait`, seconds on the engine's clock); past it the request is
-promoted (it jumps ahead of every request that was not) or, with `on_timeout="reject"`, finished
-with finish_reason "abort" and an `error` saying why. `SEED_CLASSES` are seed 001's three queues
-(interactive 50 ms, standard 200 ms, batch 1000 ms).
+A request carries an int `priority` (lower is served first, as in vLLM). `PriorityClass` names
+the allowed values and may bound the wait for a request's first admission (`max_queue_wait`,
+seconds on the engine's clock, checked at the start of each step): past it the request is
+promoted ahead of every unpromoted one, or with `on_timeout="reject"` finished with finish_reason
+"abort" and an `error`. `SEED_CLASSES`: interactive 50 ms, standard 200 ms, batch 1000 ms.
 
-`PriorityScheduler` changes four decisions of the fcfs `Scheduler`, and nothing else:
-1. order: waiting (and swapped) requests by (promoted first, priority, arrival);
-2. priority preemption (vLLM V0's): when the best waiting request has no seat or no blocks and a
-   running request has a strictly larger priority value, the lowest-class, latest-arrived
-   running requests are preempted (recompute or swap) until it fits; never for an equal class,
-   so two requests of one class never evict each other (no thrashing);
-3. memory pressure: the victim is the lowest class first, then the latest arrival;
-4. running prompt chunks take the token budget in priority order.
-A promoted request ranks above every class (`rank`) in all four, except that it evicts with
-its own class: promotion gets it the next free seat and keeps it there (no priority preemption
-takes the seat back), but it does not throw a better class out of a running batch.
-
-Decisions documented here: the bound applies to the first admission only (a preempted request
-went back to waiting through no fault of its own; it keeps its place by priority and arrival
-but is never rejected or promoted for that second wait). The bound is checked at the start of
-each step, so a request is rejected at the first step after its wait passes the bound.
+`PriorityScheduler` changes four decisions of the fcfs `Scheduler`: the waiting order (promoted,
+priority, arrival); priority preemption of strictly lower running classes, latest first (never
+within a class); the memory-pressure victim (lowest class, then latest); and the order in which
+prompt chunks take the token budget. A promoted request ranks first but evicts as its own class.
 
 Left out on purpose: fairness across users, aging of every request (only bounded classes
 promote), and deadlines on the total latency (only the queue wait is bounded).

@@ -1,26 +1,17 @@
 """Request and sequence state of the serving engine: where each sequence of a request stands
-(`Sequence`), and what the engine hands back (`RequestOutput`). What a request asks for,
-`SamplingParams`, and its checks are in sampling_params.py.
+(`Sequence`), and what the engine hands back (`RequestOutput`). `SamplingParams` is in
+sampling_params.py.
 
-No tensors and no policy here: the scheduler decides, the runner runs, these classes only
-remember. One request holds `n` sequences (parallel sampling); it starts with one, which is
-forked into n after its prompt is prefilled.
-
-A sequence's tokens are prompt + output. `num_computed_tokens` of them have their KV in the
-cache; the rest (the whole prompt at first, then the one newest sampled token) are what the
-next forward passes must compute. A chunk that reaches the last token yields logits, and a new
-token is sampled. Preemption by recompute only resets `num_computed_tokens` to 0, so a
-resumed sequence recomputes prompt + output and then continues where it stopped.
-
-A sequence of an engine with a tokenizer also carries a `Detokenizer` (detokenizer.py): its text,
-grown one token at a time, and the stop-string check. A request that asks for logits processors
-(penalties, logit_bias, min_tokens, bad_words) carries them prepared (`procs`,
-logits_process.py), one with structured output its place in its grammar (`grammar`,
-structured.py), and one that asks for logprobs their record (`logprobs`, `cumulative_logprob`).
+No tensors and no policy: these classes only remember. A request holds `n` sequences, forked from
+one after its prompt is prefilled. A sequence's tokens are prompt + output; `num_computed_tokens`
+of them have KV in the cache, the rest are what the next passes compute (preemption by recompute
+resets it to 0). A sequence may carry its `Detokenizer` (text, stop strings), prepared logits
+processors (`procs`), its grammar state (`grammar`) and logprobs (`logprobs`,
+`cumulative_logprob`).
 
 `best_of` > n samples best_of sequences and returns the n with the highest cumulative logprob,
-indexed 0..n-1 in that order (vLLM's semantics). Until the request finishes the n shown are the
-best so far, so a stream of such a request can change its mind: a server refuses to stream it.
+indexed 0..n-1 in that order (vLLM's semantics); until the request finishes they are the best so
+far, so a server refuses to stream such a request.
 
 Left out on purpose: beam search, LoRA.
 """

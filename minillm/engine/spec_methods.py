@@ -1,21 +1,14 @@
 """The engine's speculative methods, and what each needs before it can draft: the names, the
 checks of a `speculative_token_tree`, and the proposer a trained method drafts with.
 
-Methods: "ngram" (prompt lookup) and "draft" (a draft model), chapter 6; "medusa" (heads on the
-target's last hidden state), "eagle" (a one-layer drafter over the target's features) and
-"lookahead" (Jacobi guesses into an n-gram pool), chapter 10. The trained ones draft through a
-*proposer*: an object with `propose(contexts, k, temperature, top_k, top_p, generator=None,
-features=None) -> Proposal`, attributes `needs_features` (bool; then `features` is a list with one
-Tensor (w, C) | None per context: the target's hidden rows at the context's positions S-1-w..S-2,
-features.py) and optionally `feature_window` (W rows kept per sequence, default 1) and
-`max_rank` (how many top-k candidates it gives per node; None: unbounded); one with
-`observe_chain` keeps state per sequence, gets `key=seq_id` and sees the verify logits.
-`make_proposer` takes the "model" of a `speculative_config`: heads or their file (built into
-`MedusaProposer` / `EagleProposer`), None for lookahead, or such a proposer object as it is.
-
-A token tree is a list of paths of top-k ranks, e.g. [(0,), (1,), (0, 0)] ("auto": sized for
-the machine). `check_tree` refuses paths that are not prefix-closed, deeper than K or with a rank
-the drafter does not produce, naming `speculative_token_tree`.
+Methods: "ngram" and "draft" (chapter 6); "medusa", "eagle" and "lookahead" (chapter 10), which
+draft through a *proposer*: `propose(contexts, k, temperature, top_k, top_p, generator=None,
+features=None) -> Proposal`, with `needs_features` (then `features` holds one Tensor (w, C) | None
+per context: the target's hidden rows at positions S-1-w..S-2), optional `feature_window` (rows
+kept per sequence, default 1) and `max_rank` (top-k candidates per node; None: unbounded); one
+with `observe_chain` keeps state per sequence (`key=seq_id`). `make_proposer` takes heads, their
+file, None (lookahead) or a proposer object. `check_tree` refuses a `speculative_token_tree` that
+is not prefix-closed, deeper than K or ranked beyond the drafter ("auto": sized here).
 
 Left out on purpose: training heads (the front door, `LLM`, trains or loads them: this floor
 cannot). Trees are checked here and verified by the engine (spec_decoder.py, tree_choice.py).

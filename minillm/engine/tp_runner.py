@@ -4,18 +4,12 @@
         every rank: its shard's forward over its own KV heads, 2 all-reduces per layer + 1
         (embedding), 1 all-gather of the logits; the driver samples from them
 
-`make_runner(model, config, num_blocks, block_manager)` is what `LLMEngine` calls: a plain
-`ModelRunner` for `tensor_parallel_size=1`, else a `TensorParallelRunner`. That runner keeps the
-engine's interface (`execute`, `execute_with_hidden`, `cache`), holds rank 0's shard and pool,
-starts the other ranks as a `WorkerGroup` (their shards go over in shared memory), and per step
-turns `ModelRunner.prepare`'s lists into a `StepPlan` that every rank runs. The one block manager
-of the engine serves every rank: each pool has the same blocks, holding its own Hkv/n heads, so
-a pool of `num_blocks` costs each rank 1/n of the bytes it costs one process.
-
-A worker that dies makes the next step raise `WorkerDied` naming it (a step already waiting on
-it errors out from gloo, then is named the same way). `shutdown()` sends the stop plan and leaves
-no process behind. More ranks x threads than cores is allowed, with a warning: the ranks take
-turns on the cores and every all-reduce waits for the slowest, so a step gets slower, not faster.
+`make_runner(model, config, num_blocks, block_manager)` gives a plain `ModelRunner` for
+`tensor_parallel_size=1`, else a `TensorParallelRunner`: the engine's interface (`execute`,
+`execute_with_hidden`, `cache`), rank 0's shard and pool, the other ranks as a `WorkerGroup`, and
+one `StepPlan` per step. One block manager serves every rank (each pool holds Hkv/n heads of the
+same blocks). A dead worker makes the next step raise `WorkerDied` naming it; `shutdown()`
+leaves no process behind. More ranks x threads than cores only warns (and runs slower).
 
 Left out on purpose: speculative decoding, trained drafters and the host KV tier with n > 1
 (refused with a ValueError), pipeline parallelism, several engines sharing workers.

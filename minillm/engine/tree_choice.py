@@ -3,30 +3,15 @@
 Letters: K = num_speculative_tokens, N tree nodes (root included), a(d, r) the measured
 P(node accepted | its parent was) at depth d and rank r, cost(n) a verify pass of n tokens.
 
-A tree verifies N tokens per sequence where a chain verifies K + 1, and buys a longer expected
-path (tau) for it. Whether that trade wins depends on the drafter (a(d, r)) and on the machine
-(how cost(n) grows: on a 2-core CPU a 9-token pass costs about twice a 1-token one, a GPU
-verifies dozens almost for free). `TreeSwitch` measures both and decides once:
+`TreeSwitch` decides once. Its first `probe_steps` tree verifies use the configured tree (for
+"auto", `probe_tree`: the chain plus a rank-1 sibling at every depth) and count per (depth, rank)
+how often a node was tested and kept (`record`); then `decide_tree`, a pure function of counts
+and costs, keeps the tree only if tree_sizing predicts it faster (tau * cost(1) / cost(N)) than
+the chain of K, and `line` states both numbers. Costs are `verify_costs(model, ...)`, timed here
+when the decision is due, unless given (`TreeSwitch(costs=...)`).
 
-1. probe: the first `probe_steps` tree verifies use the configured tree (for "auto", the chain
-   plus a rank-1 sibling at every depth, `probe_tree`), and count per (depth, rank) how often a
-   node was tested (its parent kept) and kept (`record`, from `LLMEngine.update_from_output`);
-2. decide (`decide_tree`, a pure function of the counts and the costs): tree_sizing's predicted
-   speedup, tau * cost(1) / cost(N), of the configured tree (or of `size_tree`'s best for "auto")
-   against the chain of K; the tree stays only if it is predicted faster. `line` says so in one
-   line, with both numbers.
-Costs are `verify_costs(model, ...)`, timed once on this machine when the decision is due, unless
-given (`TreeSwitch(costs=...)`, e.g. `tree_sizing.roofline_costs` for a GPU not at hand).
-
-A node's rank is its place among its siblings. That is the drafter's top-k rank for Medusa and
-EAGLE; lookahead builds its own shape (Jacobi guesses first, then pool n-grams), so its "chain"
-prediction reads the guesses' acceptance and understates its real chain (which drafts the best
-pool match): the decision is only as good as that comparison.
-
-Left out on purpose: deciding again later (acceptance drifts with the text), the drafter's own
-cost (Medusa's heads and lookahead cost little next to a verify; EAGLE's layer does not), batches
-(cost(n) is timed at batch 1: a full batch makes every extra node dearer, `SpecDecoder.select`'s
-switch is the answer to load).
+Left out on purpose: deciding again later, the drafter's own cost, batches (cost(n) is timed at
+batch 1; `SpecDecoder.select`'s switch answers load).
 """
 import time
 

@@ -3,28 +3,15 @@ EAGLE-style one-layer drafter, plus the file format that ties them to one target
 
 Letters: B batch, T rows, C d_model (hidden size), K heads, V vocab, Vd draft vocabulary.
 
-- `MedusaHeads(model_config, num_heads)`: K heads, each a residual SiLU block x + SiLU(W x + b)
-  with W, b started at zero, so every head starts as the identity and predicts what the target's
-  own lm_head predicts. Head k reads the feature of token t (the final norm's output there) and
-  learns token t + 2 + k (the target's lm_head already gives t + 1).
-- `EagleDrafter(model_config)`: fuse (feature of token t, embedding of token t + 1) with a
-  Linear(2C -> C), run one decoder layer of the target's own kind (llama.py's `Block`) under an
-  explicit mask, and predict the feature of token t + 1; its tokens come from the lm_head on that
-  predicted feature, and it can go on drafting from its own predictions. `norm_inputs=True`
-  RMS-normalizes the feature and the embedding, each with its own learned scale, before the fc:
-  the target's features are ~15x larger than its embeddings, and unnormalized the token is
-  drowned out. One layer means a row's keys and values depend on that row's inputs only:
-  `keys_values` computes them once and `extend` runs new rows against them (`DraftKV`).
-
-Both put the target's frozen `lm_head` on top, passed at call time (never stored, never copied),
-or a reduced draft vocabulary (`draft_vocab`: the Vd most frequent token ids of the training
-data; logits over those rows of lm_head.weight only, mapped back to real ids by `token_ids`).
-Reading the 49152 x 576 lm_head once per head costs a CPU more than the heads themselves.
-
-A drafter file records the hidden size, the vocabulary size and `weights_fingerprint(model)`
-of the target it was trained on, so heads are never silently used with another model. A
-normalized drafter is written as format v2 (older code refuses it in one line); v1 files load
-as they always did, without the input norms.
+- `MedusaHeads(model_config, num_heads)`: K residual heads x + SiLU(W x + b), W and b started at
+  zero (each head starts as the identity); head k reads the feature of token t, learns t + 2 + k.
+- `EagleDrafter(model_config)`: Linear(2C -> C) over (feature of t, embedding of t + 1), then one
+  decoder layer of the target's kind, predicting the feature of t + 1; `norm_inputs=True`
+  RMS-normalizes both inputs first. `keys_values` and `extend` reuse its KV (`DraftKV`).
+Both put the target's frozen `lm_head` on top, passed at call time, or a reduced draft vocabulary
+(`draft_vocab`: the Vd most frequent ids; `token_ids` maps back). A drafter file records the
+target's sizes and `weights_fingerprint(model)`, so heads never run on another model; normalized
+drafters are format v2, v1 files load without the input norms.
 
 Left out on purpose: EAGLE-3's multi-layer feature fusion, Medusa-2's joint training of the
 target, Hydra's sequentially dependent heads.

@@ -1,22 +1,13 @@
 """Exact speculative sampling: accept or reject a drafter's K tokens so the output follows p.
 
-Letters: B batch, K draft tokens per row, V vocab. A drafter proposes x_1..x_K with (processed)
-probabilities q_1..q_K; the target scores the same positions plus one more, p_1..p_{K+1}. Left to
-right, x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)). At the first rejection the
-replacement is drawn from the residual norm(max(p_i - q_i, 0)); when all K are accepted a bonus
-token is drawn from p_{K+1}. Every row therefore gains between 1 and K + 1 tokens, and the tokens
-have exactly the law of sampling from p one at a time (Leviathan et al. 2023, Chen et al. 2023).
-
-A deterministic drafter (n-gram lookup, a greedy draft model) passes `draft_probs=None`: q is
-then one-hot at the proposed token, so x_i is accepted with probability p_i(x_i) and the residual
-is p_i with x_i removed. Greedy decoding (p one-hot at the argmax) is the special case
-`greedy_verify`: accept while the target's argmax agrees.
-
-`acceptance_probs` and `residual_probs` are the two deterministic halves of the rule; the exact
-enumeration in `exact_law.exact_step_law` and the tests build on them, and `rejection_sample`
-adds the coin flips. Randomness comes from one `torch.Generator` for the whole batch or a list
-of B generators (one per request, as with per-request seeds); with a list, row b of a batch
-gives the same result as row b alone.
+Letters: B batch, K draft tokens per row, V vocab. Drafts x_1..x_K with (processed) laws
+q_1..q_K; the target gives p_1..p_{K+1}. Left to right, x_i is accepted with probability
+min(1, p_i(x_i) / q_i(x_i)); at the first rejection the replacement comes from
+norm(max(p_i - q_i, 0)); if all K pass, a bonus token comes from p_{K+1} (Leviathan et al. 2023,
+Chen et al. 2023). `draft_probs=None` means q one-hot at the draft (deterministic drafters);
+`greedy_verify` is the greedy case. `acceptance_probs` and `residual_probs` are the deterministic
+halves, `rejection_sample` adds the coin flips from one `torch.Generator` or a list of B (then
+row b of a batch gives what row b alone gives).
 
 Left out on purpose: tree (multi-branch) verification, typical acceptance, per-row K.
 """

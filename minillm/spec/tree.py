@@ -3,22 +3,15 @@
 Letters: N tree nodes (node 0 = the root), S slots before the tree, V vocab, C d_model,
 L layers, Hkv kv heads, D head dim.
 
-A chain draft (chapter 6) bets on one continuation; a tree bets on several at once: the top-2
-guesses for the next token, the top-2 after the best of those, and so on. The target scores every
-node in one pass by giving each node only its own ancestors to attend to (a tree attention mask
-on top of the prefix) and the RoPE position of its depth, so node i sees exactly the context
-"prefix + the path root -> i" and its logits are the ones that context would give.
+Each node attends to the prefix and its own ancestors only (a tree mask), at the RoPE position
+of its depth, so its logits are those of "prefix + path root -> i".
 
-- `TokenTree`: a static tree shape written as paths of top-k ranks, e.g. [(0,), (1,), (0, 0)]
-  (Medusa's and vLLM's `speculative_token_tree` spelling); a proposer fills it with tokens.
-- `TreeDraft`: a concrete draft, tokens and parents; a dynamic drafter (EAGLE-2, lookahead)
-  returns a tree of its own shape.
-- `tree_forward`: the verify pass on the contiguous `KVCache`: node i's keys and values go to
-  slot start + i, and `TreeAttention` (the cache protocol of llama.py) attends with the mask.
-  It works with the reference forward and with the flat one (which calls `attend` for a cache
-  without `attend_rows`).
-- `commit_path`: after acceptance, move the accepted nodes' keys and values to the slots right
-  after the prefix; what follows is simply overwritten by the next pass (as in chapter 6).
+- `TokenTree`: a static shape as paths of top-k ranks, e.g. [(0,), (1,), (0, 0)] (Medusa's and
+  vLLM's `speculative_token_tree` spelling); a proposer fills it with tokens.
+- `TreeDraft`: a concrete draft, tokens and parents (a dynamic drafter returns its own shape).
+- `tree_forward`: the verify pass on the contiguous `KVCache`; node i's KV go to slot start + i
+  and `TreeAttention` applies the mask (reference and flat forward alike).
+- `commit_path`: move the accepted nodes' KV right after the prefix; the rest is overwritten.
 
 Left out on purpose: batches of trees (the paged engine's job), trees deeper than the cache.
 """

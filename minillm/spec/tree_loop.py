@@ -4,19 +4,14 @@ Letters: N draft nodes (node 0 = root), S context, C d_model, V vocab. One step:
 
 1. the proposer fills a tree (`propose_tree(context, features, tree) -> TreeDraft`); the root is
    the last emitted token, which the target has not run yet;
-2. `tree_forward` runs every node in ONE target pass, each node attending to the prefix and its
-   own ancestors, so row i of the logits is the next-token law after "context + path to i";
+2. `tree_forward` runs every node in ONE target pass (row i: the law after "context + path to i");
 3. `tree_accept` keeps a root-to-node path and one more token (greedy or exact sampling);
-4. `commit_path` moves the path's keys and values to the slots after the prefix; the rejected
-   branches' slots are overwritten by the next pass.
+4. `commit_path` moves the path's KV after the prefix; rejected slots are overwritten next pass.
 
-Features (for proposers with `needs_features`, Medusa and EAGLE): the final norm's output of every
-context token but the last, (S - 1, C). The prefill gives the prompt's; each step appends the
-hidden rows of the accepted path (the root and the accepted nodes), which the tree pass computed.
-
-`SpecStats` counts as in chapter 6 (drafted = nodes - 1, accepted = path length - 1) and, per
-(depth, rank) of a node (its `TreeDraft.ranks`, else its place among its siblings), how often it was tested (its
-parent was accepted) and accepted: `SpecStats.acceptance_by_position()`, what `tree_sizing` reads.
+Features (proposers with `needs_features`): the final norm's output of every context token but
+the last, (S - 1, C); each step appends the hidden rows of the accepted path. `SpecStats` counts
+drafted and accepted nodes and, per (depth, rank), how often a node was tested and accepted
+(`acceptance_by_position()`, what `tree_sizing` reads).
 
 Left out on purpose: adaptive K, batches (the engine), stop strings.
 """

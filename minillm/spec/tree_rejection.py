@@ -1,30 +1,18 @@
 """Accepting a path of a token tree: exact recursive rejection, and Medusa's lossy contrast.
 
-Letters: N tree nodes, C children of one node, V vocab. `tree_forward` gave the target's logits
-at every node; row i is the next-token law after the path root -> i.
+Letters: N tree nodes, C children of one node, V vocab. Row i of `tree_forward`'s logits is the
+next-token law after the path root -> i.
 
-Greedy (temperature 0): from the root, follow the child whose token is the target's argmax;
-where no child has it, emit the argmax. Identical to plain greedy decoding, token for token.
+Greedy: follow the child that is the target's argmax; where none is, emit the argmax (identical
+to plain greedy decoding). Exact sampling (SpecInfer, one-hot drafts): at a node with law p, try
+its children in order against a residual r = p: accept x_j with probability r(x_j), else zero
+r(x_j), renormalize and try the next; if all fail, draw from r. An accepted child becomes the
+current node; an accepted leaf draws the bonus token from its own row (1 to depth + 1 tokens).
+`sibling_rule` is the deterministic half, `tree_accept` draws from it with the request's
+generator, `exact_tree_law` (tree_law.py) enumerates it.
 
-Sampling, exact (SpecInfer; multi-draft speculative sampling with one-hot drafts). At a node
-with processed law p, the candidates are its children x_1..x_C, tried in order. Start with the
-residual r = p. Candidate x_j is accepted with probability r(x_j); if rejected, r(x_j) is set to
-0 and r renormalized, and the next candidate is tried. If all are rejected, the next token is
-drawn from the final residual. Why it is exact: P(out = x_1) = r(x_1), and any other y comes out
-with probability (1 - r(x_1)) * r(y) / (1 - r(x_1)) = r(y); by induction over the candidates the
-token has law p. An accepted child becomes the current node (its row of logits is p after the
-longer context), so each token of the path has its right conditional law; an accepted leaf draws
-the bonus token from its own row. Every step therefore gains between 1 and depth + 1 tokens.
-
-`sibling_rule` is the deterministic half (the chance that each child is the accepted one, and the
-residual after all are rejected); `tree_accept` draws from it with the request's generator, and
-`exact_tree_law` (tree_law.py) enumerates it. Tests swap `sibling_rule` for broken rules and
-watch the law move, as chapter 6 does with `residual_probs`.
-
-Typical acceptance (Medusa-2): accept a candidate x when p(x) > min(epsilon, delta * exp(-H(p))),
-keep the longest accepted path, then sample the next token from p. Cheap and often longer paths,
-but NOT exact: its output law differs from the target's (`tests/test_tree_rejection.py` measures
-the total-variation distance by enumeration).
+Typical acceptance (Medusa-2) accepts x when p(x) > min(epsilon, delta * exp(-H(p))): longer
+paths, but NOT exact (the tests measure its total-variation distance by enumeration).
 
 Left out on purpose: stochastic (non one-hot) tree drafts with their own q, batches of trees.
 """

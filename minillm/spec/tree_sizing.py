@@ -3,26 +3,14 @@
 Letters: N tree nodes (root included), d depth, r rank (a node's place among its siblings),
 a(d, r) the measured P(node accepted | its parent was accepted).
 
-Theory. A node is accepted when every node on its path is, so with acceptance that depends only
-on (depth, rank) (the chain's i.i.d. model of chapter 6 grown into a tree),
+    P(node accepted) = product of a(d_j, r_j) along its path
+    tau = 1 + sum over draft nodes of P(node accepted)          (expected tokens per step)
+    speedup = tau * cost(1) / (cost(N) + draft cost)
 
-    P(node accepted) = product of a(d_j, r_j) along its path,
-    tau = expected tokens per step = 1 + sum over draft nodes of P(node accepted)
-
-(the 1 is the token every step emits), and with cost(n) the time of a verify pass over n tokens
-and the drafter's time per step, the speedup over plain decoding (one token per cost(1)) is
-
-    speedup = tau * cost(1) / (cost(N) + draft cost).
-
-Sizing (Sequoia's idea, simplified). For every node budget m, the tree with the largest tau has a
-recursive structure: a node's subtree is its children's, and the children of ranks r, r+1, ...
-share what is left of the budget. `size_tree` solves that knapsack exactly by dynamic
-programming over (depth, rank, nodes left), then picks the budget whose best tree maximizes the
-speedup with the measured costs (chapter 1's `minillm.lab.forward_cost` gives them: on a 2-core
-CPU a 9-token verify costs about twice a 1-token step, a GPU verifies 60 almost for free, so the
-two machines get different trees). Tested against brute force over every prefix-closed tree.
-
-a(d, r) comes from a run: `SpecStats.acceptance_by_position()` after `speculative_generate`.
+`size_tree` finds, for every node budget, the tree with the largest tau exactly (dynamic
+programming over depth, rank and nodes left; tested against brute force over every prefix-closed
+tree), then picks the budget whose tree maximizes the speedup under the measured costs. a(d, r)
+comes from `SpecStats.acceptance_by_position()` after `speculative_generate`.
 
 Left out on purpose: Sequoia's sampling-without-replacement acceptance model, hardware-aware
 depth limits beyond max_depth, acceptance that depends on more than (depth, rank).
