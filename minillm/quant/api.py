@@ -2,29 +2,16 @@
 
 Letters: B calibration sequences, T tokens each, N / K a projection's output / input width.
 
-The model is changed **in place** and returned (as `cpu_tuning.accelerate` does): the fp32
-projection weights are freed, and the engine, `generate` and `LLM` run the result unchanged,
-since an `Int8Linear` / `Int4Linear` is called like the `nn.Linear` it replaces. Keep an fp32
-copy with `quantize(copy.deepcopy(model), ...)`.
-
-What is quantized: the four projections of every block (`attn.qkv_proj`, `attn.o_proj`,
-`mlp.gate_up_proj`, `mlp.down_proj`). What is not: the norms and the token embedding, which is
-tied to `lm_head` (one tensor, read in full as the output projection at every step). By default
-it stays fp32 (exact for "gguf"), and `quantized_bytes` counts it, so the tables show what it
-costs. `lm_head="int8"` or `"int4"` gives the output projection its own quantized copy
-(round-to-nearest, int4 in the method's groups): the embedding lookup keeps the fp32 table, from
-which a step reads one row per token, and the step reads the small copy instead of the 113 MB table.
-
-Fast routes: int8 has two (weight-only and W8A8, `linear.py`); `routes.choose_routes` times
-them on this machine's shapes and picks per shape, once per machine (cached). A format with no
-fast kernel here runs the reference path, with one warning per model and format.
-
-Methods: "int8" per output channel (group_size must be None); "int4" round-to-nearest in groups
-(default 32); "gguf" the shipped file's own Q4_1 blocks (groups of 32; only for the shipped
-SmolLM2, checked weight by weight); "gptq" and "awq" int4 from a calibration set (`gptq.py`,
-`awq.py`). Everything is checked and every new module built before the first swap: a refused call
-leaves the model as it was. This module is the top of quant/: the projections, the checks of the
-calibration ids and `rtn_weights` live in `targets.py`, which the methods import instead.
+The model is changed **in place** and returned (fp32 projection weights freed); the engine,
+`generate` and `LLM` run it unchanged. Keep an fp32 copy with `quantize(copy.deepcopy(model), ...)`.
+Quantized: the four projections of every block. Not: the norms and the token embedding, tied to
+`lm_head` (fp32 by default, counted by `quantized_bytes`); `lm_head="int8"` or `"int4"` gives
+the output projection its own quantized copy. int8's fast routes are picked per machine by
+`routes.choose_routes`. Methods: "int8" per output channel (group_size None); "int4"
+round-to-nearest in groups (default 32); "gguf" the shipped file's own Q4_1 blocks (shipped
+SmolLM2 only); "gptq" and "awq" int4 from a calibration set. Everything is checked and built
+before the first swap, so a refused call leaves the model as it was. The projections, the checks
+of calibration ids and `rtn_weights` live in `targets.py`.
 
 Left out on purpose: quantizing the embedding lookup, mixed formats per layer, saving and
 loading quantized checkpoints.

@@ -3,28 +3,14 @@
 Letters: N output features, K input features, G group size, T calibration tokens, X (T, K),
 H query heads, Hkv key/value heads, D head dim, F d_ff.
 
-A linear layer computes X W^T = (X / s) (W * s)^T for any positive per-input-channel scale s.
-Scaling up the columns of W that meet large activations gives them a finer share of their
-group's int4 grid, at the price of the other columns in the group. AWQ picks s = mean|x|^a
-(normalized so max * min = 1) and grid-searches a in [0, 1] per layer for the smallest output
-error ||X W^T - (X / s) Q(W * s)^T||^2 on the calibration activations; a = 0 is plain
-round-to-nearest, so the search can only match or beat it on those activations. The 1/s is not
-paid at run time: it is folded into whatever produces X.
-
-Folds in this model (each checked in the tests: fold, don't quantize, logits unchanged):
-- qkv_proj: X is `input_norm`'s output, so 1/s multiplies `input_norm.weight`.
-- gate_up_proj: likewise `post_attn_norm.weight`.
-- down_proj: X = silu(gate) * up is linear in the "up" half, so 1/s divides those rows of
-  gate_up_proj (which are then quantized with the fold in them).
-- o_proj: X is attention's output, for query head h a convex mix of the value vectors of kv head
-  h // (H / Hkv). Dividing v's rows (inside qkv_proj) by s scales those outputs by 1/s, but one
-  kv head feeds H / Hkv query heads: under GQA the fold is exact only if s is the same for every
-  query head of a group. So o_proj gets one scale per (kv head, dim), from the mean |x| over the
-  group's query heads, expanded to the H * D columns.
-Scales of o_proj and down_proj are searched and folded into rows first; scaling a row of a
-Q4_1-style weight scales its groups' grids with it, so the later column searches see their final
-weights. Each block's activations come from the fp32 model (AWQ's own choice: the scales are
-found on unquantized activations; a fold leaves the block's output unchanged).
+X W^T = (X / s) (W * s)^T for any positive per-input-channel scale s, so the columns of W that
+meet large activations can get a finer share of their group's int4 grid. AWQ takes
+s = mean|x|^a (normalized so max * min = 1) and grid-searches a in [0, 1] per layer for the
+smallest output error on the calibration activations (a = 0 is plain round-to-nearest). 1/s is
+folded into what produces X: `input_norm.weight` (qkv_proj), `post_attn_norm.weight`
+(gate_up_proj), the "up" rows of gate_up_proj (down_proj), and the value rows of qkv_proj
+(o_proj, one scale per kv head and dim, shared by its GQA group). Each fold is tested to leave
+the logits unchanged; activations come from the fp32 model.
 
 Left out on purpose: AWQ's weight-clipping search, searching on the block's output instead of
 each layer's, and a fused kernel (the result is ordinary Int4Weight).

@@ -3,20 +3,13 @@
 Letters: N output rows of a weight, K inputs, G = 32 weights per Q4_1 block, H / Hkv heads,
 D head dim.
 
-A Q4_1 block is 20 bytes for 32 consecutive weights of one row (along K): fp16 `d`, fp16 `m`,
-then 16 bytes of codes, weight j (0..15) in the low nibble of byte j and weight j + 16 in the
-high nibble; the weights are `d * q + m`. `gguf`'s `GGUFReader` hands us each tensor's raw bytes
-and type; we decode the blocks ourselves into an `Int4Weight(group_size=32)`, whose
-`dequantize()` equals minillm's fp32 weights bit for bit (they are this file's dequantization).
-
-Two layout facts turn GGUF's tensors into minillm's modules:
-- llama.cpp's converter reorders the rows of q and k inside each head so the RoPE pairs
-  (i, i + D/2) sit next to each other (rows 2i and 2i + 1). minillm rotates halves, so we undo
-  it: a permutation of whole rows, and the blocks run along K, so every block survives intact.
-- minillm fuses q, k, v into `attn.qkv_proj` and gate, up into `mlp.gate_up_proj`: rows stack.
-
-Tensors of other types stay as the fp32 model has them: the norms (F32) and the token embedding
-(Q8_0 in this file; tied to `lm_head`).
+A Q4_1 block is 20 bytes for 32 weights of one row: fp16 `d`, fp16 `m`, then 16 bytes of codes
+(weight j in the low nibble of byte j, weight j + 16 in the high one); a weight is `d * q + m`.
+`gguf`'s `GGUFReader` gives each tensor's bytes; we decode them into `Int4Weight(group_size=32)`,
+whose `dequantize()` equals minillm's fp32 weights bit for bit. The q and k rows that llama.cpp's
+converter interleaved for RoPE are permuted back (whole rows, so blocks stay intact), and q, k, v
+and gate, up are stacked into the fused projections. The norms (F32) and the token embedding
+(Q8_0, tied to `lm_head`) stay as the fp32 model has them.
 
 Left out on purpose: writing GGUF files, other block types (Q8_0, k-quants), other architectures.
 """

@@ -2,21 +2,12 @@
 
 Letters: N output features, K input features, G group size, T calibration tokens, X (T, K).
 
-A layer's output error on the calibration inputs is ||(W - Q) X^T||^2 = tr((W - Q) H (W - Q)^T)
-with H = 2 X^T X: a quadratic in the weights, the same for every row. Quantizing column j to q_j
-moves the error by (w_j - q_j); the best the still-free columns k > j can do about it is the
-least-squares update  W[:, k] -= (w_j - q_j) * Hinv[j, k] / Hinv[j, j]  (Hinv the inverse of H
-restricted to columns >= j). The upper Cholesky factor U of H^-1 holds all those restricted
-inverses at once: row j of U is Hinv_j[j, :] / sqrt(Hinv_j[j, j]), so the update is
-e = (w_j - q_j) / U[j, j];  W[:, j+1:] -= e * U[j, j+1:]. Columns go left to right in blocks of
-one group: inside a block each column collects its pending updates just before it is rounded,
-the rest of the matrix gets the block's updates in one matmul. A group's scale and minimum are
-fitted to the *updated* weights when its first column comes up, so later groups see the
-compensation.
-
-`gptq_weights` quantizes the four projections of every layer in forward order: each layer's
-inputs come from the model with every earlier projection already quantized (standard GPTQ,
-"true sequential" inside a block too), so a layer also compensates for its predecessors' errors.
+The error on calibration inputs is tr((W - Q) H (W - Q)^T), H = 2 X^T X. Columns are rounded left
+to right; with U the upper Cholesky factor of H^-1, rounding column j updates the free ones by
+e = (w_j - q_j) / U[j, j];  W[:, j+1:] -= e * U[j, j+1:]. Columns go in blocks of one group
+(the rest of the matrix gets a block's updates in one matmul), and a group's scale and minimum
+are fitted to the *updated* weights. `gptq_weights` quantizes the projections in forward order,
+each on inputs from the model with every earlier projection already quantized.
 
 Left out on purpose: act-order (columns by decreasing H diagonal), static groups, the lm_head
 (tied to the embeddings), symmetric formats.

@@ -2,29 +2,16 @@
 
 Letters: M rows (tokens) in one call, K in_features, N out_features, G group size.
 
-Each module stores its weight in the format of `formats.py` as buffers (not Parameters: nothing
-here trains), so `.to(device)`, `state_dict` and `nbytes` see exactly the stored bytes. Two ways
-to multiply by it, kept side by side:
-
-- **reference**: dequantize to the activation dtype, then `F.linear`. Plain and exact: its result
-  is the float model's with the dequantized weight. It reads more bytes than the fp32 model does
-  (the codes, then a full float weight it writes and reads again), so it is never the fast one.
-- **fast**: torch's fused weight-only kernels, which read the small weight once and dequantize in
-  registers: on CPU `torch._weight_int8pack_mm` and `torch._weight_int4pack_mm_for_cpu`, on CUDA
-  `torch._weight_int4pack_mm`. They take bf16 activations (cast in, cast back out) and compute
-  the int4 weight as `(q - 8) * scale + zero`, so Q4_1's `d * q + m` maps to `scale = d`,
-  `zero = m + 8 d`, both rounded to bf16: the fast path agrees with the reference to bf16
-  rounding, not bit for bit. The int4 kernel wants its own copy of the codes (a tiled layout),
-  the same size as the stored one, made once per device and kept beside it: `kernel_nbytes`
-  counts it, and `quantized_bytes` reports it as "fast_path_copies" (memory held, not read).
-
-int8 has a second fast route, `route="w8a8"`: torch's x86 int8 x int8 kernel with one activation
-scale per token (`w8a8.py`); its prepacked copy is what it reads. Which route is faster depends on
-the CPU: `routes.py` times them on the model's shapes and `quantize` picks per machine.
-
-`path="auto"` takes the fast path where the kernel exists and, probed once per device on a small
-input, agrees with the reference; anywhere else the reference, with one warning per model and
-format saying so. Nothing is timed to decide it.
+Each stores its weight in a `formats.py` format as buffers (nothing trains), so `.to(device)`,
+`state_dict` and `nbytes` see the stored bytes. Two ways to multiply, side by side:
+- **reference**: dequantize, then `F.linear`: exactly the float model with the dequantized weight.
+- **fast**: torch's fused weight-only kernels (`_weight_int8pack_mm`,
+  `_weight_int4pack_mm_for_cpu`, CUDA's `_weight_int4pack_mm`) with bf16 activations: they agree
+  with the reference to bf16 rounding. The int4 kernel keeps its own tiled copy of the codes per
+  device (`kernel_nbytes`; "fast_path_copies" in `quantized_bytes`).
+int8 also has `route="w8a8"` (w8a8.py); `routes.py` picks the faster route per machine.
+`path="auto"` takes the fast path where the kernel exists and agrees with the reference on a
+small probe input, else the reference with one warning per model and format; nothing is timed.
 
 Left out on purpose: biases, autograd, static activation scales, int4 kernels on platforms other
 than CPU and CUDA.

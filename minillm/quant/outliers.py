@@ -2,21 +2,15 @@
 
 Letters: T tokens, K a projection's input width, N its output width, O the outlier dims.
 
-Dettmers et al. (2022) found that in transformers past a few billion parameters a handful of
-hidden dimensions carry activations of magnitude 6 and more, in most layers and on many tokens.
-They live in the activations, not the weights: weight-only int8 never sees them. What they
-break is per-token int8 quantization of the activations: one entry of 60 in a row sets that
-row's scale to 60/127, and every ordinary entry of size ~1 is left with a handful of levels.
-
-- `outlier_dims(X, threshold)`: the input dims of X (T, K) whose |x| reaches the threshold
-  somewhere, and the fraction of tokens (rows) where one of them does.
-- `outlier_features(model, ids)`: that census for the four projections of every layer, on the
-  fp32 model's activations.
-- `W8A8Linear` / `w8a8(model, threshold)`: weights int8 per output channel, activations int8 per
-  token, simulated in float (quantize, dequantize, matmul: the same numbers an int8 GEMM with
-  int32 accumulation and a rescale gives, up to fp32 rounding of the sums). With a threshold,
-  LLM.int8()'s mixed decomposition: the columns of X where some |x| >= threshold (found per call,
-  as LLM.int8() does) are multiplied in fp32 with the fp32 weight columns, the rest in int8.
+Outliers (Dettmers et al. 2022) live in the activations: one entry of 60 sets a token's int8
+scale to 60/127 and leaves its ordinary entries a handful of levels; weight-only int8 never sees
+them.
+- `outlier_dims(X, threshold)`: the input dims of X (T, K) whose |x| reaches the threshold, and
+  the fraction of tokens where one does; `outlier_features(model, ids)`: that census for every
+  projection, on the fp32 model's activations.
+- `W8A8Linear` / `w8a8(model, threshold)`: int8 weights per output channel and int8 activations
+  per token, simulated in float; with a threshold, LLM.int8()'s decomposition (columns with some
+  |x| >= threshold, found per call, multiplied in fp32).
 
 Left out on purpose: real int8 GEMMs, static activation scales, SmoothQuant-style migration,
 the lm_head (kept fp32).

@@ -2,26 +2,15 @@
 
 Letters: B sequences, T tokens per sequence, V vocab, n greedy tokens compared.
 
-Texts (both ship with Python itself, so every reader has the same bytes for a given Python):
-- `eval_text()`: four topics of the Python Language Reference as `pydoc` stores them
-  (`pydoc_data.topics`: "objects", "execmodel", "exceptions", "types"), English prose about
-  Python's data and execution model. Only ever used to measure.
-- `calibration_text()`: the docstrings of a dozen standard-library modules (`re`, `statistics`,
-  `configparser`, ...), written by other people than the reference manual's topics, and never
-  overlapping them (tests/test_quant_calib.py checks that no 8-word run is shared). GPTQ, AWQ and
-  the outlier census only ever see this one.
-
-Metrics, all against a reference model (the shipped fp32 weights):
-- `perplexity(model, ids)`: exp of the mean next-token negative log-likelihood over the B*(T-1)
-  predictions (each row is scored on its own, the first token of a row is context only).
-- `kl_divergence(ref, model, ids)`: mean over all B*T positions of KL(p_ref || p_model) of the
-  next-token distributions, computed in float64 from the logits.
-- `greedy_agreement(ref, model, prompt_ids, n)`: the reference decodes greedily n tokens (or up
-  to its end-of-turn token); the model reads the prompt plus that continuation once (teacher
-  forcing) and we count the positions where its argmax is the reference's token ("teacher_forced",
-  the default). Up to the first miss, the model's context is exactly what its own greedy decoding
-  would have produced, so the same pass also gives "prefix": the fraction of the n tokens that a
-  free-running greedy decode of the model reproduces before it first diverges.
+Texts ship with Python, so every reader has the same bytes: `eval_text()` is four topics of the
+Language Reference (`pydoc_data.topics`), only ever measured on; `calibration_text()` is the
+docstrings of a dozen standard-library modules, sharing no 8-word run with it (tested), the only
+text GPTQ, AWQ and the outlier census see. Metrics against a reference model:
+- `perplexity(model, ids)`: exp of the mean next-token NLL over the B*(T-1) predictions.
+- `kl_divergence(ref, model, ids)`: mean KL(p_ref || p_model) over B*T positions, in float64.
+- `greedy_agreement(ref, model, prompt_ids, n)`: over the reference's n greedy tokens read once
+  by the model, the fraction where its argmax agrees ("teacher_forced", the default), and the
+  fraction a free-running greedy decode reproduces before it first diverges ("prefix").
 
 Left out on purpose: downstream task accuracy, sampling-based metrics, sliding-window perplexity.
 """

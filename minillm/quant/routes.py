@@ -2,23 +2,13 @@
 
 Letters: R rows (tokens) in one call.
 
-int8 has two fast routes (`Int8Linear.ROUTES`): the weight-only `_weight_int8pack_mm` (bf16
-activations) and W8A8 with per-token activation scales (`w8a8.py`). Which is faster depends on
-the CPU and the row count, so `choose_routes(model)` times both with R = 1 and 8 rows on every
-weight of each shape the model holds (one pass reads them all, as a decode step does), in
-interleaved rounds, keeps the fastest of the rounds, and gives each shape the route with the
-least t(1) + t(8). A format with one fast route (int4) is not timed.
-
-W8A8 is opt-in (`allow_w8a8=True`): rounding SmolLM2's activations to 8 bits per token costs
-far more than rounding its weights (argmax agreement with fp32 on 256 held-out tokens, both
-with an int8 lm_head, measured in chapter 7 on a 2-core AMD EPYC with VNNI: 0.86 with W8A8
-against 0.95 weight-only; `benchmarks/quant.py` measures it too), so by default int8
-keeps the weight-only kernel and only a caller who accepts that cost gets the race.
-
-The timings are cached as the fp32 route table is (`kernels/tuning_cache.py`), under the same key
-(CPU model, instruction set, torch version, thread count: `cpu_tuning.cache_key`) plus this
-table's own version, so a table from another machine, torch or thread count is never reused. A
-table timed while the machine was busy is kept for this process only.
+int8 has two fast routes (`Int8Linear.ROUTES`): weight-only `_weight_int8pack_mm` and W8A8
+(w8a8.py). `choose_routes(model)` times both at R = 1 and 8 on every weight of each shape, in
+interleaved rounds, and gives each shape the route with the least t(1) + t(8); int4 has one
+route and is not timed. W8A8 is opt-in (`allow_w8a8=True`): 8-bit activations cost SmolLM2 far
+more accuracy than 8-bit weights. Timings are cached beside the fp32 route table
+(`kernels/tuning_cache.py`, keyed by `cpu_tuning.cache_key` plus this table's version); a table
+timed on a busy machine is kept for this process only.
 
 Left out on purpose: timing a whole forward pass, more row counts (a verify step's 9 or 64 rows),
 GPU routes.

@@ -2,29 +2,14 @@
 
 Letters: M rows (tokens) in one call, K in_features, N out_features.
 
-torch ships a tuned x86 kernel for this, `torch.ops.quantized.linear_dynamic` (fbgemm, or
-oneDNN): it takes fp32 activations, quantizes them to 8 bits on the fly, multiplies in integers
-against a prepacked int8 weight (`linear_prepack`, one scale per output row: our `Int8Weight`
-as it is) and scales back to fp32. At a handful of rows it reads the int8 weight about as fast as
-the machine streams bytes, where the weight-only `_weight_int8pack_mm` spends more time
-dequantizing than reading.
-
-Its one catch: it quantizes the activation with ONE scale for the whole (M, K) tensor, so a
-token's result would depend on which other tokens share its batch. `linear_w8a8` makes the
-scale per token and the result batch-invariant:
-
-1. divide each row by its own abs-max `a` (every row now lies in [-1, 1]);
-2. append one constant row [+1, -1, -1, ...]: the tensor's range is now exactly [-1, 1] whatever
-   the batch holds, so the kernel's per-tensor scale is the same in every call: 2 / 255, or
-   2 / 127 with `reduce_range`, which keeps the products inside int16 on CPUs without VNNI
-   (their 8-bit multiply-add saturates at 16 bits; VNNI's adds in 32 bits, so it needs no
-   halving: `REDUCE_RANGE` says which this CPU gets);
-3. run the kernel, drop the constant row, multiply each output row by its `a`.
-
-Each row is quantized by the same rule whatever its companions; the integer product is exact, so
-a row's output is the same alone and inside a batch. The activation's rounding is at most one
-step of 2 / 127 times `a` per element (half that with VNNI) (a clamp at the top of the range included): a result is
-off from the dequantized weight's product by at most `a * 2/127 * sum_k |w[n, k]|`.
+torch's x86 kernel `torch.ops.quantized.linear_dynamic` quantizes fp32 activations on the fly
+and multiplies in integers against a prepacked int8 weight (one scale per output row: our
+`Int8Weight`), but with ONE activation scale for the whole (M, K) tensor. `linear_w8a8` makes it
+per token and batch-invariant: divide each row by its own abs-max `a`; append one constant row
+[+1, -1, -1, ...] so the range is exactly [-1, 1] in every call (the kernel's scale is then
+2 / 255, or 2 / 127 with `reduce_range`, which CPUs without VNNI need: `REDUCE_RANGE`); run the
+kernel, drop that row, multiply each output row by its `a`. A row's output is then the same alone
+and in a batch, off from the dequantized weight's product by at most `a * 2/127 * sum_k |w[n, k]|`.
 
 Left out on purpose: static (calibrated) activation scales, per-group weight scales, outlier
 handling (SmoothQuant lives in the outlier study).

@@ -1,23 +1,11 @@
 """Chapter 8: serving over HTTP. An OpenAI-compatible server over the engine, in these parts:
-
-- `protocol.py`      request bodies checked and mapped to SamplingParams
-- `fields.py`        every OpenAI / vLLM field past the basics: honoured or refused with a 400
-- `responses.py`     OpenAI's response and chunk shapes, logprobs included
-- `streaming.py`     a streamed answer as server-sent events, text and logprobs held back together
-- `async_engine.py`  one engine loop per server: commands in, per-request output queues out
-- `app.py`           the Starlette routes; nothing slow on the event loop
-- `errors.py`        OpenAI error objects, the status of each failure, the catch-all middleware
-- `metrics.py`       `GET /metrics` by prometheus_client, vLLM's metric names
-- `engine_metrics.py` what the engine keeps itself (SLO controller, speculation, KV tiers, priorities),
-                     read at scrape time
-- `dashboard.py`     `GET /dashboard`: a live page of /metrics, its files in `static/` (package data)
-- `server.py`, `cli.py`  uvicorn in the foreground (`python -m minillm serve`) or in a thread
-
-Chapter 11 adds disaggregated serving (`python -m minillm serve --disaggregated`):
-- `kv_link.py`       a prefilled request's KV blocks from one process to another over a gloo pair
-- `disagg_worker.py` the prefill worker and the decode worker processes, each with its own engine
-- `router.py`        `DisaggregatedEngine`: the engine interface the app uses, over both workers
-- `disaggregated.py` `start` / `running`: the router's HTTP server and both workers in one call
+`protocol.py` and `fields.py` (bodies checked, mapped to SamplingParams or refused with a 400),
+`responses.py` and `streaming.py` (OpenAI's shapes, server-sent events), `async_engine.py` (one
+engine loop per server), `app.py` (the Starlette routes), `errors.py` (OpenAI error objects),
+`metrics.py` and `engine_metrics.py` (`GET /metrics`, vLLM's names), `dashboard.py` (a live
+page of /metrics), `server.py` and `cli.py` (uvicorn in the foreground or in a thread).
+Chapter 11 adds disaggregated serving (`python -m minillm serve --disaggregated`): `kv_link.py`,
+`disagg_worker.py`, `router.py` (`DisaggregatedEngine`) and `disaggregated.py`.
 
     from minillm import LLM
     from minillm.serve import running
@@ -25,9 +13,8 @@ Chapter 11 adds disaggregated serving (`python -m minillm serve --disaggregated`
         openai.OpenAI(base_url=srv.base_url, api_key="none").chat.completions.create(...)
     srv = start(llm); ...; srv.stop()                  # the same, across notebook cells
 
-`import minillm` does not import this package (Starlette, uvicorn and prometheus_client load only
-when you serve).
-They come with the `serve` extra (`pip install "minillm[serve]"`); without it this import says so.
+`import minillm` does not import this package: Starlette, uvicorn and prometheus_client come with
+the `serve` extra (`pip install "minillm[serve]"`), and without it this import says so.
 """
 try:
     import prometheus_client  # noqa: F401

@@ -4,27 +4,15 @@
     GET  /v1/models              the one served model, OpenAI's list shape
     POST /v1/completions         prompt -> text (OpenAI's legacy completions)
     POST /v1/chat/completions    messages -> the chat template -> the assistant's turn
-    GET  /metrics                Prometheus text (metrics.py)
-    GET  /dashboard              a live page of /metrics in the browser (dashboard.py)
+    GET  /metrics, /dashboard    Prometheus text (metrics.py), its live page (dashboard.py)
 
-A streamed answer is server-sent events (streaming.py); its text is exactly the non-streamed
-text. Nothing slow runs on the event loop: the body's JSON, the chat template and tokenizing
-run in one worker thread (`Server.parser`, so requests keep their order), the engine step in
-another (async_engine.py), and a big answer is serialized in a thread too.
-
-Refusals are OpenAI error objects, never a bare 500, and their JSON is ASCII-only (a lone
-surrogate echoed from a body cannot break them): 400 bad field or unparsable body (deep nesting
-too), 401 wrong or missing key (compared in constant time), 404 unknown model or route, 405
-wrong method (with `Allow`), 413 body too large, 415 a body that is not JSON (a browser may
-send text/plain or a form cross-site without asking: so any page could spend a key-less
-server's compute), 503 when `max_pending` requests are already pending (with Retry-After), when
-a request's priority class refuses it after its queue-wait bound (code "queue_timeout"), or at
-shutdown. A token that cannot be drawn (a sampling failure) is a 500 with code
-"sampling_error": not a 503, which clients would retry. Anything else that escapes a handler
-is answered by `CatchAll` (errors.py). A client that leaves mid-body is not an error.
-
-`/metrics` and `/dashboard` (with its script and style) take no API key: they show the
-server's counts, never a prompt or an answer. CORS is off unless `allowed_origins` lists the origins a browser may call from.
+A streamed answer is server-sent events (streaming.py) with exactly the non-streamed text.
+Nothing slow runs on the event loop: parsing and tokenizing run in one worker thread
+(`Server.parser`, keeping request order), the engine step in another (async_engine.py).
+Refusals are OpenAI error objects with ASCII-only JSON, never a bare 500: 400, 401, 404, 405,
+413, 415 (non-JSON bodies), 503 (`max_pending` reached, a queue timeout, shutdown), and 500
+"sampling_error" for a token that cannot be drawn; `CatchAll` (errors.py) answers the rest.
+`/metrics` and `/dashboard` take no API key; CORS is off unless `allowed_origins` lists origins.
 
 Left out on purpose: TLS (put a proxy in front), per-user rate limits, the /tokenize,
 /embeddings and responses APIs.

@@ -3,22 +3,13 @@
     handler --("add", ...)--> command queue --> loop: apply commands, engine.step() in a worker
     handler <-- RequestOutput snapshots -- per-request queue <-- loop: after each step
 
-The engine is not thread-safe and needs no lock here: only `_run` calls it. It applies the
-waiting commands (add, abort) between steps, then runs `engine.step()` in a worker thread
-(`asyncio.to_thread`), so the event loop keeps accepting connections and writing streams while
-the forward pass runs (torch releases the GIL inside its kernels). Each request's outputs go to
-its own queue; the handler turns them into HTTP, and the loop lets the handlers write this
-step's chunks (`_drain`) before it starts the next step, so their Python code does not compete
-with the step's for the interpreter (on a 2-core CPU that saved a few ms per step).
-
-A request counts as pending from `submit` until it finishes; at `max_pending` pending requests a
-new one gets `QueueFull` (the app answers 503) instead of waiting without bound. `num_queued`
-counts those submitted but not yet handed to the engine (the waiting gauge adds them to the
-scheduler's waiting queue). At shutdown, `end_streams` ends every request still in flight with
-`ShuttingDown`, so each stream can close with an error event and [DONE] instead of being cut. A handler whose
-client went away calls `abort`, and the loop frees the request's blocks before its next step.
-If a step raises (it should not: requests are checked on the way in), every request in flight
-ends with that error and the loop goes on serving new ones.
+Only `_run` calls the engine (no lock needed): it applies waiting commands (add, abort) between
+steps, runs `engine.step()` in a worker thread, and lets handlers write this step's chunks
+(`_drain`) before the next. A request is pending from `submit` until it finishes; at
+`max_pending` a new one gets `QueueFull` (503). `num_queued` counts those not yet handed to the
+engine. At shutdown `end_streams` ends each request in flight with `ShuttingDown`; a handler
+whose client left calls `abort`; a step that raises ends every request in flight with its error
+and the loop goes on serving.
 
 Left out on purpose: several engines (data parallel), and waking early from a step to admit a
 request (vLLM also admits new requests only between steps).

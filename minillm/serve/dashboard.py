@@ -3,28 +3,16 @@
     GET /dashboard?window_s=300&poll_ms=1000&rate_s=10     the page (HTML)
     GET /dashboard/dashboard.js, /dashboard/dashboard.css  its script and style
 
-The page, its script and its style ship inside the package (minillm/serve/static/, package data
-in pyproject.toml); it loads nothing from anywhere else: the charts are plain <canvas> drawn by
-dashboard.js, and a Content-Security-Policy forbids every other origin (scripts, styles and
-fetches from this server only; no inline script, no frames). The script polls `/metrics` every
-`poll_ms`, parses Prometheus' text format, and keeps `window_s` seconds of scrapes:
+The page, script and style ship in the package (minillm/serve/static/) and load nothing from
+elsewhere: plain <canvas> charts, and a Content-Security-Policy that allows this server only.
+The script polls `/metrics` every `poll_ms`, keeps `window_s` seconds of scrapes, and shows each
+number in an element with `data-metric="<its Prometheus name>"` (derived ones add `data-derived`),
+and charts of rates and TTFT / TPOT / ITL percentiles over `rate_s` (resolved to their histogram
+bucket, as `histogram_quantile`), queues, KV blocks, refusals, acceptance and the SLO budget.
 
-- numbers: each is one sample of `/metrics` as it was at the last poll (summed over labels other
-  than model_name unless the element names one in `data-labels`), in an element with
-  `data-metric="<its full Prometheus name>"`; numbers the page derives (rates, percentiles,
-  acceptance) carry `data-metric` of their source and `data-derived` saying what was computed;
-- charts over the window: requests/s and output tokens/s (counter deltas over `rate_s`),
-  TTFT / TPOT / ITL P50, P95, P99 (from the histograms' bucket deltas over `rate_s`, linear
-  inside the bucket, as Prometheus' `histogram_quantile`: a percentile resolves only to its
-  bucket), running and waiting (per priority when the server has priorities), KV blocks used /
-  cached / free and the host tier's, preemptions / rejections / queue timeouts, speculative
-  acceptance, and the SLO controller's token budget.
-
-Query parameters, each optional (a number in its range; anything else, or any other name, is a
-400 OpenAI error naming `param`): `window_s` 10..3600 (default 300), `poll_ms` 200..60000
-(default 1000), `rate_s` 1..600 (default 10). The route follows `/metrics`' rule: no API key
-(the page shows what `/metrics` shows to anyone who can reach the port; put a proxy in front to
-restrict both).
+Query parameters, each optional (anything else is a 400 naming `param`): `window_s` 10..3600
+(default 300), `poll_ms` 200..60000 (default 1000), `rate_s` 1..600 (default 10). Like
+`/metrics` it takes no API key.
 
 Left out on purpose: alerts, saved boards, several servers on one page (Grafana over
 Prometheus does those), and any chart library (one would be a dependency to vendor and audit).

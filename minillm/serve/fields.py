@@ -1,23 +1,17 @@
 """Every OpenAI and vLLM request field past the basics: honoured (mapped to `SamplingParams` by
-vLLM's names) or refused with a 400 that names it. A field is never silently ignored when its
-value would change the answer; a value that changes nothing (a penalty of 0, `logprobs: false`,
-`logit_bias: {}`) passes. This module turns the HTTP shapes into SamplingParams' fields; their
-ranges are SamplingParams' own (engine/sampling_params.py).
+vLLM's names) or refused with a 400 that names it. A value that would change the answer is never
+silently ignored; one that changes nothing (a penalty of 0, `logit_bias: {}`) passes.
 
     logprobs + top_logprobs (chat), logprobs=k (completions)   -> logprobs=k
     echo (completions; with logprobs, the prompt's too)        -> prompt_logprobs=k
     presence_penalty, frequency_penalty, logit_bias, and vLLM's repetition_penalty, min_p,
     min_tokens, bad_words, stop_token_ids, prompt_logprobs     -> the same names
     n with best_of (best_of >= n; not streamed when best_of > n, as vLLM)
-    response_format text | json_object | json_schema, vLLM's guided_json / guided_regex /
-    guided_choice / guided_grammar and structured_outputs      -> StructuredOutputsParams
+    response_format, guided_* and structured_outputs           -> StructuredOutputsParams
     temperature in (0, 0.01)                                   -> 0.01 (vLLM's clamp)
 
-Refused: `suffix` (as vLLM), `tools` / `functions` unless tool_choice is "none" (SmolLM2's
-chat template renders no tools, so no tool call could be parsed out of its answer), and the
-fields in `NO_OP` whenever their value is not the one that changes nothing. Metadata that never
-changes an answer (`IGNORED`: user, metadata, store, service_tier, ...) passes, and so does any
-field neither OpenAI nor vLLM defines (vLLM ignores those too).
+Refused: `suffix`, `tools` / `functions` unless tool_choice is "none", and `NO_OP` fields with a
+value that does something. `IGNORED` metadata (user, metadata, store, ...) and unknown fields pass.
 
 Left out on purpose: tool calling (no parser for a model without tool support), audio and
 images, beam search, `include_stop_str_in_output`, `allowed_token_ids`, prompt truncation.

@@ -2,23 +2,14 @@
 response and stream-chunk shapes are in responses.py; the fields past the basics in fields.py.
 
 A body becomes a `GenRequest` (prompt token ids, one `SamplingParams`, stream flags, priority)
-or an `APIError`, which the app answers as a 4xx with OpenAI's error object
-{"error": {"message", "type", "param", "code"}}. Everything is checked before the engine sees
-it, so a bad request costs its sender a 400 and nobody else anything. The sampling fields'
-ranges are SamplingParams' own: the body builds one, and its `SamplingParamError` becomes the
-400, naming the field as the body spells it (`HTTP_NAMES`). Checked here: what depends on this
-server and model (n and best_of within max_num_seqs, max_tokens within the room the prompt
-leaves, token ids within the vocabulary) and the HTTP-only fields. The app runs
-`parse_request` in one worker thread (tokenizing a 4 MiB prompt takes seconds), and a prompt
-whose characters could not fit the context even at the tokenizer's longest token
-(`max_token_chars` characters a token) is refused before it is tokenized at all.
-
-Fields read: `model`, `messages` (chat; at most `context` of them, each costs a token) or
-`prompt` (completions: a str, or one list of token ids), `max_tokens` (or
-`max_completion_tokens`), `temperature` (OpenAI's default 1.0; (0, 0.01) is clamped to 0.01 as
-vLLM does), `top_p`, `seed`, `n`, `stop`, `stream`, `stream_options.include_usage`, vLLM's
-extras `top_k`, `ignore_eos` and `priority`, and every field fields.py maps (logprobs, echo,
-penalties, logit_bias, best_of, structured output) or refuses (suffix, tools, ...).
+or an `APIError`, answered as a 4xx with OpenAI's error object, before the engine sees it.
+Sampling ranges are SamplingParams' own: its `SamplingParamError` becomes the 400, naming the
+field as the body spells it (`HTTP_NAMES`). Checked here: what depends on this server and model
+(n and best_of within max_num_seqs, max_tokens within the room the prompt leaves, token ids in
+the vocabulary) and the HTTP-only fields; a prompt too long even at `max_token_chars` characters
+a token is refused before tokenizing. Fields read: `model`, `messages` or `prompt`, `max_tokens`
+(or `max_completion_tokens`), `temperature`, `top_p`, `seed`, `n`, `stop`, `stream`,
+`stream_options.include_usage`, vLLM's `top_k`, `ignore_eos`, `priority`, and fields.py's.
 
 Left out on purpose: tool calls (this model's chat template has none), batches of prompts in one
 completions request, images and audio, the developer and tool roles.

@@ -1,25 +1,16 @@
 """The router of disaggregated serving: one engine-shaped object in front of two engine processes.
 
     DisaggregatedEngine.add_request -> prefill worker -> (KV link) -> decode worker
-    DisaggregatedEngine.step()      <- first token (prefill) + later tokens (decode), as RequestOutputs
+    DisaggregatedEngine.step()      <- first token (prefill) + later tokens (decode)
 
-`DisaggregatedEngine` has the part of `LLMEngine`'s interface that the server's loop uses
+`DisaggregatedEngine` has the part of `LLMEngine`'s interface the server's loop uses
 (`add_request`, `step`, `abort_request`, `has_unfinished_requests`, `tokenizer`, `model`,
-`config`, `num_blocks`, and `scheduler` / `block_manager` views for the gauges), so
-`build_app(DisaggregatedEngine(...))` serves OpenAI's API over it unchanged (disaggregated.py).
-Requests are checked here, at the boundary, exactly as an engine checks them; what the workers
-send back is turned into this router's own `RequestOutput`s: snapshots whose `metrics` hold the
-router's clock (TTFT, inter-token times as a client sees them). `transfers[request_id]` holds
-each request's KV transfer: {bytes, blocks, header_bytes, seconds}.
-
-The workers are this process's children (`spawn_workers`), or processes started by hand in
-other terminals that dial in (`listen=`, disagg_launch.py; `--role` in the CLI).
-
-A dead worker (killed, crashed: its pipe ends or its process exits) fails the requests it holds
-with an error that starts "worker unavailable" and names it (`WorkerUnavailable`; the app answers
-503 "worker_unavailable"): the decode worker holds every request; the prefill worker those not yet
-handed over, so requests already decoding still finish. `shutdown()` (also at exit) stops both
-and leaves no process.
+`config`, `num_blocks`, `scheduler` / `block_manager` views), so `build_app` serves it
+unchanged. Requests are checked here as an engine checks them; outputs carry the router's clock
+(TTFT, inter-token times as a client sees them); `transfers[request_id]` holds {bytes, blocks,
+header_bytes, seconds}. The workers are children (`spawn_workers`) or processes that dial in
+(`listen=`, disagg_launch.py). A dead worker fails the requests it holds with `WorkerUnavailable`
+(503 "worker_unavailable"); `shutdown()` stops both and leaves no process.
 
 Left out on purpose: several prefill / decode workers and a policy to pick among them, n > 1 /
 best_of and prompt logprobs (refused with a ValueError), restarting a dead worker.
