@@ -4,24 +4,13 @@ Letters: B sequences (one query each), H query heads, Hkv kv heads, G = H / Hkv 
 head, D head dim, S_i context length of sequence i, Sg the longest, C chunk (keys per split),
 nC = ceil(Sg / C) chunks, N*P slot rows of a layer's pool.
 
-At decode time each sequence has one query and S keys: the work is a read of the whole KV,
-which no single query row can spread over many cores. Flash-decoding cuts the context into
-chunks of C keys; each chunk gives its own softmax-normalised partial output o_c and its
-log-sum-exp l_c = log sum_{s in c} exp(score_s). The exact answer is a weighted mean of the
-partials (`merge_partials`):
-
-    o = sum_c exp(l_c - L) o_c,   L = log sum_c exp(l_c)
-
-with the largest l_c subtracted first so no exp overflows. A GPU runs every chunk in parallel
-and merges after; here the chunks of all sequences run in batched matmuls, a tile of chunks at
-a time (`TILE_KEYS` slot rows), and one merge follows.
-
-The cache is read as the engine stores it: per layer one row per slot, (N*P, Hkv*D). A
-`DecodePlan`, built once per step from the step's metadata, holds per tile the gather index
-that puts head h of slot s at row s*Hkv + h of the pool viewed as (N*P*Hkv, D), so a tile lands
-as (B, Hkv, n, C, D) and q viewed as (B, Hkv, 1, G, D) meets its kv head without a K/V repeat.
-A tile's K and V go into two buffers the plan owns and every layer reuses: they stay small
-enough to be read back from the CPU's cache, and no layer asks the OS for fresh pages.
+The context is cut into chunks of C keys; each gives a partial output o_c and its log-sum-exp
+l_c, and `merge_partials` gives the exact answer o = sum_c exp(l_c - L) o_c, L = log sum_c
+exp(l_c) (largest l_c subtracted first). Here the chunks of all sequences run in batched matmuls,
+a tile of chunks at a time (`TILE_KEYS` slot rows), then one merge. A `DecodePlan`, built once
+per step, holds per tile the gather index that puts head h of slot s at row s*Hkv + h of the pool
+viewed as (N*P*Hkv, D), so a tile lands as (B, Hkv, n, C, D) and q as (B, Hkv, 1, G, D) meets
+its kv head without a repeat; two tile buffers owned by the plan are reused by every layer.
 
 Left out on purpose: prefill (T > 1 queries go through `paged.py`), a fused kernel (we
 still copy each tile once, which a real kernel would not), and choosing C or the tile size by

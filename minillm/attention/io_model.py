@@ -1,23 +1,17 @@
 """How many elements attention moves between main memory (HBM) and on-chip memory (SRAM) of M
 elements, counted by walking the loops, beside the closed forms (Dao et al. 2022, section 3.2).
 
-Units: elements (multiply by the bytes of the dtype for bytes); N the sequence length (T = S = N),
-d the head dim, one head, no causal mask. Each walk counts every tile load and store it performs;
-`*_formula` is the same count written in closed form, and the tests check one against the other.
+Units: elements; N the sequence length (T = S = N), d the head dim, one head, no causal mask. Each
+walk counts every tile load and store; `*_formula` is the closed form, and the tests compare them.
+- Standard attention (Algorithm 0): S and P written out and read back; each matmul reads its
+  operands once: Theta(N d + N^2).
+- FlashAttention (Algorithm 1): B_c = ceil(M / 4d) keys and B_r = min(B_c, d) queries per tile,
+  key/value tiles outer: Theta(N^2 d^2 / M).
+- FlashAttention-2's query-outer order (what `tiled.py` runs): each query tile loaded and stored
+  once, every key/value tile once per query tile: again Theta(N^2 d^2 / M), a smaller constant.
+The reads fall by a factor ~M / d^2, not to O(N); what drops from O(N^2) to O(N) is the extra
+memory: no N x N matrix is stored.
 
-- Standard attention (the paper's Algorithm 0): S = Q K^T written out, read back for the softmax,
-  P written, read back for P V. Following the paper, each matmul reads its operands once (a real
-  GEMM re-reads them per output tile, which only adds to this count): Theta(N d + N^2).
-- FlashAttention (Algorithm 1): B_c = ceil(M / 4d) keys per tile, B_r = min(B_c, d) queries per tile;
-  the outer loop over key/value tiles loads each once, the inner loop over query tiles loads
-  Q_i, O_i, l_i, m_i and stores O_i, l_i, m_i for every key tile: Theta(N^2 d^2 / M).
-- The query-outer order of FlashAttention-2 (what `tiled.py` runs): each query tile is loaded and
-  its output stored once, and every key/value tile is loaded once per query tile. With query tiles
-  of ceil(M / 4d) rows this is again Theta(N^2 d^2 / M), with a smaller constant and no O_i re-reads.
-
-Fact check of seed 002 ("memory reads drop from O(N^2) to O(N)"): the reads do not drop to O(N);
-they are Theta(N^2 d^2 / M), fewer than standard attention's Theta(N^2) by a factor ~M / d^2. What
-drops from O(N^2) to O(N) is the extra memory footprint: no N x N matrix is ever stored.
 Left out on purpose: the backward pass, causal tile skipping (which halves the tiled counts), and
 caches between SRAM and HBM.
 """

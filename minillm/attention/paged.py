@@ -6,28 +6,17 @@ one sequence (tokens already cached + the new ones), M = sum of T over the batch
 
 Layout (the one place it is defined): a layer's K pool and V pool each have shape
 `(N, P, Hkv, D)`. Token `pos` of a sequence lives in physical slot `table[pos // P] * P + pos % P`
-of the flattened pool `(N * P, Hkv, D)`. The paged cache that owns the pools
-(minillm/paging/paged_cache.py) stacks them for every layer and calls the functions here.
+of the flattened pool `(N * P, Hkv, D)`; paging/paged_cache.py owns the pools.
 
-One forward pass runs the new tokens of many sequences flattened into one row of M tokens:
-prefill chunks (T > 1) and decode tokens (T == 1) mixed. `PagedAttentionMetadata` (metadata.py)
-turns the per-sequence lengths and block tables into index tensors once per step; every layer
-reuses them:
-1. write: the new K/V go to their slots (`slot_mapping`, one slot per new token);
-2. gather: each sequence's K/V are read through its block table with one `index_select`;
-3. attend: `F.scaled_dot_product_attention` with an explicit mask that is causal per sequence
-   (query t of a sequence sees context positions <= S - T + t) and hides padding.
-Decodes and prefill chunks form two groups, so one long chunk does not pad every decode to T.
-Per layer only the write, the gather and SDPA run: the mask is made once per step (as the
-0 / -inf tensor SDPA would otherwise rebuild from a boolean one in every layer, and not at all
-when every query sees every key), and a group that is the whole batch in order (all decodes, or
-one prefill chunk) reaches SDPA through views, without gathering queries or scattering outputs.
-`bench overhead` measures what this saves on a 30-layer tiny model.
+One pass runs prefill chunks and decode tokens flattened into M rows, with the index tensors of
+`PagedAttentionMetadata` (metadata.py) built once per step: write the new K/V to their slots
+(`slot_mapping`), gather each sequence's K/V through its block table (`index_select`), attend
+with `F.scaled_dot_product_attention` under a mask made once per step (query t sees context
+positions <= S - T + t). Decodes and prefill chunks form two groups, so a long chunk does not pad
+every decode to T. A pool may be a quantized `KVSlots` (paging/kv_storage.py): same two methods.
 
 Left out on purpose: a fused kernel (we gather into a padded dense tensor, which costs memory
-traffic a real PagedAttention kernel avoids) and sliding windows. A pool may also be a quantized
-one (`KVSlots`, minillm/paging/kv_storage.py): it has the same `index_copy_` / `index_select`,
-so the same write and gather run through it.
+traffic a real PagedAttention kernel avoids) and sliding windows.
 """
 import torch
 import torch.nn.functional as F

@@ -1,29 +1,17 @@
 """Tuning in the background: the first quiet moment times every route and saves the table.
 
-A first start takes the quick probe (`cpu_tuning.quick_plan`, seconds), which makes batch-1
-decode fast. The full table (every route at every row bucket: about half a minute to a minute for
-SmolLM2 on a 2-core machine) makes prefill, batches and verify steps fast too, and is what later
-processes read. Nobody should wait for it, and nobody should be slowed down by it. So the front
-door (`minillm.load_model`, and through it `LLM(...)`, `python -m minillm serve`, `make demo`)
-starts one background process,
+A first start takes the quick probe (`cpu_tuning.quick_plan`, seconds); the full table (every
+route at every row bucket) makes prefill, batches and verify steps fast too. The front door
+(`minillm.load_model`, and so `LLM`, `python -m minillm serve`) starts one background process,
 
     python -m minillm.kernels --background --model NAME --threads N
 
-which
-  - holds a lock file beside the table (`tuning_cache.tuner_lock`, its pid inside): one tuner per
-    table, and other processes leave its CPU time out of their "other work";
-  - lowers its own priority (nice 19), so the OS gives it only cores nobody else wants;
-  - waits for a quiet moment (`LoadNow.quiet`: nothing but housekeeping ran beside it for a
-    second, the process that started it included), loads the reference model and times one
-    weight shape at a time through `race(..., interrupt=...)`, which stops within about a tenth
-    of a second of other work starting; an interrupted shape is timed again at the next quiet
-    moment (as often as the deadline allows), an unsettled one up to TRIES times;
-  - saves the table (every shape timed with nothing else running) and exits, or gives up after
-    `deadline_s` without saving anything.
-
-`start_background_tuning(name, threads)` starts it unless a tuner already runs for that table or
-MINILLM_BACKGROUND_TUNING=0 (the test suite sets it: tests and notebook runs time things
-themselves). The child writes one line per event to `kernels/background.log` in the cache.
+which holds a lock file beside the table (`tuning_cache.tuner_lock`), runs at nice 19, waits for
+a quiet moment (`LoadNow.quiet`), times one weight shape at a time through
+`race(..., interrupt=...)` (stopping soon after other work starts, retrying later), then saves
+the table and exits, or gives up after `deadline_s` saving nothing.
+`start_background_tuning(name, threads)` starts it unless a tuner runs for that table or
+MINILLM_BACKGROUND_TUNING=0 (the test suite sets it). Events go to `kernels/background.log`.
 
 Left out on purpose: tuning a model passed in as an object (the child loads the same weights by
 name), and switching a running process to the new table (later processes use it).

@@ -1,21 +1,14 @@
 """Compiled steps made while the engine serves eager: no request waits for a compile.
 
-`CompilationConfig(background=True)` builds the engine at once, eager, and hands its runner a
-`BackgroundSteps`. A thread of the engine's process then
-
-1. writes the model (config and the reference weights) to a job file under the cache and starts
-   a child process, `python -m minillm.kernels.background_steps JOB`, at the lowest priority
-   (nice 19), which compiles every package missing on disk (`compiled_steps.compile_package`,
-   minutes per size) and exits; nothing of that work holds this process's interpreter lock;
-2. loads the packages and checks each against eager (as a foreground compile does; a saved
-   verdict spares the timing), timing a round only while the engine is idle (`StepClock`): a
-   round during which the engine ran a step is timed again, so a serving process times no noise
-   of its own, and a quiet machine saves the verdicts for later processes;
-3. publishes the `CompiledSteps`; the runner adopts it at the start of its next step
-   (`ModelRunner.execute_with_hidden`), and from then on steps run padded and compiled.
-
-A child that fails, or packages that do not load, leave the engine eager, with one line. An engine
-that never idles never times its sizes: it stays eager unless a saved verdict decides.
+`CompilationConfig(background=True)` builds the engine eager and gives its runner a
+`BackgroundSteps`, whose thread
+1. writes the model to a job file and starts `python -m minillm.kernels.background_steps JOB` at
+   nice 19, which compiles every package missing on disk (`compiled_steps.compile_package`);
+2. loads the packages and checks each against eager, timing rounds only while the engine is idle
+   (`StepClock`; a round during a step is timed again); saved verdicts spare the timing;
+3. publishes the `CompiledSteps`, adopted at the runner's next step.
+A failed child or packages that do not load leave the engine eager, with one line; an engine that
+never idles stays eager unless a saved verdict decides.
 
 Left out on purpose: handing the weights over without a file (a job file holds one copy of the
 weights while the child runs), and stopping a compile that is no longer wanted (the child

@@ -1,23 +1,14 @@
 """Where a tuner keeps what it measured, how busy the machine was, and how it tells the user.
 
-Every tuner (the CPU matmul routes here, the decode attention in `attention/backends.py`)
-saves one JSON file per key under `$MINILLM_CACHE/kernels/` (~/.cache/minillm/kernels/), the key
-being what the timing depends on (CPU model, instruction set, torch version, thread count, ...).
-`read_tuned` gives a file back only if it was written under the same key; a missing, corrupt or
-foreign file reads as None (with the reason, for the one line the user sees), never as an error.
-`write_tuned` writes atomically; a folder that cannot be written keeps the result for this
-process and says so once.
-
-A measurement taken under noise is not a measurement: tuners judge how busy the machine is from
-what other work does now (`load_now.py`, never the lagging load average), record it beside their
-timings, and refuse to trust a table timed on a busy machine. A background tuner (`background.py`)
-holds a lock file while it runs (`tuner_lock`); `running_tuners` lists them, so that other
-processes' measurements of "other work" leave out a tuner that gives way to them anyway.
-
-`notice(line)` is how tuning talks: one line, logged on the "minillm.kernels" logger at INFO (a
-server that configures logging shows it), and printed to stderr when stderr is a terminal and no
-handler would show it (a person typing `LLM(...)` sees it; notebooks and test logs stay as they
-are).
+Every tuner saves one JSON file per key under `$MINILLM_CACHE/kernels/` (~/.cache/minillm/...),
+the key being what the timing depends on (CPU model, instruction set, torch version, threads).
+`read_tuned` returns a file only if written under the same key; a missing, corrupt or foreign
+file reads as None (with the reason), never an error. `write_tuned` writes atomically; an
+unwritable folder keeps the result for this process and says so once. Tuners record how busy
+the machine was (`load_now.py`) and distrust tables timed while busy. A background tuner holds a
+lock file (`tuner_lock`); `running_tuners` lists them. `notice(line)` logs one line on the
+"minillm.kernels" logger at INFO, and prints it to stderr when stderr is a terminal and no
+handler would show it.
 
 Left out on purpose: locking between processes (writes are atomic, the last one wins), expiry
 by age (the key changes when anything the timing depends on changes).

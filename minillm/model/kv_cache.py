@@ -1,25 +1,19 @@
 """The contiguous KV cache: one preallocated (n_layer, B, Hkv, S_max, D) tensor for K and one for V.
 
-Every sequence in the batch reserves S_max slots up front, whatever it ends up using: simple and
-fast, and exactly the waste that chapter 2 measures and chapter 3's paged cache removes. All rows
-of the batch share their positions; ragged batches are the paged cache's job.
+Every sequence reserves S_max slots up front: simple and fast, and exactly the waste that chapter
+2 measures and chapter 3's paged cache removes. All rows of the batch share their positions.
 
 The cache protocol (every cache in minillm follows it): the model calls
-`cache.attend(layer_idx, q, k, v, positions)` in each layer. The cache stores k and v of the new
-tokens at their `positions` and returns the attention of each query over the keys at positions
-up to its own. The cache keeps no length of its own: the caller says where each token goes, so
-rolling back (speculative decoding's rejected drafts) is just writing at the earlier positions
-next time; nothing beyond a query's position is ever read.
+`cache.attend(layer_idx, q, k, v, positions)` in each layer; the cache stores the new k and v at
+their `positions` and returns each query's attention over keys at positions up to its own. The
+cache keeps no length: rolling back rejected drafts is writing at earlier positions next time.
+- `KVCache` slices the slots up to the last position (one host read per pass) and needs no mask
+  for a single new token;
+- `StaticKVCache` attends over all S_max slots with a position mask, so no value leaves the
+  device and a CUDA graph can capture the step.
+What depends only on positions is worked out once per pass, by the first layer, and reused.
 
-Two ways to read the filled keys, with the same result:
-- `KVCache` slices the slots up to the last position (one host read of that position per forward
-  pass: free on a CPU) and needs no mask for a single new token;
-- `StaticKVCache` attends over all S_max slots with a position mask, so no value ever leaves the
-  device and a CUDA graph can capture the step (chapter 1's CUDA-graph measurement uses it).
-What depends only on the positions (that last position, the range check, the mask) is worked out
-once per forward pass, in the first layer that attends with a new `positions` tensor (or in layer
-0, which every forward pass starts with), and reused by the other layers: every layer of a pass
-gets the same `positions`.
+Left out on purpose: ragged batches (the paged cache's job).
 """
 import torch
 import torch.nn.functional as F

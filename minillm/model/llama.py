@@ -3,22 +3,16 @@
 Letters: B batch, T new tokens this call, S context (tokens already cached + T), H query heads,
 Hkv key/value heads, D head dim, C d_model, F d_ff, V vocab.
 
-The model never stores keys and values itself. Each attention layer projects q, k, v, rotates
-q and k, and hands them to `cache.attend(layer_idx, q, k, v, positions)`; the cache stores k and v
-wherever it likes (a contiguous tensor in chapter 0, a pool of pages in chapter 3) and returns
-the attention output. `layer_idx` is the layer's place in the model's own stack, so a model made
-of some of another's layers (speculative self-drafts) indexes its own cache. Positions are
-required with a cache: they say where each new token sits in its sequence (RoPE angles and the
-cache slots both come from them), and no cache guesses them. With no cache,
-`DenseCausalAttention` is used: causal attention over exactly the tokens passed in, the
-reference every other cache is tested against.
+The model never stores keys and values. Each attention layer hands q, k, v (q and k rotated) to
+`cache.attend(layer_idx, q, k, v, positions)`, and the cache stores k and v where it likes and
+returns the attention output. `layer_idx` is the layer's place in this model's own stack;
+positions are required with a cache (RoPE angles and cache slots come from them). With no cache,
+`DenseCausalAttention` runs: the reference every other cache is tested against.
 
-Every projection is a plain `nn.Linear`, and this file imports nothing from the rest of minillm
-but the config: it is the ground floor and the reference. `minillm.model.loading.load_model`
-returns this class as it is. Speed is switched on from outside, in one named call: the front
-door's `minillm.load_model` (and so `LLM`) calls `minillm.kernels.cpu_tuning.accelerate` on a
-CPU, which routes the projections through matmuls timed on the reader's machine and runs the
-same forward as one loop (`kernels/flat_forward.py`); `plain(model)` gives this forward back.
+Every projection is a plain `nn.Linear` and this file imports only the config: it is the ground
+floor. Speed is switched on from outside: the front door's `minillm.load_model` calls
+`minillm.kernels.cpu_tuning.accelerate` on a CPU (timed matmuls, `kernels/flat_forward.py`);
+`plain(model)` gives this forward back.
 
 Left out on purpose: dropout, training code, rope scaling variants, sliding windows, biases.
 """

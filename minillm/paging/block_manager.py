@@ -2,23 +2,14 @@
 
 Letters: N physical blocks in the pool, P block size (token slots per block).
 
-The KV tensors live elsewhere (minillm.paging.paged_cache, read by minillm.attention.paged);
-this module never touches a tensor, it only hands out block ids. Each sequence owns a *block
-table*: logical block i (token positions i*P .. i*P+P-1) -> physical block id, so the physical
-slot of position `pos` is `table[pos // P] * P + pos % P`. Blocks are handed out on demand, one
-at a time, and come back to the pool when the sequence is freed.
-
-Blocks are shared by reference count:
-- `fork(parent, child)`: the child points at every block of the parent (refcounts + 1).
-  Full blocks stay shared for good. The first write into a shared, partly filled last block
-  copies it first (copy-on-write): `append_tokens` returns `(src, dst)` pairs that the runner
-  must copy before it writes the new tokens' KV.
-- prefix caching (`prefix_cache.py`, mixed in here): full computed blocks are registered under
-  a chained hash, and a new prompt whose leading blocks hash the same reuses their KV.
-
-With a `host_tier` (host_tier.py; bookkeeping in offload.py, mixed in here too) cached blocks that
-are evicted or sit idle are booked for a copy to host memory, and a prompt that misses the device
-cache continues its chain there; the copies are handed out by `take_kv_moves` each step.
+No tensors here (the KV lives in paging/paged_cache.py): only block ids. Each sequence owns a
+*block table*, logical block i (positions i*P .. i*P+P-1) -> physical block id, so position `pos`
+lives in slot `table[pos // P] * P + pos % P`. Blocks are handed out one at a time on demand and
+come back when the sequence is freed. Blocks are shared by reference count: `fork(parent,
+child)` shares every block, and the first write into a shared, partly filled last block copies it
+(`append_tokens` returns `(src, dst)` pairs the runner copies first). Prefix caching
+(prefix_cache.py) and the host tier's bookkeeping (offload.py) are mixed in; the tier's copies are
+handed out by `take_kv_moves` each step.
 
 Left out on purpose: swapping whole sequences (the scheduler does that through the runner),
 sliding-window or per-layer tables, extra hash inputs (LoRA id, images, cache salt), and any

@@ -2,22 +2,14 @@
 
 Letters: L layers, Nh host slots, P block size, Hkv kv heads, D head dim.
 
-`HostKVPool(cache, num_blocks)` keeps, for each of the cache's pools (K and V values, and the
-scales of an int8 cache), a host tensor (Nh, 2, L, P, Hkv, D) (scales (Nh, 2, L, P, Hkv)) in the
-pool's own dtype, so a slot is one contiguous piece of memory holding a block's K and V across all
-layers. `store` copies device blocks into slots and `restore` copies slots back into (other)
-device blocks, one block at a time; which block goes where is decided by the block manager
-(paging/offload.py) and handed over in the scheduler's output.
-
-Device-agnostic: on a CUDA cache the host tensors are pinned (page-locked) and the copies are
-issued with `non_blocking=True` on the current stream, so they are DMA transfers ordered before the
-forward pass that reads the restored blocks (nothing on the CPU reads the host pool between steps,
-so no synchronisation is needed). On a CPU cache the "host" pool is a second pool in the same
-memory: the copies are memcpys that teach the same mechanism and can be measured.
-
-`host_memory_available()` reads MemAvailable from /proc/meminfo (Linux; elsewhere the free
-physical pages from `os.sysconf`; psutil is not a dependency) so a tier larger than the machine can hold is refused
-before anything is allocated.
+`HostKVPool(cache, num_blocks)` keeps, for each of the cache's pools, a host tensor
+(Nh, 2, L, P, Hkv, D) (int8 scales (Nh, 2, L, P, Hkv)) in the pool's dtype, so a slot is one
+contiguous block of K and V across all layers. `store` copies device blocks into slots and
+`restore` copies slots back into device blocks; the block manager (offload.py) decides which.
+On CUDA the host tensors are pinned and copies are `non_blocking` on the current stream, ordered
+before the forward that reads them; on a CPU cache they are memcpys within one memory.
+`host_memory_available()` reads MemAvailable from /proc/meminfo (elsewhere `os.sysconf`), so a
+tier larger than the machine can hold is refused before anything is allocated.
 
 Left out on purpose: batching the copies of a step into one transfer through a staging buffer,
 and copies on a side stream overlapped with the forward (vLLM's offloading connector does both).

@@ -2,25 +2,15 @@
 
 Letters: P block size, Nh host slots.
 
-The device pool (block_manager.py) keeps freed prefix-cache blocks findable until it runs short,
-then evicts the least recently freed one and its KV is gone: the next prompt with that prefix
-recomputes it. With a host tier the KV leaves for host memory instead (a copy per block, made by
-the runner; paging/host_pool.py holds the tensors) and a later prompt whose leading blocks miss the
-device cache continues its chain here: each hit gets a fresh device block and a host -> device
-copy (a *restore*), and its tokens count as cached. Two ways in (both booked by the block
-manager's offload mixin, paging/offload.py): a cached block evicted from the device pool, and a
-cached block idle (refcount 0) longer than `offload_idle_s`.
+When the device pool evicts a freed prefix-cache block, or one sits idle longer than
+`offload_idle_s`, its KV is copied to host memory (host_pool.py holds the tensors; offload.py
+books the copies) instead of lost; a later prompt whose leading blocks miss the device cache
+continues its chain here, each hit restored into a fresh device block and counted as cached.
 
-Exactness. Slots are keyed by the block's chained hash, but a hash only finds a candidate: each
-slot keeps the block's whole token prefix as a chain of `TokenNode`s (its own tokens -> its
-parent block's node -> ... -> the first block), and a hit compares that chain with the prompt's
-tokens. Consecutive blocks of one prompt usually share node objects, so the comparison stops at
-the first shared node (one tuple compare per block); a hash collision costs a full walk and is
-then refused, never handed out.
-
-A slot holds what it was given until it is evicted (LRU when the tier is full). A slot that a
-restore in the step being scheduled still has to read is *pinned*: no store may evict it before
-the runner has made the copy (`unpin_all` at the end of each schedule).
+Slots are keyed by the block's chained hash, but a hit is exact: each slot keeps its whole token
+prefix as a chain of `TokenNode`s, compared with the prompt (shared nodes stop the walk early; a
+hash collision is refused). Slots are evicted LRU when the tier is full, except *pinned* ones a
+restore of the step being scheduled still has to read (`unpin_all` after each schedule).
 
 Left out on purpose: a disk tier below this one, sharing the tier between engines (vLLM's
 LMCache), compression of the host copies, and asynchronous copies overlapped with the forward.

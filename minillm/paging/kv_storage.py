@@ -3,24 +3,17 @@ when attention gathers them.
 
 Letters: L layers, N blocks, P block size, Hkv kv heads, D head dim, M tokens written.
 
-A cached K (or V) vector of one token and one kv head, x (D,), is stored in one byte per element:
-- **int8**: `s = max_d |x_d| / 127` and `q = round(x / s)` in [-127, 127]: symmetric, one fp16
-  scale per token per kv head (so one loud token or head does not coarsen the others), as Q4_1
-  stores its own scales: D + 2 bytes per vector.
-- **fp8** (`torch.float8_e4m3fn`: 4 exponent bits, 3 mantissa bits, largest value 448): the value
-  itself, cast (clamped to +-448), no scale: D bytes per vector. Chapter 7 measured a per-token
-  per-head scale (`x / s`, `s = max |x| / 448`) on SmolLM2's real K/V and did not keep it (see
-  minillm/quant/kv.py); vLLM's fp8 KV cache likewise uses a scale of 1.0 unless calibrated scales
-  are loaded. `quantize_kv(..., scaled=True)` keeps the scaled variant for that comparison.
-Against 2 D bytes (bf16/fp16) or 4 D (fp32) per vector. The codes are written once, when a token
-enters the cache, and every read dequantizes them: attention runs in the model's dtype, so the
-quantized cache costs accuracy (one rounding per element) and saves memory and bandwidth, not
-FLOPs. fp8 codes are kept as their raw bytes (uint8): `index_copy_`, which the paged cache writes
-with, is not implemented for float8 tensors on the CPU (torch 2.13).
+One token's K (or V) vector of one kv head, x (D,), is stored as:
+- **int8**: `q = round(x / s)`, `s = max_d |x_d| / 127`, one fp16 scale per token per kv head:
+  D + 2 bytes;
+- **fp8** (`torch.float8_e4m3fn`, largest value 448): the value cast (clamped), no scale: D bytes,
+  kept as raw uint8 bytes; `quantize_kv(..., scaled=True)` keeps the scaled variant to compare.
+Against 2 D bytes (bf16/fp16) or 4 D (fp32). Codes are written once and dequantized on every read,
+so attention runs in the model's dtype: memory and bandwidth are saved, not FLOPs.
 
-`KVSlots` is one layer's quantized pool seen as slot rows (N*P, Hkv*D): it has the two methods
-paged attention calls on a pool (`index_copy_` quantizes, `index_select` dequantizes), so the
-default path's code is unchanged. `kv_pools` builds every layer's pools for `PagedKVCache`.
+`KVSlots` is one layer's quantized pool as slot rows (N*P, Hkv*D) with the two methods paged
+attention calls (`index_copy_` quantizes, `index_select` dequantizes); `kv_pools` builds every
+layer's pools for `PagedKVCache`.
 
 Left out on purpose: per-tensor (static, calibrated) scales as vLLM's fp8 KV uses, fp8 e5m2,
 int4 KV, and attention kernels that read the codes directly (we dequantize a padded copy).

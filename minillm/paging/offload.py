@@ -1,29 +1,17 @@
 """The block manager's side of the host tier: it books copies, the runner makes them.
 
-Mixed into `BlockManager` (block_manager.py) next to `PrefixCache`; with `host_tier=None` every
-method here is a no-op and the manager behaves exactly as before. Nothing here touches a tensor:
-each step the scheduler collects the booked copies (`take_kv_moves`) into its output, and the
-runner makes them before anything else can write the blocks involved (model_runner.py: offloads
-first, then swap-outs, copy-on-write copies and swap-ins, then restores, then the forward).
-
-Two ways in, one way out:
-- **evicted**: `_take_free` is about to reuse a cached block whose refcount is 0; its KV is
-  booked device block -> host slot (`_offload_evicted`) before the block is handed out;
-- **idle**: `offload_idle(now, idle_s)` (called by the engine at the start of each step, on its
-  clock) books every cached block that has been idle (refcount 0) for `idle_s` seconds or more.
-  Seed 001 asks for idle blocks to *move* to the host. Here they are copied and the device copy
-  stays in the evictable pool: it already counts as free memory (any request may take it) and a
-  hit on it still costs nothing, while a later eviction finds the host copy made and copies
-  nothing. Freeing it outright would only turn free device hits into restores;
+Mixed into `BlockManager` next to `PrefixCache`; with `host_tier=None` every method is a no-op.
+Nothing here touches a tensor: the scheduler collects the booked copies (`take_kv_moves`) and the
+runner makes them before anything else writes those blocks (offloads, swaps and copy-on-write,
+restores, then the forward). Two ways in, one way out:
+- **evicted**: a cached block with refcount 0 about to be reused is booked device -> host first;
+- **idle**: `offload_idle(now, idle_s)`, called by the engine each step, books every cached block
+  idle for `idle_s` or more; the device copy stays evictable (it already counts as free);
 - **restore**: a prompt whose leading blocks miss the device cache continues its chain in the
-  tier (`_host_hits`); each hit gets a fresh device block and a booked host slot -> device block
-  copy, and counts as cached. The block joins the prefix cache like any computed block once the
-  step ran (`mark_computed`).
-
-Each block's idle clock starts at the engine time of the last `offload_idle` call before it was
-freed (the start of the step that freed it). A restore booked into a block that is freed again in
-the same step (its sequence preempted or undone) is cancelled, and the block is uncached: its KV
-was never written.
+  tier (`_host_hits`); each hit gets a fresh device block and a host -> device copy, counts as
+  cached, and joins the prefix cache once the step ran (`mark_computed`).
+A block's idle clock starts at the last `offload_idle` before it was freed. A restore into a block
+freed again in the same step is cancelled and the block uncached.
 
 Left out on purpose: host hits after a device hit that follows a miss (the chain is device
 blocks, then host blocks, then misses), restoring asynchronously while the step runs.

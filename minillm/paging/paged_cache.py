@@ -3,19 +3,13 @@
 Letters: L layers, N blocks in the pool, P block size (tokens per block), Hkv kv heads, H query
 heads, D head dim, M new tokens of a step (flattened over its sequences).
 
-`PagedKVCache` holds every layer's pools stacked as `(L, N, P, Hkv, D)` (the layout of one
-layer's pool is defined in minillm/attention/paged.py) and is the model's cache protocol: the
-runner calls `prepare(query_lens, context_lens, block_tables)` once per step, which builds the
-step's `PagedAttentionMetadata` (minillm/attention/metadata.py), and every layer then calls
-`attend` (or `attend_rows`): the new K/V are written through the slot mapping and the queries
-attend over the block tables. Which attention runs is asked once per step of the cache's
-`BackendChoice` (minillm/attention/backends.py): the paged path (`attend_slot_rows`) or, for a
-decode-only step, flash-decoding (`flash_decode`). The block tables themselves come from the
-tensor-free `BlockManager` (block_manager.py); this class never decides which block a token gets.
-
-With `kv_cache_dtype` "int8" / "fp8" the pools hold one-byte codes (int8 with a scale pool;
-kv_storage.py): each layer's pool is then a `KVSlots`, which quantizes on write and dequantizes
-what it gathers, and the same attention code runs through it.
+`PagedKVCache` holds every layer's pools stacked as `(L, N, P, Hkv, D)` (one pool's layout is
+defined in attention/paged.py) and follows the model's cache protocol: the runner calls
+`prepare(query_lens, context_lens, block_tables)` once per step (building the
+`PagedAttentionMetadata`), then every layer calls `attend` (or `attend_rows`). The cache's
+`BackendChoice` (attention/backends.py) picks per step the paged path or, for a decode-only step,
+flash-decoding. Block tables come from the `BlockManager`; this class never picks a block. With
+`kv_cache_dtype` "int8" / "fp8" each pool is a `KVSlots` (kv_storage.py) holding one-byte codes.
 
 Left out on purpose: swapping to disk (swap_out keeps blocks in CPU memory), pools that grow,
 and a fused kernel (see attention/paged.py).

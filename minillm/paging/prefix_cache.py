@@ -1,24 +1,17 @@
 """Prefix caching's index: which physical blocks hold the KV of which full blocks of tokens.
 
-Mixed into `BlockManager` (which owns the pool, the refcounts and the LRU of freed blocks); this
-part only answers "is this block's KV already somewhere?" and keeps the answer exact.
-
-Once the KV of a full block is written (`mark_computed`), the block is registered under a hash
-chained over its parent block's hash and its own tokens. A new prompt whose leading blocks hash
-the same reuses them and skips their prefill. A hit also checks the block's tokens and the
-identity of its parent block, so even a hash collision can never hand out the wrong KV. Freed
-cached blocks keep their KV and stay findable until the pool runs short; then the least recently
-freed one is evicted first. At most `len(prompt) - 1` tokens are reported cached, so the prefill
-always has a query to run.
-
-Two rules keep hits from being lost when blocks come and go:
-- a block computed while another block already caches the same KV is kept as a stand-in; when
-  the owner leaves the cache, the stand-in takes over its hash, and the blocks cached behind the
-  owner (and live sequences' chains through it) are re-parented to the stand-in;
-- an orphan (a cached block whose parent block has left the cache: no chain reaches it any
-  more) gives its hash up to the same block computed again after a live parent.
-
 Letters: P block size.
+
+Mixed into `BlockManager` (which owns the pool, refcounts and the LRU of freed blocks). Once a
+full block's KV is written (`mark_computed`), it is registered under a hash chained over its
+parent's hash and its tokens; a new prompt whose leading blocks hash the same reuses them. A hit
+also checks the tokens and the parent block, so a collision never hands out wrong KV. Freed
+cached blocks stay findable until the pool runs short (least recently freed evicted first). At
+most `len(prompt) - 1` tokens count as cached, so the prefill always has a query. A block
+computed while another caches the same KV is a stand-in that takes over when the owner leaves
+(re-parenting the chains behind it); an orphan gives its hash up to the same block recomputed.
+
+Left out on purpose: extra hash inputs (LoRA id, images, cache salt) and sharing across engines.
 """
 from dataclasses import dataclass
 
