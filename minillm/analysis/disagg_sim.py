@@ -1,28 +1,18 @@
 """Chapter 11: a small discrete-event simulator of colocated and disaggregated serving.
 
-Requests (`SimRequest`: arrival, prompt tokens, output tokens) arrive at engines whose steps cost
-what `StepCosts` says (fitted on this machine, or from the roofline for a chip you do not have).
-Events sit in a heap (time, order, kind): an arrival, an engine's step ending, a KV transfer
-ending. An idle engine with work starts a step at once; tokens are emitted when a step ends.
-
-Each engine decides its step as minillm's scheduler does (engine/scheduler.py) with chunked
-prefill: running sequences first, decodes before prompt chunks, oldest first, one token each;
-then waiting prompts in arrival order while `max_num_seqs` and the token budget
-`max_num_batched_tokens` allow; no chunk longer than `long_prefill_token_threshold` (0: no cap),
-at most `max_num_partial_prefills` prompts mid-prefill (`max_long_partial_prefills` long ones),
-a prompt that would break those limits passed over while ones behind it are admitted.
-`SimConfig()` holds the server's defaults (serve/cli.py's SERVER_DEFAULTS).
-
-- `simulate_colocated`: each instance prefills and decodes; a step holding a prompt's chunk
-  makes every decode in it wait for the chunk (the prefill stall).
-- `simulate_disaggregated`: prefill instances run prompts only and emit the first token; the
-  prompt's KV then crosses a link (serialized per prefill instance; with `transfer_blocks_prefill`
-  the prefill engine sends it itself and steps again only after) into a decode instance, which
-  takes it in at its next step (while it has a free seat) and decodes the rest.
-A new request goes to the instance with the least work queued (prompt tokens left for prefill,
-sequences for decode).
-
 Letters: L prompt tokens, S tokens cached, B sequences in a step.
+
+Requests (`SimRequest`: arrival, prompt tokens, output tokens) arrive at engines whose steps cost
+what `StepCosts` says; events (arrival, step end, KV transfer end) sit in a heap. Each engine
+schedules as engine/scheduler.py does with chunked prefill (decodes first, then waiting prompts
+within `max_num_seqs`, `max_num_batched_tokens`, `long_prefill_token_threshold` and the
+partial-prefill limits); `SimConfig()` holds the server's defaults (serve/cli.py).
+- `simulate_colocated`: each instance prefills and decodes (the prefill stall included);
+- `simulate_disaggregated`: prefill instances emit the first token, the KV crosses a link
+  (serialized per prefill instance; `transfer_blocks_prefill`: the prefill engine sends it
+  itself) into a decode instance, which takes it at its next step when a seat is free.
+A new request goes to the instance with the least work queued.
+
 Left out on purpose: KV memory limits and preemption (pools are taken as large enough), EOS
 (every request produces exactly its output tokens), HTTP and detokenizing time, and speculative
 decoding.

@@ -1,25 +1,16 @@
 """When does speculation pay? Expected tokens per verify step, speedup, best K, adaptive K.
 
-Letters: K draft tokens per step, V vocab. The model: each draft token is accepted independently
-with probability a (the acceptance rate), so a step yields n + 1 tokens where n, the number of
-leading accepts, is truncated-geometric:
+Letters: K draft tokens per step, V vocab. Each draft token is accepted independently with
+probability a, so a step yields
 
     E[tokens per step] = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a)
-
-A step costs K draft forwards and one target forward over K + 1 tokens. With c = (cost of one
-draft forward) / (cost of one target forward), and `verify_cost` = (cost of the K+1-token target
-forward) / (cost of a one-token target forward), 1 in the ideal memory-bound case:
-
     speedup = E[tokens per step] / (K c + verify_cost)
 
-The same formula with s = 1/c (how many times faster the drafter is) reads
-E[tokens] * s / (s + K). Seed article 000 prints s / (1 + s K) instead; seed article 003 compares
-T_L (a K + 1) with K T_S + T_L's accepted part only. `article_*` below keep those two claims as
-printed so the chapter can test them against a simulation.
-
-Pure formulas: this module imports no other part of minillm, and `minillm.spec` builds on it
-(`SpecStats.alpha_estimate` is `estimate_acceptance`). The exact law of one draft-then-verify
-step, which runs the package's own rejection rule, is `minillm.spec.exact_law`.
+with c the cost of a draft forward over one target forward and `verify_cost` the cost of the
+(K+1)-token target forward over a one-token one (1 when memory bound). `article_*` keep two seed
+articles' formulas as printed, so the chapter can test them against a simulation. Pure formulas:
+this module imports no other part of minillm; `SpecStats.alpha_estimate` is
+`estimate_acceptance`, and the exact law of one step is `minillm.spec.exact_law`.
 
 Left out on purpose: acceptance that depends on the position in the draft, tree drafts, batch
 effects on cost (at large batch the target is no longer memory bound and c, verify_cost change).

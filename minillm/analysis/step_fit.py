@@ -1,22 +1,17 @@
 """Chapter 11: what one engine step costs, as DistServe's simulator models it, fitted by least squares.
 
-DistServe (OSDI'24, `simdistserve/`) times a step of a serving engine with two small formulas:
+Letters: L prompt (or chunk) tokens, S tokens already cached, B sequences in a decode step.
 
-    prefill step of prompts L_1..L_n:  a_p + b_p * sum(L_i) + c_p * sum(L_i ** 2)
+    prefill step of prompts L_1..L_n:  a_p + b_p * sum(L_i) + c_p * sum(L_i * (S_i + L_i))
     decode step of B sequences:        a_d + b_d * sum(context_i) + c_d * B
 
-a: the fixed cost of any step (a weight read, launches, Python); b_p: the per-token cost of the
-matmuls; c_p: attention's quadratic term; b_d: reading the KV cache (per context token); c_d:
-each sequence's own row through the matmuls and the sampler. `fit_step_costs` finds the six
-numbers from timed steps (`torch.linalg.lstsq` in float64; a coefficient that comes out negative
-is dropped and the rest refitted, so every term stays a cost), and `StepCosts` predicts steps.
-
-A chunk of L tokens after S tokens already in the cache (chunked prefill) pays L * (S + L) in
-the quadratic term (its queries see the cached keys too); S = 0 gives DistServe's L ** 2. A step
-that mixes decodes and prefill chunks (minillm's scheduler does) is costed as both parts plus one
+a: the fixed cost of any step; b_p: per prompt token; c_p: attention's quadratic term (a chunk
+after S cached tokens pays L * (S + L); S = 0 is DistServe's L ** 2); b_d: per context token
+read; c_d: per sequence.
+`fit_step_costs` fits the six numbers (`torch.linalg.lstsq` in float64; a negative coefficient is
+dropped and the rest refitted) and `StepCosts` predicts; a mixed step costs both parts plus one
 fixed cost, the larger of a_p and a_d (`step_seconds`).
 
-Letters: L prompt (or chunk) tokens, S tokens already cached, B sequences in a decode step.
 Left out on purpose: DistServe's separate fits for small and large decode batches, and anything
 that depends on which tokens (not how many) a step holds.
 """

@@ -3,20 +3,13 @@
     driver (rank 0, this process) --TCPStore rendezvous on 127.0.0.1--> workers 1..N-1 (spawned)
     every rank: one ProcessGroupGloo (NCCL on CUDA) = `Comm`, with counters
 
-`WorkerGroup.start(world_size, target, args)` spawns ranks 1..N-1, each running
-`target(rank, world_size, comm, *args)`; the calling process joins as rank 0 and gets the group
-back. No default process group is made (no `init_process_group`): each group is its own object,
-so one notebook can hold a tensor-parallel engine and a pipeline at once, and shut either down.
-
-`Comm` wraps the few operations the chapter uses and counts each kind's calls, bytes and seconds.
-Bytes are the payload this rank hands the collective (numel x element size), the number the
-formulas in `minillm.analysis.parallel_math` predict; what travels on the wire depends on the
-algorithm (a ring all-reduce sends 2(N-1)/N of it per rank).
-
-A worker that dies shows up as an error from the next collective (gloo: "connection reset") or a
-timeout; `check_alive()` turns that into `WorkerDied` naming the rank, pid and exit code. Workers
-are daemon processes that also ask Linux to kill them if the driver dies, and `shutdown()` (also
-run at exit) joins them, then terminates, then kills: no process is left behind.
+`WorkerGroup.start(world_size, target, args)` spawns ranks 1..N-1 running
+`target(rank, world_size, comm, *args)`; the caller is rank 0. No default process group is
+made, so one notebook can hold several groups. `Comm` counts each operation's calls, seconds and
+bytes (the payload this rank hands the collective, what `analysis.parallel_math` predicts). A
+dead worker surfaces in the next collective or as a timeout; `check_alive()` raises `WorkerDied`
+naming rank, pid and exit code. Workers die with the driver, and `shutdown()` (also at exit)
+joins, terminates, then kills: no process is left behind.
 
 Left out on purpose: multi-node rendezvous (torchrun, Ray), sub-groups, asynchronous collectives.
 """

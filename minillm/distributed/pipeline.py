@@ -8,20 +8,14 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
       send(h, to 1)                      send(h, to s+1)   |  keep logits_i
     recv(logits_i from p-1) for all i                      |  send(logits_i, to 0) for all i
 
-This is GPipe's forward (fill, steady state, drain): while stage 1 works on micro-batch i, stage 0
-works on i+1. Each step starts with the driver broadcasting a small plan (the micro-batch shapes;
-or "caches" to make or drop KV caches; or "stop"); activations travel with point-to-point
-`send`/`recv` over the group's `Comm` (gloo on CPU). The last stage keeps its logits until the last
-micro-batch and then sends them to the driver: a send completes only when its receiver has posted
-the matching recv, and the driver is still busy sending micro-batches until then. After the logits,
-every worker broadcasts its busy intervals, which the driver assembles into a `PipelineTimeline`.
+GPipe's forward (fill, steady state, drain). Each step starts with the driver broadcasting a
+small plan (micro-batch shapes, "caches", or "stop"); activations travel by `send`/`recv` over
+the group's `Comm`; the busy intervals come back as a `PipelineTimeline`.
+`PipelineParallel.generate` is greedy decoding with a contiguous KV cache per stage and
+micro-batch (`use_cache=False`: the reference that re-runs the context).
 
-`PipelineParallel.generate` is greedy decoding: every stage keeps a contiguous KV cache of its
-own layers for each micro-batch, so a step passes one token per sequence through the pipeline
-(`use_cache=False` re-runs the whole context instead: the reference). Each step is its own fill
-and drain. Left out on purpose: the backward pass and 1F1B, interleaved stages, and overlapping
-one step's drain with the next step's fill (what keeps a real engine's stages busy in decode:
-as many batches in flight as there are stages).
+Left out on purpose: the backward pass and 1F1B, interleaved stages, and overlapping one step's
+drain with the next step's fill (as many batches in flight as there are stages).
 """
 import os
 import time

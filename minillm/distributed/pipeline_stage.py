@@ -6,17 +6,12 @@ Letters: B batch, T tokens per sequence, C model width, V vocab, p stages, m mic
     stage s:    layers[rs]                    (B, T, C)     -> (B, T, C)
     stage p-1:  layers[r_{p-1}] -> norm -> lm_head          -> (B, T', V) logits
 
-`split_layers` decides the cut (even by default, or a `partition` of layer counts). The last stage
-also pays for lm_head, which in SmolLM2-135M weighs as much as 8 decoder layers, so an even split
-leaves it the slowest; `balanced_partition` counts it and gives the last stage fewer layers.
-`PipelineStage` is built from the full model's state dict and keeps only its own weights, under the
-model's own names, so a worker process holds 1/p of the model. Each stage runs the same `Block`
-modules as the single-process model, with dense causal attention over the tokens passed in, or with
-a contiguous KV cache of its own layers (`new_cache`) when generating.
-
-`PipelineTimeline` records when each stage worked on each micro-batch (`time.perf_counter`,
-the system-wide monotonic clock on Linux, so intervals from different processes line up) and
-compares the measured bubble, 1 - busy / (p x span), with GPipe's (p-1)/(m+p-1).
+`split_layers` decides the cut (even, or a `partition` of layer counts); `balanced_partition`
+counts the last stage's lm_head and gives it fewer layers. `PipelineStage` keeps only its own
+weights, under the model's names, and runs the model's `Block`s with dense causal attention or a
+KV cache of its own layers (`new_cache`). `PipelineTimeline` records when each stage worked on
+each micro-batch (`time.perf_counter`) and compares the measured bubble,
+1 - busy / (p x span), with GPipe's (p-1)/(m+p-1).
 
 Left out on purpose: the backward pass and 1F1B schedules, interleaved (virtual) stages, paged
 KV caches.

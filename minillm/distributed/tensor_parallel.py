@@ -3,19 +3,15 @@
 Letters: n ranks (`tensor_parallel_size`), r this rank, H query heads, Hkv KV heads, D head dim,
 C model width, F MLP width, V vocab, Vn = ceil(V / n) vocab rows per rank.
 
-Each rank holds a 1/n slice of every big matrix, cut so that a layer needs one all-reduce:
-
     qkv_proj, gate_up_proj   column-parallel: rank r keeps its output rows (heads r*H/n.., F/n rows)
     o_proj, down_proj        row-parallel: rank r keeps the input columns its heads / rows produce,
                              its partial sums meet in one all-reduce (tp_layers.RowParallelLinear)
     embed, lm_head           split by vocab rows, padded to n * Vn (tp_layers)
     norms                    replicated (C floats each)
 
-so attention and the MLP run on local heads / rows with no communication until the row-parallel
-projection: 2 all-reduces per layer, 1 for the embedding, 1 all-gather of the logits. A rank's
-shard is an ordinary `Transformer` of `shard_config(cfg, n)` (H/n heads, Hkv/n KV heads, F/n, Vn)
-whose o_proj, down_proj, embed and lm_head are swapped for their parallel versions
-(`build_shard`), so llama.py's forward runs unchanged on every rank.
+2 all-reduces per layer, 1 for the embedding, 1 all-gather of the logits. A shard is an ordinary
+`Transformer` of `shard_config(cfg, n)` with the parallel layers swapped in (`build_shard`), so
+llama.py's forward runs unchanged on every rank.
 
 Left out on purpose: replicating KV heads when n > Hkv (vLLM does; here such sizes are refused),
 sequence parallelism, uneven head splits, and quantized shards.

@@ -2,14 +2,10 @@
 
 Letters: M tokens in the flattened batch, K logits rows, V vocab, C model width; n ranks.
 
-The driver (rank 0, the engine's process) decides everything: its scheduler and block manager
-say which tokens run and where their K/V go. Per step it broadcasts a `StepPlan` (a few lists of
-ints: block moves, token ids, positions, the paged-attention lengths and block tables, the logits
-rows) and then every rank, itself included, calls `run_step`: move blocks in its own pool, run its
-shard's forward (2 all-reduces per layer + 1 for the embedding, 1 all-gather of the logits), and
-all hold the same logits (1, K, V). Each rank's paged KV pool (`PagedKVCache` of its shard's
-config) holds only its own Hkv/n KV heads, in the same blocks the driver's tables name, so one
-block manager serves all ranks.
+The driver (rank 0) decides everything. Per step it broadcasts a `StepPlan` (block moves, token
+ids, positions, the paged-attention lengths and block tables, the logits rows) and every rank
+calls `run_step`: move blocks in its own pool, run its shard's forward, and hold the same logits
+(1, K, V). Each rank's pool holds only its Hkv/n KV heads, in the blocks the driver names.
 
     driver:  plan = runner.prepare(out) ─ broadcast_object(plan) ─ run_step ─ logits -> sampler
     worker:                     plan = broadcast_object()       ─ run_step ─ (logits dropped)

@@ -1,24 +1,15 @@
 """The instruments the chapters measure with: what notebooks, exercises and tests import to time,
 load and replay things on the reader's own machine.
 
-- `common`: careful timing (`time_fn`, `sync`), a prefilled cache for timing forwards, and
-  `load_results`, which reads the committed benchmark records of the checkout;
-- `measure`, `forward_cost`: this machine's ceilings, matmul points and decode-step costs (ch. 0, 1, 5);
-- `verify_cost`: the verify-cost table, forward(N) / forward(1) beside the roofline and the least
-  the kernels allow (ch. 1, 6);
-- `cuda_graphs`: launch overhead and graph replay (ch. 1, GPU only);
-- `paging`: paged attention timed against the block size (ch. 3);
-- `workloads`: synthetic request streams replayed through the engine (ch. 4, 5, 8);
-- `prompts`: every prompt list the chapters, the demo and the benchmarks share;
-- `spec_costs`, `spec_replay`, `spec_report`: what a speculative step costs, the recorded greedy
-  schedule (`spec_schedule.json`, package data) and its ceilings, a spec record as text (ch. 6);
-- `priority`: the priority mix and the P95-driven token budget (ch. 8);
-- `spec_switch`: speculation off, always on and stepping aside under load, its threshold measured (ch. 8);
-- `loadgen`, `serve_client`, `serve_metrics`, `datasets`: the HTTP load generator (ch. 8);
-- `dashboard`: the server's live dashboard in headless chromium, a screenshot and the numbers shown (ch. 8);
-- `attention_decode`, `long_context`: decode attention and its share of a step at long context (ch. 9);
-- `step_costs`, `disagg_runs`: this machine's step costs fitted for the simulator, and colocated
-  against disaggregated serving measured beside the simulator's prediction (ch. 11);
+- `common`, `measure`, `forward_cost`, `verify_cost`, `cuda_graphs`: timing, this machine's
+  ceilings and step costs, the verify-cost table, launch overhead (ch. 0, 1, 5, 6);
+- `paging`, `workloads`, `prompts`: paged attention timed, request streams, shared prompts (3-5);
+- `spec_costs`, `spec_replay`, `spec_report`, `spec_switch`: speculation's costs, the recorded
+  schedule, its report, and stepping aside under load (ch. 6, 8);
+- `priority`, `loadgen`, `serve_client`, `serve_metrics`, `datasets`, `dashboard`: the priority
+  mix and the HTTP load generator and its readings (ch. 8);
+- `attention_decode`, `long_context`: decode attention at long context (ch. 9);
+- `step_costs`, `disagg_runs`: step costs for the simulator, disaggregated serving measured (11);
 - `demo`, `serve_demo`: the serving parts of `python -m minillm demo`.
 
 Left out on purpose: anything that writes benchmark records. The record writers, their command

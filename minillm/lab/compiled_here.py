@@ -1,28 +1,19 @@
 """The compiled engine steps a chapter may use on this machine, and the committed record otherwise.
 
-Compiling SmolLM2's step sizes takes minutes per size on a small CPU, so a chapter never compiles.
-`built_config(model, sizes)` returns a `CompilationConfig` only when the package of every size is
-already on disk for this model, CPU, instruction set, torch and thread count (the folder
-`inductor_cache_dir()` names), and None otherwise, after one line giving the command that builds
-them (`BUILD`, at the course's one thread; `--threads N` for another count). Nothing is loaded or
-compiled to decide: the check is whether the files exist.
+Letters: N rows of a step.
 
-With a config in hand, a chapter passes it to `EngineConfig(compilation_config=...)` or
-`step_times`, which load the packages (seconds each) and check every size against eager before
-using it. (A package that is on disk but does not load is compiled again by `CompiledSteps`, with
-one line saying so; with packages `BUILD` wrote on this machine that does not happen.)
+A chapter never compiles (minutes per size on a small CPU). `built_config(model, sizes)` returns
+a `CompilationConfig` only when every size's package is on disk for this model, CPU, instruction
+set, torch and thread count (`inductor_cache_dir()`), else None after one line naming the build
+command (`BUILD`); it only checks that the files exist. Passed to `EngineConfig` or `step_times`,
+the packages are loaded and checked against eager before use.
+- `step_times(model, sizes)`: ms per step of N decode rows, eager and compiled, measured here or
+  read from the committed `compiled_steps` record (`.origin` says which);
+- `padded_costs(times, n_max)`: {n: ms}, each n at the cost of the smallest size that holds it;
+- `engine_decode(model, batches)`, `engine_decode_ms(engines, prompts)`: ms per engine decode step.
 
-- `step_times(model, sizes)`: ms per step of N decode rows (64 cached tokens each), eager and
-  compiled, measured here when the packages are built, else read from the committed
-  `compiled_steps` record measured at this thread count; `.origin` says which.
-- `padded_costs(times, n_max)`: {n: ms} for n = 1..n_max, each n at the cost of the smallest
-  size that holds it (a compiled step of n rows runs padded to that size).
-- `engine_decode(model, batches)`: ms per decode step through the engine at each batch, eager
-  and compiled in the same rounds when the packages are built, else the committed record's.
-- `engine_decode_ms(engines, prompts)`: ms per decode step of each engine, in alternating rounds.
-
-Letters: N rows of a step. Left out on purpose: compiling (`BUILD`, or `LLM(...,
-compilation_config=...)` in a process of your own), quantized models (the compiler takes fp32).
+Left out on purpose: compiling (`BUILD`, or `LLM(..., compilation_config=...)` in a process of
+your own), quantized models (the compiler takes fp32).
 """
 import os
 from dataclasses import dataclass, field

@@ -1,21 +1,15 @@
 """Chapter 11's measured comparison: colocated against disaggregated serving on this machine, and
 the simulator's prediction beside every measurement.
 
-The workload (`long_among_short`): short chats (20-60 prompt tokens) with long prompts (400-800
-tokens, a quarter of the requests) arriving among them, every answer `max_tokens` long
-(`ignore_eos`), Poisson arrivals. `drive(base_url, ...)` sends it to any OpenAI-compatible server
-with chapter 8's load generator (the completions endpoint, so the prompt is exactly the text
-given) and returns each request's TTFT and inter-token gaps as the client saw them.
-
-`probe_step_costs(base_url, ...)` measures a running server's step costs through its API (TTFT
-of lone prompts, the gaps between tokens of B requests decoding together) and fits DistServe's
-formulas to them, so the costs come from the very process, threads and load that the runs see.
-`predict(...)` replays the same arrivals, with the prompt and output token counts the server
-reported (`usage`), through analysis/disagg_sim.py: colocated with the colocated server's probed
-costs, disaggregated with the disaggregated server's (one engine a side) and the KV transfer
-priced by this machine's gloo send (`distributed.collectives`); the prefill worker sends the KV
-itself before its next prefill (`transfer_blocks_prefill`), as serve/disagg_worker.py does. `compare` puts the two side by side: TTFT and ITL percentiles,
-SLO attainment and goodput, and the prediction's relative error.
+`long_among_short`: short chats (20-60 prompt tokens) among long prompts (400-800, a quarter of
+requests), every answer `max_tokens` long, Poisson arrivals. `drive(base_url, ...)` sends it to
+an OpenAI-compatible server (completions endpoint) and returns TTFT and inter-token gaps as the
+client saw them. `probe_step_costs(base_url, ...)` fits DistServe's formulas to a running
+server's lone-prompt TTFTs and decode gaps, so costs come from the very process the runs see.
+`predict(...)` replays the same arrivals and token counts through analysis/disagg_sim.py, the KV
+transfer priced by this machine's gloo send and sent by the prefill worker before its next
+prefill (`transfer_blocks_prefill`). `compare` shows TTFT and ITL percentiles, SLO attainment,
+goodput and the prediction's relative error.
 
 Left out on purpose: starting the servers (benchmarks/disaggregation.py does, with
 `python -m minillm serve [--disaggregated]`), multi-turn chats and outputs that end at EOS.

@@ -1,19 +1,11 @@
 """Time n-gram speculative decoding on any device from a recorded greedy schedule (chapter 6).
 
-Greedy speculative decoding with prompt lookup is a deterministic function of the prompt and the
-target's greedy output: which tokens get drafted, how many are accepted, which forward passes run.
-How long a forward pass takes depends on its shape (tokens fed, context length), not on the weight
-values. So the real model's outputs, recorded once where the weights are (`spec_schedule.json`),
-can be replayed on a machine that cannot hold the weights, with random weights of the same
-architecture, and the times measured there are the times the real model would take:
-
-- plain: `generate` for exactly as many tokens (one prefill, then one forward per token);
-- speculative: the loop of `speculative_generate` (prefill, then per step the n-gram lookup on the
-  host, one (k+1)-token verify forward, `greedy_verify`, the KV rollback), with the number of
-  accepted drafts taken from the recorded output instead of the (random) logits.
-
-`replay(..., check=True)` on the real weights asserts that the logits accept exactly what the
-schedule says (tests/test_speculative.py does this on a tiny model), so the loop is the real one.
+Greedy prompt-lookup decoding is a deterministic function of the prompt and the target's greedy
+output, and a forward's time depends on its shape, not its weights. So the real model's outputs,
+recorded once (`spec_schedule.json`), replay with random weights of the same architecture on any
+machine: plain (`generate` for as many tokens) against the loop of `speculative_generate`, with
+the accepted counts taken from the record. `replay(..., check=True)` on the real weights asserts
+that the logits accept exactly what the schedule says.
 
     python -m benchmarks.spec_replay record   # real weights -> minillm/lab/spec_schedule.json
     python -m benchmarks spec_replay          # any weights, any device -> spec_replay_<device>.json

@@ -1,26 +1,16 @@
 """Speculation that steps aside (chapter 8): off, always on, and switched per step by
 `speculative_disable_by_batch_size`, on chapter 6's input-grounded prompts, measured here.
 
-`compare(model, tokenizer)` does three things in one run, greedy (so every mode must give the
-same tokens, which it checks):
-1. the sweep: B requests served together (B in `batch_sizes`), plain and with n-gram drafts
-   (K = `k`, chapter 6's setup), output tokens/s of each, end to end and over the decode-only
-   steps (where drafting costs or pays: a step with prompt tokens is the same in every mode);
-   the decode speedup always-on / off per B;
-2. the threshold: the smallest B of the sweep from which drafting stopped paying (speedup < 1
-   there and at every larger B): that is `speculative_disable_by_batch_size` on this machine
-   (None when it still paid at the largest B; 2, the least vLLM allows, when it paid at none),
-   unless `threshold` is given;
-3. the three modes (off, always, switch at that threshold), at low load (the smallest B:
-   per-token latency, TPOT, and tokens/s) and at high load (the largest B: output tokens/s, the
-   switch's steps speculated / skipped), timed again beside each other.
-Concurrency B is `max_num_seqs` = B over max(B, `min_requests`) requests (chapter 6's four
-prompts in turn; prefix caching on, so a repeated prompt is not prefilled again), with output lengths spread from max_tokens / 2 to max_tokens (a batch thins
-out as it finishes, where the switch speculates again). Each point is timed in `rounds`
-interleaved rounds and the best kept (STYLE 18); the load average is recorded beside them.
-Below the threshold the switch is always-on step for step (its trace says so: no step skipped).
-
 Letters: B requests served together, K draft tokens.
+
+`compare(model, tokenizer)`, greedy (every mode must give the same tokens, which it checks):
+1. sweeps B over `batch_sizes`, plain and with n-gram drafts (K = `k`), output tokens/s end to end
+   and over decode-only steps;
+2. takes the threshold: the smallest B from which drafting stopped paying (None if it still paid
+   at the largest B, 2 if it paid at none), unless `threshold` is given;
+3. times off, always and switch side by side at the smallest and the largest B.
+Concurrency B is `max_num_seqs` over max(B, `min_requests`) requests with spread output lengths;
+points are the best of `rounds` interleaved rounds, with the load average recorded.
 
 Left out on purpose: arrivals over time (an offline batch at each load: the per-step switch is the
 point, not the server), sampled decoding (its law is tested in tests/test_spec_switch.py), draft

@@ -1,29 +1,17 @@
 """What a verify step costs: one forward over N new tokens against one over 1 token (chapters 1, 6).
 
-A speculative step checks N proposed tokens with one forward over all N (logits at every
-position) after a cached context. Its worth depends on one number per N: forward(N) /
-forward(1). `verify_table` measures it on this machine and puts three numbers beside it:
-
-- the roofline's prediction (`roofline_ratio`): the step's ops each at their own roofline
-  (`analysis.roofline.step_time`), N rows against 1. Below the ridge point in rows
-  (`ridge_rows`) a step's matmuls cost about one read of the weights whatever N is, so the
-  ratio stays near 1; above it they grow about linearly with N;
-- the least these matmul kernels allow (`forward_cost.least_forward_ratio`): forward(1) plus
-  how much the matmuls alone grow from 1 row to N, over forward(1);
-- where the rest goes: the forward minus its matmuls ("other", the non-matmul work: attention,
-  norms, elementwise ops, the cache writes) and, timed alone, the attention part of it
-  (`attention_alone`: each layer's cache write and SDPA at N queries), with the least once more
-  counting the attention's growth as unavoidable too ("least_with_attention"): what the forward
-  is above that is the norms, elementwise ops and Python around them.
-
-With `int8=True` it also times the same matmuls through torch's int8 dynamic quantized linear
-(W8A8, per-token activation scales, weights prepacked once: `int8_matmuls`) and gives that
-route's least ratio, (other(1) + int8(N)) / (other(1) + int8(1)): the ratio a forward through it
-would have if only its matmuls grew with N.
-
-All cases are timed in interleaved rounds and each keeps its fastest round: on a machine shared
-with other work a disturbance only adds time, so the fastest round is the least disturbed one.
 Letters: N new tokens of the forward, S cached context, L layers, H/Hkv heads, D head dim.
+
+`verify_table` measures forward(N) / forward(1) on this machine after a cached context, beside:
+- the roofline's prediction (`roofline_ratio`, each op at its own roofline): near 1 below the
+  ridge point in rows (`ridge_rows`), about linear in N above it;
+- the least these matmul kernels allow (`forward_cost.least_forward_ratio`): forward(1) plus the
+  matmuls' growth from 1 row to N, over forward(1);
+- where the rest goes: "other" (the forward minus its matmuls), `attention_alone` (each layer's
+  cache write and SDPA at N queries) and "least_with_attention".
+`int8=True` adds the same matmuls through torch's int8 dynamic quantized linear (`int8_matmuls`)
+and that route's least ratio. Cases are timed in interleaved rounds, each keeping its fastest.
+
 Left out on purpose: tree-shaped masks (a tree's N rows cost what a chain's N rows cost here)
 and batches of more than one sequence.
 """

@@ -1,28 +1,17 @@
 """Seeded serving workloads and a replay loop that feeds them to an `LLMEngine`.
 
-A workload is a list of `WorkloadRequest(arrival, prompt_token_ids, max_tokens, priority=0)`. Shapes:
-- `poisson_workload`: Poisson arrivals (exponential gaps) with heavy-tailed (bounded Pareto)
-  prompt and output lengths: most requests are short, a few are very long, as in real traffic;
-- `long_prompt_workload`: requests decoding steadily when one very long prompt arrives mid-run
-  (the prefill stall that chunked prefill removes), optionally with short prompts queued behind it;
-- `shared_prefix_workload`: every prompt starts with the same system prompt (prefix caching);
-- `priority_mix_workload`: Poisson arrivals of interactive (short) and batch (long) requests,
-  each tagged with its class's priority (chapter 8).
-Prompts are random token ids: the engine's cost depends on lengths, not on what the words mean.
+A workload is a list of `WorkloadRequest(arrival, prompt_token_ids, max_tokens, priority=0)`,
+with random token ids (cost depends on lengths, not meaning): `poisson_workload` (Poisson
+arrivals, bounded-Pareto lengths), `long_prompt_workload` (one long prompt among steady decodes),
+`shared_prefix_workload` (one system prompt), `priority_mix_workload` (interactive and batch).
 
-`replay(engine, workload)` adds each request when its arrival comes due, on the wall clock
-(`time_unit="seconds"`; idle gaps are skipped, not slept) or on the engine's step counter
-(`time_unit="steps"`, deterministic), and steps the engine until everything has finished. Each
-request's `priority` is passed on under scheduling_policy="priority" (fcfs serves all at 0, so
-one workload runs under both). `step_seconds` (steps only) replaces the engine's clock by a
-simulated one where every step lasts that long: queue-wait bounds in seconds then act on the
-step count, the same on every machine.
-`request_latencies(outputs, trace)` turns a run into per-request TTFT and decode gaps, in engine
-steps (deterministic) and in seconds.
-
-`load_sweep` serves one workload at several offered loads (Poisson arrivals on the step clock)
-and reports latency percentiles in steps (deterministic) and seconds; `step_latencies` and
-`batch_occupancy` count from the engine's metrics and trace.
+`replay(engine, workload)` adds each request when its arrival is due, on the wall clock
+(`time_unit="seconds"`, idle gaps skipped) or on the step counter (`time_unit="steps"`,
+deterministic), passing `priority` on, and steps until all finish; `step_seconds` (steps only)
+gives the engine a simulated clock, so queue-wait bounds act the same on every machine.
+`request_latencies(outputs, trace)` gives per-request TTFT and decode gaps in steps and seconds;
+`load_sweep` serves one workload at several loads; `step_latencies` and `batch_occupancy` count
+from the engine's metrics and trace.
 
 Left out on purpose: real conversation traces and token-level streaming to clients.
 """

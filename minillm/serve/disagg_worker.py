@@ -2,27 +2,17 @@
 
     router --inbox (mp.Queue)--> prefill: add_request, step() -> first token -> KV link -> decode
     router --inbox (mp.Queue)--> decode:  import the handoff, step() ... -> tokens
-    each worker --outbox (its own pipe)--> router: ("ready" | "out" | "sent" | "pool" | "error" | "fatal", ...)
+    each worker --outbox (its own pipe)--> router: ("ready" | "out" | "sent" | "pool" | "error"
+                                                    | "fatal", ...)
 
-Each worker owns a whole `LLMEngine` (its own scheduler, block manager and paged pool) on
-`threads` torch threads. The prefill worker runs a request until its first token, streams that
-token to the router at once, reads the prompt's KV out of its pool (`export_prompt_kv`), frees its
-blocks (`abort_request`) and sends the KV over the link (kv_link.py); its engine never decodes. A
-request that ends with its first token (max_tokens=1, EOS, a stop) ends there. The decode worker
-receives handoffs in a thread (the link blocks), imports each when its pool has room
-(`can_import`, else it waits in order), and steps its engine; every step's outputs go to the router
-with the blocks in use.
-
-Each worker writes to a pipe of its own, so a worker killed mid-message leaves the router an
-end-of-file, never a half-written message in a shared queue. Workers die with the router
-(PR_SET_PDEATHSIG, distributed/group.py) and leave with `os._exit` so that no thread blocked in
-gloo can hold the process open.
-
-`run_remote` is the same worker started by hand in a terminal of its own
-(`python -m minillm serve --disaggregated --role prefill`): it dials the router's control
-address (`multiprocessing.connection`, one duplex connection for the inbox and the outbox),
-says its role, gets the KV link's rendezvous port back, and runs the same loop. Its messages are
-pickles: the control address is for trusted processes on this machine only (loopback, a key).
+Each worker owns a whole `LLMEngine` on `threads` torch threads. The prefill worker runs a
+request to its first token, sends that token to the router at once, exports the prompt's KV
+(`export_prompt_kv`), frees its blocks and sends the KV over the link (kv_link.py); a request
+that ends with its first token ends there. The decode worker receives handoffs in a thread,
+imports each when its pool has room (`can_import`, in order) and steps its engine. Each worker
+writes to its own pipe, dies with the router (PR_SET_PDEATHSIG) and leaves with `os._exit`.
+`run_remote` is the same worker started by hand (`python -m minillm serve --disaggregated --role
+prefill`), dialing the router's control address (loopback and a key: its messages are pickles).
 
 Left out on purpose: several prefill or decode workers, and overlapping the send with the next
 prefill (the prefill loop waits for the link; the decode side receives while it steps).
