@@ -3,22 +3,21 @@
 The folders are the architecture (each folder imports only lower floors; docs/layout.md):
 - `model/`     chapter 0: config, the Llama layers, loading, the contiguous cache, sampling, generate
 - `paging/`    chapter 3: block manager (no tensors), the paged KV cache and its int8 / fp8 storage
-- `engine/`    chapters 4-5, 11: sequence, scheduler, model runner, sampler, LLMEngine, draft proposals,
-               the tensor-parallel runner, moving a prefilled request's KV
-- `attention/` chapters 3, 9: dense reference, FlashAttention tiles, paged attention math, flash-decoding
-- `spec/`      chapters 6, 10: rejection sampling, proposers, the batch-1 loop, token trees, Medusa / EAGLE drafters
-- `drafting/`  chapter 10: training drafters on this CPU by self-distillation
+- `engine/`    chapters 4-5, 11: sequence, scheduler, model runner, sampler, LLMEngine, draft
+               proposals, the tensor-parallel runner, moving a prefilled request's KV
+- `attention/` chapters 3, 9: dense reference, FlashAttention tiles, paged attention, flash-decoding
+- `spec/`      chapters 6, 10: rejection sampling, proposers, the batch-1 loop, token trees,
+               Medusa / EAGLE drafters (`drafting/` trains them on this CPU by self-distillation)
 - `distributed/` chapter 11: worker processes and their collectives, tensor and pipeline parallelism
 - `llm.py`     vLLM's offline front door, `LLM(model=...).generate(...)` / `.chat(...)`
 - `quant/`     chapter 7: weight formats and kernels, GGUF blocks, `quantize`, GPTQ, AWQ, KV int8 / fp8
 - `analysis/`  chapters 1, 2, 6, 7, 11: roofline, KV-cache math, speculation theory, weight bytes,
                parallel formulas, the serving simulator and SLOs (pure functions)
 - `kernels/`   CPU matmul routes tuned on this machine, the flat forward (chapter 1)
-- `viz/`       figures and widgets (extra `viz`); `serve/` the HTTP server (extra `serve`; chapter 11's
-               disaggregated router and its prefill / decode workers too)
+- `viz/`       figures and widgets (extra `viz`); `serve/` the HTTP server (extra `serve`; chapter
+               11's disaggregated router and its prefill / decode workers too)
 - `lab/`       the instruments the chapters measure with (timing, workloads, load generator, demo)
 - `exercises/` every chapter's checks: `exercises.check("07.1", answer)`
-
 """
 from minillm.paging.block_manager import BlockManager, NoFreeBlocksError
 from minillm.attention.tiled import flash_attention

@@ -74,7 +74,10 @@ def test_every_documented_command_is_a_module(page):
 
 # The aim is about 15 lines (what the module is, its letters, "Left out on purpose"); reasons and
 # history go to docs/sources.md. Every docstring under minillm/ is at most this long today.
-MODULE_DOCSTRING_MAX_LINES = 30
+MODULE_DOCSTRING_MAX_LINES = 20
+DOCSTRING_LONG_FOR_NOW = {  # lead: cut after merge
+    "minillm/spec/trained_proposers.py", "minillm/spec/eagle_runs.py", "minillm/drafting/objectives.py",
+}
 
 
 def _docstring_lines(path: Path) -> int:
@@ -83,8 +86,9 @@ def _docstring_lines(path: Path) -> int:
 
 
 def test_module_docstrings_are_short():
-    too_long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "minillm").rglob("*.py"))
-                if (n := _docstring_lines(p)) > MODULE_DOCSTRING_MAX_LINES}
+    too_long = {name: n for p in sorted((ROOT / "minillm").rglob("*.py"))
+                if (name := p.relative_to(ROOT).as_posix()) not in DOCSTRING_LONG_FOR_NOW
+                and (n := _docstring_lines(p)) > MODULE_DOCSTRING_MAX_LINES}
     assert not too_long, (f"module docstrings over {MODULE_DOCSTRING_MAX_LINES} lines (move reasons and "
                           f"history to docs/sources.md): {too_long}")
 
@@ -93,3 +97,20 @@ def test_the_docstring_count_can_fail(tmp_path):
     long_doc = tmp_path / "m.py"
     long_doc.write_text('"""' + "line\n" * (MODULE_DOCSTRING_MAX_LINES + 1) + '"""\nx = 1\n')
     assert _docstring_lines(long_doc) == MODULE_DOCSTRING_MAX_LINES + 1
+
+
+def _long_docstring_lines(path: Path, limit: int = 105) -> list[int]:
+    tree = ast.parse(path.read_text())
+    if ast.get_docstring(tree, clean=False) is None:
+        return []
+    lines = path.read_text().splitlines()[:tree.body[0].end_lineno]  # up to the docstring's end
+    return [i + 1 for i, line in enumerate(lines) if len(line) > limit]
+
+
+def test_module_docstring_lines_fit_105_columns(tmp_path):
+    too_wide = {p.relative_to(ROOT).as_posix(): rows for p in sorted((ROOT / "minillm").rglob("*.py"))
+                if (rows := _long_docstring_lines(p))}
+    assert not too_wide, f"module docstring lines over 105 characters: {too_wide}"
+    wide = tmp_path / "m.py"
+    wide.write_text('"""' + "x" * 106 + '\n"""\n')
+    assert _long_docstring_lines(wide) == [1]

@@ -1,18 +1,14 @@
 """Chapter 11: the simulator carried to a 70B model on H100s, with step costs from the roofline.
 
-`roofline_step_costs(cfg, chip, tp)` times prefill and decode steps of one instance (a tensor-
-parallel group of `tp` chips) with chapter 1's roofline: each op's FLOPs and bytes split over the
-tp chips, each op at max(FLOPs / peak, bytes / bandwidth) divided by `efficiency`, plus Megatron's
-collectives over the chips' link (`parallel_math.tp_comm_time`: two ring all-reduces a layer and
-the logits' all-gather, not overlapped with compute). The step times are then fitted by DistServe's formulas (step_fit.py), the
-same path as the costs measured on this machine, so the simulator cannot tell them apart.
-
-`max_rate(run, ...)` is DistServe's goodput: the largest Poisson request rate at which at least
-`attainment` (90%) of requests meet the SLO, found by doubling then bisection. `best_split`
-tries every prefill:decode split of `instances` instances against the same number of colocated
-ones. `scaling_book_ratio` is the scaling book's back-of-envelope for the same question
-(*How to Scale Your Model*, serving LLaMA-3-70B: a 910 ms prefill, a 19 ms decode step at batch
-32 and 512 output tokens need about 3 prefill servers per decode server).
+`roofline_step_costs(cfg, chip, tp)` times prefill and decode steps of one instance (a
+tensor-parallel group of `tp` chips) with chapter 1's roofline: each op's FLOPs and bytes split
+over the chips, at max(FLOPs / peak, bytes / bandwidth) / `efficiency`, plus Megatron's
+collectives over the chips' link (`parallel_math.tp_comm_time`, not overlapped with compute).
+The step times are fitted by DistServe's formulas (step_fit.py), the same path as the costs
+measured here, so the simulator cannot tell them apart. `max_rate(run, ...)` is DistServe's
+goodput: the largest Poisson rate at which `attainment` (90%) of requests meet the SLO (doubling,
+then bisection). `best_split` tries every prefill:decode split of `instances` against as many
+colocated ones; `scaling_book_ratio` is *How to Scale Your Model*'s back-of-envelope for it.
 
 Left out on purpose: pipeline parallelism and different tp for the two phases (DistServe
 searches those too), MoE, and memory limits beyond `max_num_seqs`.

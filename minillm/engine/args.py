@@ -1,6 +1,6 @@
 """What comes into the engine, checked and mapped: a request's prompt (`check_prompt`), its logits
-processors and grammar (`request_state`), a batch of requests (`batch_requests`), vLLM-style `speculative_config` dicts, and sizing the block pool from
-`gpu_memory_utilization` (chapter 2's planner, with measured numbers).
+processors and grammar (`request_state`), a batch of requests (`batch_requests`), vLLM-style
+`speculative_config` dicts, and sizing the block pool from `gpu_memory_utilization`.
 
 Pool size, in order: `num_blocks` if given (vLLM's num_gpu_blocks_override); on a CUDA device with
 `gpu_memory_utilization` set, N = floor((u * total - weights - activations) / bytes per block),

@@ -1,17 +1,14 @@
 """Checks for the chapters' exercises: the reader answers, the check says right or not yet.
 
-Course labs and self-learners call two names:
-
     >>> from minillm import exercises
     >>> exercises.check("00.1", 999)              # doctest: +SKIP
     00.1 not yet: ...
 
 - `check(key, answer)` returns True or False and prints one line. A numeric answer is compared,
-  within the exercise's tolerance, with a value computed on the reader's machine by minillm's own
-  functions (so a machine-dependent answer is judged against that machine). The expected value is
-  never printed, and a wrong answer is only called wrong (never "too high" or "too low", which
-  would let any number be found by bisection); the hint says what to recompute. A code exercise takes the reader's function (or class) and runs a named test on
-  it that fails on a broken version and passes on a fixed one.
+  within the exercise's tolerance, with a value minillm computes on the reader's machine; the
+  expected value is never printed, and a wrong answer is only called wrong (never "too high",
+  which would allow bisection); the hint says what to recompute. A code exercise runs a named
+  test on the reader's function (or class), one that fails on a broken version.
 - `list_exercises(chapter=None)` returns the keys and questions, chapter by chapter.
 
 Each chapter's exercises live in `chNN.py` beside this file and register themselves with

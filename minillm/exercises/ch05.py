@@ -2,8 +2,8 @@
 
 Numeric answers are judged against values minillm computes when the reader checks: the roofline
 functions on datasheet presets (05.1, 05.4) and the engine's own step counts on the tiny float64
-model (05.2, 05.3, 05.6, 05.7, 05.8), which do not depend on the machine. The code exercise (05.5) runs the reader's
-chunk plan against the engine's trace.
+model (05.2, 05.3, 05.6, 05.7, 05.8), which do not depend on the machine. The code exercise
+(05.5) runs the reader's chunk plan against the engine's trace.
 """
 import torch
 

@@ -2,11 +2,12 @@
 
 09.1 is judged against `attention.flash_attention_stats` (the tile loop's own bounds), 09.2
 against the IO model `attention.io_model` (no machine dependence). The numbers in the questions
-are ones the chapter does not print (the tests grep every notebook's outputs for the answers). 09.3 runs the reader's
-online-softmax step on random tiles made when they check, including masked (-inf) scores and a
-row whose first tile is entirely masked, against softmax(scores) @ v computed in one go in float64.
-09.4 against chapter 2's byte counts (`analysis.kv_math`) for Llama-3-8B; 09.5 runs the reader's merge of
-flash-decoding partials against one softmax over all keys, written in plain Python.
+are ones the chapter does not print (the tests grep every notebook's outputs for the answers).
+09.3 runs the reader's online-softmax step on random tiles made when they check, including masked
+(-inf) scores and a row whose first tile is entirely masked, against softmax(scores) @ v computed
+in one go in float64. 09.4 against chapter 2's byte counts (`analysis.kv_math`) for Llama-3-8B;
+09.5 runs the reader's merge of flash-decoding partials against one softmax over all keys,
+written in plain Python.
 """
 import math
 

@@ -1,14 +1,13 @@
 """The machine a chapter runs on, said once at the top, and the machine a committed record came from.
 
 Every chapter's first code cell calls `this_machine()`: it sets the course's thread policy (one
-torch thread, the same in every chapter and in the records they quote, so numbers from different
-chapters describe the same thing), measures this machine's read bandwidth once, and prints the CPU,
-cores, threads, bandwidth and load average. A chapter that needs "this machine's bandwidth" uses
-the returned `.bandwidth` instead of measuring again, so two chapters run in one sitting agree.
+torch thread in every chapter and in the records they quote), measures this machine's read
+bandwidth once, and prints the CPU, cores, threads, bandwidth and load average. A chapter that
+needs this machine's bandwidth uses the returned `.bandwidth`, so chapters run together agree.
 
     >>> from minillm.lab.machine import this_machine, record_origin
     >>> m = this_machine()                                  # doctest: +SKIP
-    machine: Intel(R) Xeon(R) Processor, 2 cores, cpu, torch 2.13.0, 1 thread, read 14.2 GB/s, load 0.31 / 0.40 / 0.52
+    machine: Intel(R) Xeon(R) Processor, 2 cores, cpu, torch 2.13.0, 1 thread, read 14.2 GB/s, ...
     >>> record_origin(load_results("quant")[0])            # doctest: +SKIP
     'a committed record (Intel(R) Xeon(R) Processor, 1 thread, load 0.4, 2026-12-06 11:02 UTC)'
 

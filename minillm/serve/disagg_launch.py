@@ -1,15 +1,14 @@
 """How the router gets its two workers: spawned as its own child processes, or dialing in from
 terminals of their own (vLLM-style: `python -m minillm serve --disaggregated --role ...`).
 
-    spawn_workers(spec, link_port)            -> {"prefill": Worker, "decode": Worker}, children of this process
+    spawn_workers(spec, link_port)              -> {"prefill": Worker, "decode": Worker}, children
     accept_workers(address, authkey, link_port) -> the same, for workers that connect to `address`
 
-Either way a `Worker` is the router's handle on one worker: `inbox.put(msg)` sends it a command,
-`outbox` is a Connection the router reads its news from (`multiprocessing.connection.wait`),
-`process` says whether it lives (`is_alive`, `pid`, `exitcode`). A spawned worker has an
-mp.Queue inbox and a pipe of its own as outbox; a remote one has one duplex socket connection for
-both, and is gone when that connection ends. `stop_workers` sends each a stop, then terminates and
-kills the children it spawned (never a process it did not start).
+A `Worker` is the router's handle on one worker: `inbox.put(msg)` sends a command, `outbox` is a
+Connection the router reads (`multiprocessing.connection.wait`), `process` says whether it lives
+(`is_alive`, `pid`, `exitcode`). A spawned worker has an mp.Queue inbox and its own pipe as
+outbox; a remote one has one duplex socket for both, and is gone when it ends. `stop_workers`
+sends each a stop, then terminates and kills the children it spawned (never another process).
 
 Left out on purpose: workers on other machines (the KV link rendezvouses on 127.0.0.1), and a
 worker that reconnects after it was lost.

@@ -7,11 +7,9 @@ Letters: B batch, S context length, K draft tokens, V vocab.
   deterministic (q is one-hot), free to run; it shines when the output copies the input.
 - `DraftModelProposer`: any minillm-style model with the target's vocabulary samples K tokens
   with the same temperature / top-k / top-p as the target and reports its processed q. At batch 1
-  it keeps a contiguous `KVCache` and feeds the next context from the end of the longest prefix
-  it shares with it, at those positions (rejected drafts are simply overwritten); it keeps one such cache for
-  each of up to `max_cached_seqs` sequences, so an engine can call it for one sequence after
-  another. Larger batches of equal-length
-  contexts recompute without a cache (the reference path; the engine's paged cache does better).
+  it keeps a contiguous `KVCache` per sequence (up to `max_cached_seqs`) and feeds each context
+  from the end of the longest prefix it shares with the cache (rejected drafts are overwritten).
+  Larger batches of equal-length contexts recompute without a cache (the reference path).
 - Self-drafts of the target, for teaching: `bf16_copy` (the same weights in bfloat16),
   `early_exit_model` (the first L layers, then the final norm and lm_head) and `layer_skip_model`
   (a chosen subset of layers). The last two share weights with the target; no copy is made.
