@@ -1,26 +1,15 @@
-"""What the drafters learn, row by row (chapter 10): Medusa's shifted next tokens and EAGLE's
-unrolled next features, both over the self-distilled `Sample`s of `distill.py`.
+"""What the drafters learn, row by row (chapter 10), over the `Sample`s of `distill.py`.
 
 Letters: S tokens of a sample, L rows of a training chunk, C d_model, K heads, D unrolled depth.
 
-Medusa: the feature of token t (hidden row t) should give, through head k and the lm_head, the
-token t + 2 + k (the target's own lm_head gives t + 1). Only answer tokens are targets: they are
-the target's own greedy choices, which is what it will say again.
-
-EAGLE: row i pairs (feature i, token i + 1), sits at position i + 1 and predicts feature i + 1,
-whose lm_head gives token i + 2. `unroll` runs D levels the way drafting does: level l >= 2 row
-i feeds the row's own level l - 1 prediction with the true token i + l, and sees the true rows up
-to i plus its own earlier levels (its ancestors in a draft tree), so a level-l row is exactly the
-depth-l node drafted after context position i + 1. Training on two levels (EAGLE-3's
-training-time test) teaches the drafter to read its own predictions, not only the target's.
-
-Targets: by default the sample's own next tokens (`sample.ids`: right for self-distilled answers,
-which are the target's greedy choices). For teacher-forced text that is not the target's own,
-pass `labels` (S,): labels[t] is the token the target puts at position t (`greedy_labels`, its
-argmax after tokens 0..t-1), or `soft=True` for EAGLE: cross-entropy against the target's own
-distribution at the predicted feature, restricted to the draft vocabulary.
-`coverage_vocab` sizes a draft vocabulary from token counts: the fewest most frequent tokens that
-cover a given share of the data, and no token that never occurs.
+Medusa: head k reads feature t (hidden row t) and should give token t + 2 + k; only answer tokens
+are targets. EAGLE: row i pairs (feature i, token i + 1) at position i + 1 and predicts feature
+i + 1, whose lm_head gives token i + 2. `unroll` runs D levels as drafting does: level l row i
+reads its own level l - 1 prediction with the true token i + l and sees the true rows up to i and
+its earlier levels, so it is exactly the depth-l draft node (EAGLE-3's training-time test).
+Targets are `sample.ids` (the target's own answers), or `labels` for fixed text (`greedy_labels`:
+the target's argmax at each position), or `soft=True`: the target's distribution at the predicted
+feature. `coverage_vocab`: the fewest most frequent tokens covering a share of the data.
 
 Left out on purpose: Medusa-2's soft targets for the heads, EAGLE-3's multi-layer features.
 """

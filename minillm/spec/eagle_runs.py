@@ -1,26 +1,17 @@
-"""How `EagleProposer` gets its drafter's outputs while a draft grows (chapter 10): the reference
-that recomputes everything each depth, and the one that keeps keys and values.
+"""How `EagleProposer` gets its drafter's outputs while a draft grows (chapter 10).
 
 Letters: W window rows, N draft nodes (node 0 = the root, the context's last token), R cached
 rows, T rows run in one call, C d_model.
 
-A draft is a `Draft`: node tokens, parents, depths and each node's input feature (its parent's
-predicted feature). Node 0's input is the window's last row. Node n sits at position
-(root position + depth n) and sees the window, its ancestors and itself.
-
-- `WindowRun` (the reference, kept forever): each call runs the drafter over all W window rows
-  plus every node drafted so far, under the tree mask, and reads the rows asked for.
-- `CachedRun`: one drafter layer means a row's keys and values depend on that row's inputs
-  only. The first W - 1 window rows are reduced to keys and values once per proposal
-  (`EagleDrafter.keys_values`, no attention or MLP); each call then runs just the nodes asked
-  for (the frontier: one row per depth on a chain) against those plus their ancestors' cached
-  keys and values (`EagleDrafter.extend`). Same outputs, to float rounding.
-
-- `StableWindow` (EAGLE's stable KV): the window rows' keys and values kept from one proposal to
-  the next. A row at position p depends only on the tokens up to p, so a new context that starts
-  with a kept one reuses every row that context covered and computes only the rows of the tokens
-  accepted since (one to a few, not W - 1). Sequences are recognised by their tokens alone (up to
-  `slots` kept, least recently used dropped), so the engine need not say which is which.
+A `Draft` holds node tokens, parents, depths and each node's input feature (its parent's
+prediction); node n sits at position root + depth n and sees the window, its ancestors, itself.
+- `WindowRun`, the reference: every call reruns all W window rows and every node so far.
+- `CachedRun`: with one layer a row's keys and values depend only on its inputs, so the window
+  rows before the root are reduced to keys and values once (`EagleDrafter.keys_values`) and each
+  call runs only the nodes asked for against them (`EagleDrafter.extend`). Same outputs.
+- `StableWindow` (EAGLE's stable KV): those window keys and values kept between proposals. A
+  context that starts with a kept one reuses the rows it covered and computes only the tokens
+  accepted since; sequences are recognised by their tokens (`slots` kept, least recent dropped).
 
 Left out on purpose: batching several sequences' drafts.
 """

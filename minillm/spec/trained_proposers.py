@@ -2,30 +2,18 @@
 
 Letters: S context length, C d_model, N tree nodes, K draft depth, V vocab.
 
-Both read the target's features: the final norm's output at context positions 0..S-2 (every
-token but the last, the root, which the target has not run yet), shape (S - 1, C). The loop or
-engine that verifies already has them from its last pass (the engine hands over the tail it keeps:
-w <= S - 1 rows ending at position S-2); given None, they are computed here by one forward pass
-over the context (`context_features`).
-
+Both read the target's features at positions 0..S-2, (S - 1, C) or a tail of them, as the
+verifying loop or engine hands them over (None: one forward pass here, `context_features`).
 - `propose_tree(context_ids, features, tree) -> TreeDraft` fills a `TokenTree` of top-k ranks.
-  Medusa: the node at path (i0, i1, ...) of depth d is head d-1's top-i_{d-1} token, read from
-  the last feature only; a node's token does not depend on its parent, and siblings are distinct
-  because they are different ranks of one top-k. EAGLE: the drafter runs over a window of the
-  last `window` context rows plus the nodes drafted so far (each attends to the window, its
-  ancestors and itself), and a node's children are the top ranks of its own predicted feature.
-  Each depth runs only the new nodes against cached keys and values (`eagle_runs.CachedRun`),
-  and the window's keys and values carry over from the last proposal of the same sequence
-  (`StableWindow`); `kv_cache=False`: the reference that reruns the window, `WindowRun`.
-  With `dynamic=True` EAGLE grows EAGLE-2's tree instead: at each depth it expands the
-  `dynamic_width` nodes with the highest cumulative draft probability, then keeps the
-  `tree.num_nodes - 1` most probable nodes of all (a child is never more probable than its
-  parent, so the kept set is a tree), returned in depth order.
-- `propose(contexts, k, ...) -> Proposal`: the K-chain form (the tree's top-1 path), with q None:
-  the drafts are deterministic, which is exact at any temperature under rejection sampling.
+  Medusa: depth d holds head d-1's ranks, all read from the last feature. EAGLE: the drafter
+  runs over the last `window` rows plus the nodes so far (each sees the window, its ancestors
+  and itself; `eagle_runs.py` keeps the keys and values); a node's children are the top ranks of
+  its own predicted feature. `dynamic=True` grows EAGLE-2's tree: per depth it expands the
+  `dynamic_width` most probable nodes, then keeps the `tree.num_nodes - 1` most probable of all.
+- `propose(contexts, k, ...) -> Proposal`: the K-chain (the tree's top-1 path), q None: the
+  drafts are deterministic, exact at any temperature under rejection sampling.
 
-Left out on purpose: Medusa's typical acceptance (lossy; chapter 10 measures it as a contrast),
-batched trees.
+Left out on purpose: Medusa's typical acceptance (lossy; chapter 10 measures it), batched trees.
 """
 import torch
 
