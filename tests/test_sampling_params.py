@@ -3,7 +3,7 @@ inside and just outside each bound, wrong types), `SamplingParams(**{field: valu
 the HTTP server answers 400 naming that field as `param`, and a value both accept reaches the
 engine as the same SamplingParams. The REFUSED column is the spec the ranges follow: OpenAI's
 for OpenAI's fields (4 stop strings, penalties [-2, 2], logit_bias [-100, 100]) but temperature
-(vLLM's: >= 0, no upper bound), vLLM's for its extras (top_k -1 or >= 1, repetition_penalty > 0,
+([0, 100]), vLLM's for its extras (top_k -1 or >= 1, repetition_penalty > 0,
 20 logprobs).
 Limits of the engine (n within max_num_seqs, token ids within the vocabulary, max_tokens within
 the context) are not field ranges and stay inside them here."""
@@ -22,7 +22,7 @@ BASE = {"max_tokens": 2, "temperature": 0}      # given at both doors (HTTP's te
 NAN, INF = float("nan"), float("inf")
 R, OK = True, False                             # refused, accepted
 TABLE = {  # field -> [(value as JSON carries it, refused?)]
-    "temperature": [(0, OK), (2, OK), (2.0000001, OK), (1e6, OK), (-1e-9, R), (0.005, OK), (NAN, R), (INF, R),
+    "temperature": [(0, OK), (2, OK), (2.0000001, OK), (100, OK), (100.001, R), (1e308, R), (-1e-9, R), (0.005, OK), (NAN, R), (INF, R),
                     (10**400, R), ("hot", R), (True, R)],
     "top_p": [(1, OK), (1e-9, OK), (0, R), (1.0000001, R), (-1, R), (NAN, R), ("1", R)],
     "top_k": [(-1, OK), (1, OK), (10**6, OK), (0, R), (-2, R), (2.5, R), (True, R)],

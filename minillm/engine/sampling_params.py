@@ -7,9 +7,9 @@ doors or at neither (tests/test_sampling_params.py holds it). A refused value ra
 `SamplingParamError`, a ValueError whose `field` names the field (`SamplingParamTypeError`,
 also a TypeError, for a value of the wrong type); the server turns it into a 400 whose `param`
 is the field's HTTP name. The ranges are OpenAI's for OpenAI's fields (at most 4 stop strings,
-penalties [-2, 2], logit_bias [-100, 100]) except temperature, which is vLLM's (>= 0, no upper
-bound: the offline API always took any), and vLLM's for its extras (top_k -1 or >= 1,
-repetition_penalty > 0, min_p [0, 1], at most 20 logprobs).
+penalties [-2, 2], logit_bias [-100, 100]) except temperature, [0, 100] (above OpenAI's 2, as
+vLLM and the offline API allow, but bounded so logits / T stays finite), and vLLM's for its
+extras (top_k -1 or >= 1, repetition_penalty > 0, min_p [0, 1], at most 20 logprobs).
 
 Left out on purpose: limits that depend on the engine or the model (n and best_of within
 max_num_seqs, max_tokens within the context, token ids within the vocabulary): they are checked
@@ -22,6 +22,7 @@ from minillm.engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20          # most top logprobs a request may ask for (vLLM's max_logprobs)
 MAX_STOP = 4               # most stop strings a request may give (OpenAI's limit)
+MAX_TEMPERATURE = 100      # far past any useful value; 1e308 would turn -inf logits into nan
 
 
 class SamplingParamError(ValueError):
@@ -57,7 +58,7 @@ class SamplingParams:
     **Unlike vLLM (temperature=1.0) the default is greedy.** `stop`: a str or list of str; the
     text is cut before the first one it contains, with finish_reason "stop" (needs a tokenizer)."""
 
-    temperature: float = 0.0                   # >= 0, finite
+    temperature: float = 0.0                   # [0, 100]
     top_p: float = 1.0                         # (0, 1]
     top_k: int = -1                            # -1 (off) or >= 1
     max_tokens: int = 16                       # >= 1
@@ -93,7 +94,7 @@ class SamplingParams:
     # ---- one rule per field, in field order (min_tokens and best_of read fields checked before);
     # each returns the field's value in its one form
     def _check_temperature(self):
-        return check_real("temperature", self.temperature, 0)
+        return check_real("temperature", self.temperature, 0, MAX_TEMPERATURE)
 
     def _check_top_p(self):
         return check_real("top_p", self.top_p, 0, 1, low_open=True)
