@@ -55,14 +55,14 @@ class Machine(RuleBasedStateMachine):
         self.next_id = 0
         # liveness: the token lists whose KV was fully written, and how many blocks have left the
         # cache so far. Every removal (LRU eviction, an overwrite after truncate, a stale entry)
-        # goes through _uncache, which is counted here.
+        # goes through PrefixCache.uncache, which is counted here.
         self.uncached, self.computed = 0, {}   # prompt -> self.uncached when it was computed
-        real = self.bm._uncache
+        real = self.bm.prefix_cache.uncache
 
-        def counted(b):
+        def counted(b, seqs):
             self.uncached += 1
-            real(b)
-        self.bm._uncache = counted
+            real(b, seqs)
+        self.bm.prefix_cache.uncache = counted
 
     def seqs(self):
         return self.bm.seq_ids()

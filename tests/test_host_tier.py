@@ -27,12 +27,12 @@ class TierMachine(Machine):
         self.kv, self.host, self.next_id = {}, {}, 0
         self.uncached, self.computed, self.cow = 0, {}, []
         self.now = 0.0
-        real = self.bm._uncache
+        real = self.bm.prefix_cache.uncache
 
-        def counted(b):
+        def counted(b, seqs):
             self.uncached += 1
-            real(b)
-        self.bm._uncache = counted
+            real(b, seqs)
+        self.bm.prefix_cache.uncache = counted
 
     def _run_moves(self):
         """The runner's block moves of one step, in its order."""
@@ -98,7 +98,7 @@ class TierMachine(Machine):
     @invariant()
     def computed_kv_is_the_sequences_own(self):
         bm, P = self.bm, self.bm.block_size
-        pending = set(bm._restores) | {dst for _, dst in self.cow}     # copies not made yet
+        pending = set(bm.offload._restores) | {dst for _, dst in self.cow}     # copies not made yet
         for s in bm.seq_ids():
             toks, table = bm.token_ids(s), bm.block_table(s)
             for p in range(bm.num_computed_tokens(s)):
@@ -108,7 +108,7 @@ class TierMachine(Machine):
     @invariant()
     def host_slots_hold_what_the_tier_says(self):
         bm, P = self.bm, self.bm.block_size
-        pending = {s for _, s in bm._offloads}
+        pending = {s for _, s in bm.offload._offloads}
         for entry in bm.host_tier._lru.values():
             if entry.slot in pending:
                 continue
