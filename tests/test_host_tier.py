@@ -14,7 +14,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from minillm.paging.block_manager import BlockManager
 from minillm.paging.host_tier import HostTier, TokenNode, same_chain, spells
-from test_block_manager import MANAGERS, Machine, tokens_st
+from test_block_manager import MANAGERS, Machine, check_free_lists, tokens_st
 
 
 class TierMachine(Machine):
@@ -230,3 +230,24 @@ def test_a_restore_into_a_freed_block_is_cancelled():
     bm.free("c")                                   # preempted before the step ran
     assert bm.take_kv_moves() == ([], [])          # no restore into a free block
     assert not bm.is_cached(target)                # and its never-written KV is not findable
+
+
+def test_a_failed_step_forgets_the_copies_it_was_handed():
+    bm = BlockManager(2, 2, True, HostTier(2))
+    bm.allocate("a", [1, 2, 3])
+    bm.mark_computed("a", 3)
+    bm.free("a")
+    bm.allocate("b", [4, 5, 6])                    # (1, 2) goes to the host
+    bm.take_kv_moves()
+    bm.mark_computed("b", 3)
+    bm.free("b")
+    assert bm.allocate("c", [1, 2, 7]) == 2        # restores (1, 2), offloads (4, 5)
+    target = bm.block_table("c")[0]
+    moves = bm.take_kv_moves()                     # handed to a step that fails
+    assert moves[0] and moves[1]
+    bm.mark_computed("c", 2)                       # as a swap-in registers its blocks at once
+    bm.free("c")
+    bm.forget_moves(*moves)
+    assert not bm.is_cached(target)                # its restore may never have been made
+    assert bm.num_cached_tokens([4, 5, 6]) == 0    # nor the offload: the host slot is dropped
+    check_free_lists(bm)
