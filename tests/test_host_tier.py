@@ -215,15 +215,24 @@ def test_a_slot_waiting_for_its_restore_is_not_overwritten():
     assert restores == [(0, bm.block_table("c")[0])] and offloads == []
 
 
-def test_a_restore_into_a_freed_block_is_cancelled():
+def _restoring(compute_b: bool) -> BlockManager:
+    """A 2-block pool whose prompt "c" = [1, 2, 7] is just allocated with (1, 2) restored from the
+    host; with `compute_b`, (4, 5) of the prompt before it is cached and offloaded meanwhile."""
     bm = BlockManager(2, 2, True, HostTier(2))
     bm.allocate("a", [1, 2, 3])
     bm.mark_computed("a", 3)
     bm.free("a")
     bm.allocate("b", [4, 5, 6])                    # (1, 2) goes to the host
     bm.take_kv_moves()
+    if compute_b:
+        bm.mark_computed("b", 3)
     bm.free("b")
     assert bm.allocate("c", [1, 2, 7]) == 2
+    return bm
+
+
+def test_a_restore_into_a_freed_block_is_cancelled():
+    bm = _restoring(compute_b=False)
     target = bm.block_table("c")[0]
     bm.mark_computed("c", 2)                       # as a swap-in registers its blocks at once
     assert bm.is_cached(target)
@@ -233,15 +242,7 @@ def test_a_restore_into_a_freed_block_is_cancelled():
 
 
 def test_a_failed_step_forgets_the_copies_it_was_handed():
-    bm = BlockManager(2, 2, True, HostTier(2))
-    bm.allocate("a", [1, 2, 3])
-    bm.mark_computed("a", 3)
-    bm.free("a")
-    bm.allocate("b", [4, 5, 6])                    # (1, 2) goes to the host
-    bm.take_kv_moves()
-    bm.mark_computed("b", 3)
-    bm.free("b")
-    assert bm.allocate("c", [1, 2, 7]) == 2        # restores (1, 2), offloads (4, 5)
+    bm = _restoring(compute_b=True)                # restores (1, 2), offloads (4, 5)
     target = bm.block_table("c")[0]
     moves = bm.take_kv_moves()                     # handed to a step that fails
     assert moves[0] and moves[1]
