@@ -60,3 +60,15 @@ def check_real(name: str, value, low: float | None = None, high: float | None = 
     except OverflowError:                       # an int past every float: not finite either
         raise ValueError(f"{name} must be finite ({want}), got an int of "
                          f"{value.bit_length()} bits") from None
+
+
+def check_token_ids(token_ids, allow_empty: bool = False) -> list[int]:
+    """A copy of `token_ids` as a list if it is a list or tuple of ints (non-empty unless
+    `allow_empty`); TypeError / ValueError naming `token_ids` otherwise."""
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    if not token_ids and not allow_empty:
+        raise ValueError("token_ids must hold at least one token, got an empty list")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
+        raise TypeError("token_ids must be a list of ints")
+    return list(token_ids)

@@ -42,6 +42,14 @@ def full_state(bm: BlockManager):
     return snapshot(bm), [bm.is_cached(b) for b in range(bm.num_blocks)], dict(bm.stats)
 
 
+def check_free_lists(bm: BlockManager):
+    """The free list caches nothing; every evictable block (the LRU after it) is cached."""
+    free = bm.free_block_ids()
+    plain = len(free) - bm.num_evictable_blocks
+    assert not any(bm.is_cached(b) for b in free[:plain])
+    assert all(bm.is_cached(b) for b in free[plain:])
+
+
 # ---- property test: random operation sequences ------------------------------------------------
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)  # tiny vocab: many shared prefixes
 
@@ -55,14 +63,14 @@ class Machine(RuleBasedStateMachine):
         self.next_id = 0
         # liveness: the token lists whose KV was fully written, and how many blocks have left the
         # cache so far. Every removal (LRU eviction, an overwrite after truncate, a stale entry)
-        # goes through _uncache, which is counted here.
+        # goes through PrefixCache.uncache, which is counted here.
         self.uncached, self.computed = 0, {}   # prompt -> self.uncached when it was computed
-        real = self.bm._uncache
+        real = self.bm.prefix_cache.uncache
 
-        def counted(b):
+        def counted(b, seqs):
             self.uncached += 1
-            real(b)
-        self.bm._uncache = counted
+            real(b, seqs)
+        self.bm.prefix_cache.uncache = counted
 
     def seqs(self):
         return self.bm.seq_ids()
@@ -194,6 +202,7 @@ class Machine(RuleBasedStateMachine):
         free = bm.free_block_ids()
         assert len(free) == len(set(free)) == bm.num_free_blocks
         assert set(free) == {b for b in range(bm.num_blocks) if holders[b] == 0}
+        check_free_lists(bm)
 
     @invariant()
     def computed_kv_is_the_sequences_own(self):
@@ -406,6 +415,7 @@ def test_a_prompt_computed_after_an_orphan_is_found_in_full():
     bm.free("x")
     assert bm.allocate("y", [1, 2, 3, 4, 5]) == 4
     assert bm.stats["evicted_blocks"] == evicted
+    check_free_lists(bm)                       # the orphan, idle, went to the free list
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -520,3 +530,18 @@ def test_a_stand_in_that_takes_over_a_hash_keeps_the_blocks_cached_behind_it():
     toks = bm.token_ids(1)
     bm.free(1)
     assert bm.allocate(5, toks) == 4
+
+
+def test_a_live_chain_goes_on_through_the_stand_in_that_takes_over():
+    """b computes the same first block as a (a stand-in). When a's copy is evicted, b's chain must
+    go on through b's own copy, so the next block b computes is found behind it."""
+    bm = BlockManager(num_blocks=5, block_size=2, enable_prefix_caching=True)
+    bm.allocate("a", [1, 2, 9])                    # blocks [0, 1]
+    bm.allocate("b", [1, 2, 3, 4, 5])              # blocks [2, 3, 4]: nothing computed yet
+    bm.mark_computed("a", 2)
+    bm.mark_computed("b", 2)                       # block 2 holds the same KV as block 0
+    bm.free("a")
+    bm.allocate("c", [7, 8, 9])                    # takes block 1, then evicts block 0
+    assert not bm.is_cached(0) and bm.is_cached(2)
+    bm.mark_computed("b", 4)
+    assert bm.num_cached_tokens([1, 2, 3, 4, 6]) == 4

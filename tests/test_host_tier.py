@@ -14,7 +14,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from minillm.paging.block_manager import BlockManager
 from minillm.paging.host_tier import HostTier, TokenNode, same_chain, spells
-from test_block_manager import MANAGERS, Machine, tokens_st
+from test_block_manager import MANAGERS, Machine, check_free_lists, tokens_st
 
 
 class TierMachine(Machine):
@@ -27,12 +27,12 @@ class TierMachine(Machine):
         self.kv, self.host, self.next_id = {}, {}, 0
         self.uncached, self.computed, self.cow = 0, {}, []
         self.now = 0.0
-        real = self.bm._uncache
+        real = self.bm.prefix_cache.uncache
 
-        def counted(b):
+        def counted(b, seqs):
             self.uncached += 1
-            real(b)
-        self.bm._uncache = counted
+            real(b, seqs)
+        self.bm.prefix_cache.uncache = counted
 
     def _run_moves(self):
         """The runner's block moves of one step, in its order."""
@@ -98,7 +98,7 @@ class TierMachine(Machine):
     @invariant()
     def computed_kv_is_the_sequences_own(self):
         bm, P = self.bm, self.bm.block_size
-        pending = set(bm._restores) | {dst for _, dst in self.cow}     # copies not made yet
+        pending = set(bm.offload._restores) | {dst for _, dst in self.cow}     # copies not made yet
         for s in bm.seq_ids():
             toks, table = bm.token_ids(s), bm.block_table(s)
             for p in range(bm.num_computed_tokens(s)):
@@ -108,7 +108,7 @@ class TierMachine(Machine):
     @invariant()
     def host_slots_hold_what_the_tier_says(self):
         bm, P = self.bm, self.bm.block_size
-        pending = {s for _, s in bm._offloads}
+        pending = {s for _, s in bm.offload._offloads}
         for entry in bm.host_tier._lru.values():
             if entry.slot in pending:
                 continue
@@ -215,18 +215,40 @@ def test_a_slot_waiting_for_its_restore_is_not_overwritten():
     assert restores == [(0, bm.block_table("c")[0])] and offloads == []
 
 
-def test_a_restore_into_a_freed_block_is_cancelled():
+def _restoring(compute_b: bool) -> BlockManager:
+    """A 2-block pool whose prompt "c" = [1, 2, 7] is just allocated with (1, 2) restored from the
+    host; with `compute_b`, (4, 5) of the prompt before it is cached and offloaded meanwhile."""
     bm = BlockManager(2, 2, True, HostTier(2))
     bm.allocate("a", [1, 2, 3])
     bm.mark_computed("a", 3)
     bm.free("a")
     bm.allocate("b", [4, 5, 6])                    # (1, 2) goes to the host
     bm.take_kv_moves()
+    if compute_b:
+        bm.mark_computed("b", 3)
     bm.free("b")
     assert bm.allocate("c", [1, 2, 7]) == 2
+    return bm
+
+
+def test_a_restore_into_a_freed_block_is_cancelled():
+    bm = _restoring(compute_b=False)
     target = bm.block_table("c")[0]
     bm.mark_computed("c", 2)                       # as a swap-in registers its blocks at once
     assert bm.is_cached(target)
     bm.free("c")                                   # preempted before the step ran
     assert bm.take_kv_moves() == ([], [])          # no restore into a free block
     assert not bm.is_cached(target)                # and its never-written KV is not findable
+
+
+def test_a_failed_step_forgets_the_copies_it_was_handed():
+    bm = _restoring(compute_b=True)                # restores (1, 2), offloads (4, 5)
+    target = bm.block_table("c")[0]
+    moves = bm.take_kv_moves()                     # handed to a step that fails
+    assert moves[0] and moves[1]
+    bm.mark_computed("c", 2)                       # as a swap-in registers its blocks at once
+    bm.free("c")
+    bm.forget_moves(*moves)
+    assert not bm.is_cached(target)                # its restore may never have been made
+    assert bm.num_cached_tokens([4, 5, 6]) == 0    # nor the offload: the host slot is dropped
+    check_free_lists(bm)

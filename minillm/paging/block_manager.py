@@ -2,26 +2,24 @@
 
 Letters: N physical blocks in the pool, P block size (token slots per block).
 
-No tensors here (the KV lives in paging/paged_cache.py): only block ids. Each sequence owns a
-*block table*, logical block i (positions i*P .. i*P+P-1) -> physical block id, so position `pos`
-lives in slot `table[pos // P] * P + pos % P`. Blocks are handed out one at a time on demand and
-come back when the sequence is freed. Blocks are shared by reference count: `fork(parent,
-child)` shares every block, and the first write into a shared, partly filled last block copies it
-(`append_tokens` returns `(src, dst)` pairs the runner copies first). Prefix caching
-(prefix_cache.py) and the host tier's bookkeeping (offload.py) are mixed in; the tier's copies are
-handed out by `take_kv_moves` each step.
+No tensors here (the KV lives in paged_cache.py): only block ids. Each sequence owns a *block
+table*, logical block i (positions i*P .. i*P+P-1) -> physical block id, so position `pos` lives
+in slot `table[pos // P] * P + pos % P`. Blocks are handed out on demand and come back when the
+sequence is freed; they are shared by reference count: `fork` shares every block, and the first
+write into a shared, partly filled last block copies it (`append_tokens` returns the copies).
+The manager owns `prefix_cache` (prefix_cache.py: which blocks hold which prompt prefix) and
+`offload` (offload.py: copies to and from the host tier, handed out by `take_kv_moves`).
 
 Left out on purpose: swapping whole sequences (the scheduler does that through the runner),
-sliding-window or per-layer tables, extra hash inputs (LoRA id, images, cache salt), and any
-scheduling policy: the manager only answers "can I?" and raises `NoFreeBlocksError` (before
-changing anything) when it cannot.
+sliding-window or per-layer tables, and any scheduling policy: the manager only answers "can I?"
+and raises `NoFreeBlocksError` (before changing anything) when it cannot.
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from minillm._validate import check_int
+from minillm._validate import check_int, check_token_ids as _check_tokens
 from minillm.paging.host_tier import HostTier
-from minillm.paging.offload import Offload
+from minillm.paging.offload import OffloadManager
 from minillm.paging.prefix_cache import PrefixCache
 
 
@@ -37,17 +35,7 @@ class _Seq:
     chain: list = field(default_factory=list)  # per full computed block: (hash, identity or None)
 
 
-def _check_tokens(token_ids, allow_empty: bool = False) -> list[int]:
-    if not isinstance(token_ids, (list, tuple)):
-        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
-    if not token_ids and not allow_empty:
-        raise ValueError("token_ids must hold at least one token, got an empty list")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
-        raise TypeError("token_ids must be a list of ints")
-    return list(token_ids)
-
-
-class BlockManager(PrefixCache, Offload):
+class BlockManager:
     """A pool of `num_blocks` blocks of `block_size` tokens, with block tables, reference
     counts, fork + copy-on-write and (optionally) prefix caching.
 
@@ -72,9 +60,11 @@ class BlockManager(PrefixCache, Offload):
         self._ref = [0] * num_blocks
         self._free = deque(range(num_blocks))  # refcount 0, nothing cached in it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached; LRU first
-        self._init_prefix_cache(num_blocks)
-        self._init_offload(host_tier)         # a second KV tier in host memory (offload.py)
         self._seqs: dict = {}
+        self.prefix_cache = PrefixCache(num_blocks, block_size, self.block_hash,
+                                        self.enable_prefix_caching)
+        self.offload = OffloadManager(host_tier, self.prefix_cache, self.enable_prefix_caching)
+        self.host_tier = host_tier            # a second KV tier in host memory, or None
         # queried_blocks: prompt blocks that could have hit ((len - 1) // P per prompt, with caching)
         self.stats = {"queried_blocks": 0, "hit_blocks": 0, "evicted_blocks": 0, "cow_copies": 0}
 
@@ -88,6 +78,11 @@ class BlockManager(PrefixCache, Offload):
     def num_evictable_blocks(self) -> int:
         """Cached blocks with refcount 0: free to take, and still findable until taken."""
         return len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or evictable)."""
+        return len(self.prefix_cache)
 
     @property
     def num_used_blocks(self) -> int:
@@ -104,8 +99,17 @@ class BlockManager(PrefixCache, Offload):
             raise ValueError(f"block_id must be < num_blocks={self.num_blocks}, got {block_id}")
         return self._ref[block_id]
 
+    def is_cached(self, block_id: int) -> bool:
+        """True when the block is registered in the prefix cache."""
+        return block_id in self.prefix_cache
+
+    def block_hash(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+        """Chained hash of a full block: depends on every token before it through parent_hash
+        (None for the first block). A tuple of ints hashes the same in every process."""
+        return hash((-1 if parent_hash is None else parent_hash, tokens))
+
     def free_block_ids(self) -> list[int]:
-        """Ids of blocks with refcount 0: the plain free list, then evictable cached blocks (LRU first)."""
+        """Ids of blocks with refcount 0: the free list, then evictable cached blocks (LRU first)."""
         return list(self._free) + list(self._evictable)
 
     # ---- per-sequence queries -----------------------------------------------------------
@@ -148,8 +152,8 @@ class BlockManager(PrefixCache, Offload):
             b = self._free.popleft()
         else:  # evict the least recently freed cached block
             b, _ = self._evictable.popitem(last=False)
-            self._offload_evicted(b)   # with a host tier: its KV is copied there first
-            self._uncache(b)
+            self.offload.evicted(b)   # with a host tier: its KV is copied there first
+            self.prefix_cache.uncache(b, self._seqs.values())
             self.stats["evicted_blocks"] += 1
         self._ref[b] = 1
         return b
@@ -162,36 +166,46 @@ class BlockManager(PrefixCache, Offload):
     def _decref(self, b: int) -> None:
         self._ref[b] -= 1
         if self._ref[b] == 0:
-            if b in self._entry:
+            if self.offload.cancel_restore(b) and b in self.prefix_cache:
+                self.prefix_cache.uncache(b, self._seqs.values())  # its KV was never written
+            if b in self.prefix_cache:
                 self._evictable[b] = None  # newest at the end
+                self.offload.start_idle_clock(b)
             else:
                 self._free.append(b)
-            self._freed(b)
 
-    def _check_fits(self, num_tokens: int) -> int:
-        need = self.blocks_needed(num_tokens)
-        if need > self.num_blocks:
-            raise ValueError(f"a request of {num_tokens} tokens needs {need} blocks of "
-                             f"block_size={self.block_size}, but the pool has only "
-                             f"num_blocks={self.num_blocks}")
-        return need
+    def _release(self, b: int) -> None:
+        """b has just left the prefix cache: if it was evictable, it is free now."""
+        if b in self._evictable:
+            del self._evictable[b]
+            self._free.append(b)
 
     def num_cached_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens `allocate` would find in the prefix cache now. A pure probe:
         it changes no block, no LRU order and no statistic. Host-tier hits count too."""
         tokens = _check_tokens(token_ids)
-        hits = self._lookup(tokens)
-        return (len(hits) + len(self._host_hits(tokens, hits))) * self.block_size
+        hits = self.prefix_cache.lookup(tokens)
+        return (len(hits) + len(self.offload.hits(tokens, hits))) * self.block_size
 
     # ---- operations -------------------------------------------------------------------
+    def _plan(self, token_ids: list[int]) -> tuple[list[int], list[tuple[int, int]], int, int]:
+        """What allocating `token_ids` takes: (tokens, prefix-cache hits, new blocks needed,
+        blocks free for them). Hits need no new block, but revived ones leave the free count."""
+        tokens = _check_tokens(token_ids)
+        need = self.blocks_needed(len(tokens))
+        if need > self.num_blocks:
+            raise ValueError(f"a request of {len(tokens)} tokens needs {need} blocks of "
+                             f"block_size={self.block_size}, but the pool has only "
+                             f"num_blocks={self.num_blocks}")
+        hits = self.prefix_cache.lookup(tokens)
+        revived = sum(self._ref[b] == 0 for b, _ in hits)  # hits that leave the evictable pool
+        return tokens, hits, need - len(hits), self.num_free_blocks - revived
+
     def can_allocate(self, token_ids: list[int]) -> bool:
         """Whether `allocate` would succeed now (prefix-cache hits need no new block).
         A prompt that could never fit in the whole pool raises ValueError instead."""
-        tokens = _check_tokens(token_ids)
-        need = self._check_fits(len(tokens))
-        hits = self._lookup(tokens)
-        revived = sum(self._ref[b] == 0 for b, _ in hits)  # hits that leave the evictable pool
-        return self.num_free_blocks - revived >= need - len(hits)
+        _, _, new, free = self._plan(token_ids)
+        return new <= free
 
     def allocate(self, seq_id, token_ids: list[int]) -> int:
         """Give a new sequence blocks for all its tokens; return how many leading prompt
@@ -199,20 +213,16 @@ class BlockManager(PrefixCache, Offload):
         host tier that includes blocks restored from it (booked: see `take_kv_moves`)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
-        tokens = _check_tokens(token_ids)
-        need = self._check_fits(len(tokens))
-        hits = self._lookup(tokens)
-        revived = sum(self._ref[b] == 0 for b, _ in hits)
-        if self.num_free_blocks - revived < need - len(hits):
-            raise NoFreeBlocksError(f"seq {seq_id!r} needs {need - len(hits)} new blocks, "
-                                    f"{self.num_free_blocks - revived} free")
-        host = self._host_hits(tokens, hits)   # the chain goes on in the host tier (offload.py)
+        tokens, hits, new, free = self._plan(token_ids)
+        if new > free:
+            raise NoFreeBlocksError(f"seq {seq_id!r} needs {new} new blocks, {free} free")
+        host = self.offload.hits(tokens, hits)   # the chain goes on in the host tier
         for b, _ in hits:  # take the hits first so that _take_free cannot evict them
             self._incref(b)
-        self._pin(host)
-        table = [b for b, _ in hits] + [self._take_free() for _ in range(need - len(hits))]
-        self._book_restores(table[len(hits):], host)
-        chain = [(h, (b, self._gen[b])) for b, h in hits]
+        self.offload.pin(host)
+        table = [b for b, _ in hits] + [self._take_free() for _ in range(new)]
+        self.offload.book_restores(table[len(hits):], host)
+        chain = [(h, self.prefix_cache.identity(b)) for b, h in hits]
         num_cached = (len(hits) + len(host)) * self.block_size
         self._seqs[seq_id] = _Seq(tokens, table, num_cached, chain)
         if self.enable_prefix_caching:
@@ -223,21 +233,12 @@ class BlockManager(PrefixCache, Offload):
     def mark_computed(self, seq_id, num_computed_tokens: int) -> None:
         """The KV of the first `num_computed_tokens` tokens is written. With prefix caching, the
         full blocks among them become cache entries. A smaller number than before is ignored."""
-        seq, P = self._get(seq_id), self.block_size
-        check_int("num_computed_tokens", num_computed_tokens, 0)
-        if num_computed_tokens > len(seq.tokens):
-            raise ValueError(f"num_computed_tokens must be <= num_tokens={len(seq.tokens)}, "
-                             f"got {num_computed_tokens}")
+        seq = self._get(seq_id)
+        check_int("num_computed_tokens", num_computed_tokens, 0, len(seq.tokens))
         seq.num_computed = max(seq.num_computed, num_computed_tokens)
-        if not self.enable_prefix_caching:
-            return
-        for i in range(len(seq.chain), seq.num_computed // P):
-            parent_hash, parent_id = seq.chain[-1] if seq.chain else (None, None)
-            toks = tuple(seq.tokens[i * P:(i + 1) * P])
-            h, ident = self.block_hash(parent_hash, toks), None
-            if i == 0 or parent_id is not None:  # a broken chain is never registered
-                ident = self._register(seq.table[i], h, toks, parent_id)
-            seq.chain.append((h, ident))
+        full = seq.num_computed // self.block_size
+        for orphan in self.prefix_cache.extend_chain(seq, full, self._seqs.values()):
+            self._release(orphan)     # it left the cache: if idle, it is plainly free now
 
     def _append_cost(self, seq: _Seq, num_new: int) -> tuple[int, bool]:
         n_old, P = len(seq.tokens), self.block_size
@@ -266,8 +267,8 @@ class BlockManager(PrefixCache, Offload):
                 seq.table[-1] = dst
                 copies.append((last, dst))
                 self.stats["cow_copies"] += 1
-            elif last in self._entry:  # we own it, but its cached KV is about to be overwritten
-                self._uncache(last)
+            elif last in self.prefix_cache:  # we own it, but its cached KV is about to be overwritten
+                self.prefix_cache.uncache(last, self._seqs.values())
         seq.tokens.extend(toks)
         while len(seq.table) < self.blocks_needed(len(seq.tokens)):
             seq.table.append(self._take_free())
@@ -276,10 +277,7 @@ class BlockManager(PrefixCache, Offload):
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Roll the sequence back to its first `num_tokens` tokens (rejected speculative tokens)."""
         seq = self._get(seq_id)
-        check_int("num_tokens", num_tokens, 0)
-        if num_tokens > len(seq.tokens):
-            raise ValueError(f"num_tokens must be <= num_tokens of the seq ({len(seq.tokens)}), "
-                             f"got {num_tokens}")
+        check_int("num_tokens", num_tokens, 0, len(seq.tokens))
         keep = self.blocks_needed(num_tokens)
         for b in reversed(seq.table[keep:]):
             self._decref(b)
@@ -315,3 +313,25 @@ class BlockManager(PrefixCache, Offload):
         del self._seqs[seq_id]
         for b in reversed(seq.table):
             self._decref(b)
+
+    # ---- the host tier's copies (offload.py) ----------------------------------------------
+    def offload_idle(self, now: float, idle_s: float) -> int:
+        """Book cached blocks idle `idle_s` or longer into the host tier; returns how many."""
+        return self.offload.offload_idle(now, idle_s, self._evictable)
+
+    def has_pending_restores(self, seq_id) -> bool:
+        """Whether some block of the sequence still waits for its restore (made this step)."""
+        return self.offload.pending_restore(self._get(seq_id).table)
+
+    def take_kv_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies booked since the last call: offloads, restores (`OffloadManager.take_moves`)."""
+        return self.offload.take_moves()
+
+    def forget_moves(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """A step failed after its copies were handed out, so they may not have been made: the
+        offloads' host slots and the restores' device blocks lose what they were said to hold."""
+        self.offload.forget_offloads(offloads)
+        for _, b in restores:
+            if b in self.prefix_cache:
+                self.prefix_cache.uncache(b, self._seqs.values())
+                self._release(b)
