@@ -24,7 +24,7 @@ def run(quick: bool = False, device=None, out_dir=None, model=None,
     """Benchmark entry point (`python -m benchmarks` protocol): writes compile_cpu.json.
     `model` replaces SmolLM2 and `mode` the torch.compile mode (tests pass a tiny model and
     "default": max-autotune's kernel search is minutes on a cold inductor cache, and
-    tests/test_compiled.py runs it). CPU only: elsewhere it writes nothing."""
+    tests/kernels/test_compiled.py runs it). CPU only: elsewhere it writes nothing."""
     device = torch.device(device) if device is not None else default_device()
     if device.type != "cpu":
         print("compile: skipped, measured on the CPU only (GPUs: benchmarks cuda_graphs)")

@@ -34,7 +34,7 @@ from benchmarks.records import REPO_ROOT
 STEPS = ["cuda_graphs", "roofline", "decode", "spec_replay", "tests", "serving", "spec"]  # most wanted first
 STEP_LIMIT_S = {"cuda_graphs": 60, "roofline": 120, "decode": 90, "spec_replay": 60, "tests": 120,
                 "serving": 150, "spec": 150}
-TESTS = ["tests/test_speculative.py", "tests/test_spec_stats.py", "tests/test_cuda_graphs.py"]
+TESTS = ["tests/spec/test_speculative.py", "tests/spec/test_spec_stats.py", "tests/lab/test_cuda_graphs.py"]
 SKIP_RC = 3                      # a step that cannot run here exits with this code and a reason
 
 

@@ -5,7 +5,7 @@ batch-1 decode times per pinned route (a `kernels` record reported without its t
 minillm/kernels/route_priors.json: per CPU vendor, instruction set and thread class, the route
 that won on most weight shapes in each row bucket, and the layout most shapes chose (see
 `minillm.kernels.route_priors`). `--check` writes nothing and exits 1 when the committed file
-differs from what the records give (tests/test_route_priors.py runs the same comparison).
+differs from what the records give (tests/kernels/test_route_priors.py runs the same comparison).
 """
 import argparse
 import json

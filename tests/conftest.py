@@ -1,12 +1,22 @@
 """Shared fixtures, and torch's threads when `make test` runs the tests in several processes."""
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+# The tests mirror the package (tests/engine, tests/paging, ...); the shared helpers sit here in
+# tests/ and some test modules import another's fixtures by its unique file name, so every test
+# folder is on the path, as pytest puts a test file's own folder there when it imports it.
+_HERE = Path(__file__).resolve().parent
+for _folder in [_HERE, *sorted(p for p in _HERE.iterdir() if p.is_dir() and p.name != "__pycache__")]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
 # Tests time what they test themselves: no background tuner of the CPU routes (the front door
 # starts one on a first start, minillm/kernels/background.py), in these processes or the servers
-# and workers they start. tests/test_background_tuning.py runs one on purpose.
+# and workers they start. tests/kernels/test_background_tuning.py runs one on purpose.
 os.environ.setdefault("MINILLM_BACKGROUND_TUNING", "0")
 
 # pytest-xdist (make test: `-n auto`) runs the test files in one process per core: each takes its

@@ -4,7 +4,7 @@
     python tests/layout_sizes.py --write   # rewrites the numbers in docs/layout.md
 
 Lines are written rounded to the nearest hundred, so an ordinary commit does not move them;
-`stale` (tests/test_layout.py) reports a row whose written count is off by more than `SLACK`
+`stale` (tests/project/test_layout.py) reports a row whose written count is off by more than `SLACK`
 lines, or whose file count differs at all.
 """
 import re

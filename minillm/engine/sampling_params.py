@@ -3,7 +3,7 @@
 Every field has one rule, written once in `SamplingParams._check`, and runs once, when the
 object is built. Both doors build one: `LLM` / `LLMEngine.add_request` from the caller's
 object, the HTTP server (serve/protocol.py) from the JSON body. So a value is refused at both
-doors or at neither (tests/test_sampling_params.py holds it). A refused value raises
+doors or at neither (tests/engine/test_sampling_params.py holds it). A refused value raises
 `SamplingParamError`, a ValueError whose `field` names the field (`SamplingParamTypeError`,
 also a TypeError, for a value of the wrong type); the server turns it into a 400 whose `param`
 is the field's HTTP name. The ranges are OpenAI's for OpenAI's fields (at most 4 stop strings,

@@ -4,7 +4,7 @@ When the machine is too busy to time anything, a first start still has to pick r
 is the safe choice but often the slowest (chapter 1's appendix: up to 1.6x a tuned table's decode
 step). The committed benchmark records hold tuned tables from real machines; `route_priors.json`
 (package data, written by `python -m benchmarks route_priors` from those records, and checked
-against them by tests/test_route_priors.py) keeps, for each CPU vendor, instruction set and
+against them by tests/kernels/test_route_priors.py) keeps, for each CPU vendor, instruction set and
 thread count (one thread, or several: `ksplit` and `nsplit` need two), the route that won most
 often per row bucket, and the layout most weight shapes chose.
 

@@ -13,7 +13,7 @@ Concurrency B is `max_num_seqs` over max(B, `min_requests`) requests with spread
 points are the best of `rounds` interleaved rounds, with the load average recorded.
 
 Left out on purpose: arrivals over time (an offline batch at each load: the per-step switch is the
-point, not the server), sampled decoding (its law is tested in tests/test_spec_switch.py), draft
+point, not the server), sampled decoding (its law is tested in tests/spec/test_spec_switch.py), draft
 models and trained drafters (chapter 10's; the switch treats them alike).
 """
 import os

@@ -71,7 +71,7 @@ def test_failed_forward_changes_nothing(model, monkeypatch):
     assert engine.num_free_blocks == engine.num_blocks
 
 
-# ---- B2: tests/test_scheduler.py::test_failed_admission_has_no_side_effects -----------------
+# ---- B2: tests/engine/test_scheduler.py::test_failed_admission_has_no_side_effects -----------------
 
 
 # ---- B4: each sequence keeps its own draft cache --------------------------------------------

@@ -1,6 +1,6 @@
 """The paged engine verifying token trees at temperature > 0 keeps the target's exact law.
 
-As tests/test_engine_laws.py does for chains: N requests of one prompt on a 5-token float64 tiny
+As tests/engine/test_engine_laws.py does for chains: N requests of one prompt on a 5-token float64 tiny
 model, the first 3 generated tokens of each one sample of the joint law, compared with the law
 enumerated through the target (`exact_target_law`, test_spec_stats.py) by a Pearson chi-square
 test. The drafter fills a 5-node tree of depth 2 with a second model's top-ranked tokens at each

@@ -1,4 +1,4 @@
-"""`GET /dashboard` over plain HTTP (no browser: tests/test_dashboard_browser.py opens it), and the
+"""`GET /dashboard` over plain HTTP (no browser: tests/serve/test_dashboard_browser.py opens it), and the
 metrics it draws: the page and its files, their types and Content-Security-Policy, nothing from
 another origin, its query parameters (a bad or unknown one is a 400 naming `param`), the same
 key rule as /metrics, and the metric contract (the SLO controller, the speculation

@@ -7,7 +7,7 @@ from pathlib import Path
 from benchmarks.sitting import course_size, notebook_size, RECORDS
 from benchmarks.__main__ import BENCHMARKS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _nb(tmp_path, cells):

@@ -5,7 +5,7 @@ against corrupt, foreign and unwritable folders; accelerated models against the 
 Nothing here depends on which route is fastest on the machine that runs it: the machine's load
 is faked (a quiet one unless a test says otherwise), and so is the clock where timing decides.
 The first-start path (no table: a quick probe, one line) and the noise rules (a busy machine's
-table is saved marked and not used) are in tests/test_kernel_tuning.py.
+table is saved marked and not used) are in tests/kernels/test_kernel_tuning.py.
 """
 import json
 

@@ -29,7 +29,7 @@ serve(build_app(llm.llm_engine, "tiny"), "127.0.0.1", 0, graceful_s=2.0, log_lev
 
 def _start():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(tests=str(Path(__file__).parent))],
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(tests=str(Path(__file__).parents[1]))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if not line.startswith("serving on "):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "minillm"
 _IGNORE = shutil.ignore_patterns(".venv", ".git", "build", "__pycache__", "*.egg-info", "notebooks",
                                  ".hypothesis", ".ipynb_checkpoints")

@@ -9,7 +9,7 @@
 - the switch (engine/tree_choice.py) keeps the tree on flat verify costs and falls back to the
   chain on steep ones, its decision in one line, as tree sizing's predicted speedups say;
 - a tree deeper than K or not prefix-closed is refused, naming `speculative_token_tree`.
-The law at temperature > 0 is tests/test_engine_tree_law.py.
+The law at temperature > 0 is tests/engine/test_engine_tree_law.py.
 
 The stand-in drafter (tree_drafters.py) fills the tree from the target's own greedy
 continuation, the right token at a rank set by the context length, so paths end early, late,

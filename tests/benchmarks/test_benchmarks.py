@@ -290,7 +290,7 @@ def test_quick_compile_record_on_a_tiny_model(tmp_path, one_thread):
     """bench compile, quick, on the tiny model: one timing per row count, the choice each made,
     compile seconds apart from step times, and the report's line per row count. Inductor's
     default mode: max-autotune's kernel search (the benchmark's default, minutes on a cold cache)
-    is covered by tests/test_compiled.py; here only the record's plumbing is under test."""
+    is covered by tests/kernels/test_compiled.py; here only the record's plumbing is under test."""
     from benchmarks import compile as compile_bench
     r = compile_bench.run(quick=True, device="cpu", out_dir=tmp_path,
                           model=tiny_model(vocab_size=128, n_layer=1), mode="default")
