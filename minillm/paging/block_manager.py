@@ -4,15 +4,13 @@ Letters: N physical blocks in the pool, P block size (token slots per block).
 
 No tensors here (the KV lives in paged_cache.py): only block ids. Each sequence owns a *block
 table*, logical block i (positions i*P .. i*P+P-1) -> physical block id, so position `pos` lives
-in slot `table[pos // P] * P + pos % P`. Blocks are handed out on demand and come back when the
-sequence is freed; they are shared by reference count: `fork` shares every block, and the first
-write into a shared, partly filled last block copies it (`append_tokens` returns the copies).
-The manager owns `prefix_cache` (prefix_cache.py: which blocks hold which prompt prefix) and
-`offload` (offload.py: copies to and from the host tier, handed out by `take_kv_moves`).
+in slot `table[pos // P] * P + pos % P`. Blocks are shared by reference count: `fork` shares every
+block, and the first write into a shared, partly filled last block copies it. The manager owns
+`prefix_cache` (prefix_cache.py) and, with a host tier, `offload` (offload.py: the copies to and
+from it, handed out by `take_kv_moves`); without one, `offload` is None and no call leaves here.
 
-Left out on purpose: swapping whole sequences (the scheduler does that through the runner),
-sliding-window or per-layer tables, and any scheduling policy: the manager only answers "can I?"
-and raises `NoFreeBlocksError` (before changing anything) when it cannot.
+Left out on purpose: swapping (the scheduler's, through the runner), sliding-window tables, and
+any policy: the manager answers "can I?" and raises `NoFreeBlocksError` before changing anything.
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -63,8 +61,9 @@ class BlockManager:
         self._seqs: dict = {}
         self.prefix_cache = PrefixCache(num_blocks, block_size, self.block_hash,
                                         self.enable_prefix_caching)
-        self.offload = OffloadManager(host_tier, self.prefix_cache, self.enable_prefix_caching)
         self.host_tier = host_tier            # a second KV tier in host memory, or None
+        self.offload = (None if host_tier is None else
+                        OffloadManager(host_tier, self.prefix_cache, self.enable_prefix_caching))
         # queried_blocks: prompt blocks that could have hit ((len - 1) // P per prompt, with caching)
         self.stats = {"queried_blocks": 0, "hit_blocks": 0, "evicted_blocks": 0, "cow_copies": 0}
 
@@ -114,10 +113,9 @@ class BlockManager:
 
     # ---- per-sequence queries -----------------------------------------------------------
     def _get(self, seq_id) -> _Seq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"unknown seq_id {seq_id!r}: never allocated or already freed") from None
+        if seq_id not in self._seqs:
+            raise KeyError(f"unknown seq_id {seq_id!r}: never allocated or already freed")
+        return self._seqs[seq_id]
 
     def seq_ids(self) -> list:
         return list(self._seqs)
@@ -152,7 +150,8 @@ class BlockManager:
             b = self._free.popleft()
         else:  # evict the least recently freed cached block
             b, _ = self._evictable.popitem(last=False)
-            self.offload.evicted(b)   # with a host tier: its KV is copied there first
+            if self.offload:
+                self.offload.evicted(b)   # its KV is copied to the host tier first
             self.prefix_cache.uncache(b, self._seqs.values())
             self.stats["evicted_blocks"] += 1
         self._ref[b] = 1
@@ -166,11 +165,12 @@ class BlockManager:
     def _decref(self, b: int) -> None:
         self._ref[b] -= 1
         if self._ref[b] == 0:
-            if self.offload.cancel_restore(b) and b in self.prefix_cache:
+            if self.offload and self.offload.cancel_restore(b) and b in self.prefix_cache:
                 self.prefix_cache.uncache(b, self._seqs.values())  # its KV was never written
             if b in self.prefix_cache:
                 self._evictable[b] = None  # newest at the end
-                self.offload.start_idle_clock(b)
+                if self.offload:
+                    self.offload.start_idle_clock(b)
             else:
                 self._free.append(b)
 
@@ -185,12 +185,15 @@ class BlockManager:
         it changes no block, no LRU order and no statistic. Host-tier hits count too."""
         tokens = _check_tokens(token_ids)
         hits = self.prefix_cache.lookup(tokens)
-        return (len(hits) + len(self.offload.hits(tokens, hits))) * self.block_size
+        return (len(hits) + len(self._host_hits(tokens, hits))) * self.block_size
+
+    def _host_hits(self, tokens: list[int], hits: list) -> list:
+        return self.offload.hits(tokens, hits) if self.offload else []  # the chain goes on there
 
     # ---- operations -------------------------------------------------------------------
     def _plan(self, token_ids: list[int]) -> tuple[list[int], list[tuple[int, int]], int, int]:
-        """What allocating `token_ids` takes: (tokens, prefix-cache hits, new blocks needed,
-        blocks free for them). Hits need no new block, but revived ones leave the free count."""
+        """(tokens, prefix-cache hits, new blocks needed, blocks free for them): revived hits
+        need no new block but leave the free count."""
         tokens = _check_tokens(token_ids)
         need = self.blocks_needed(len(tokens))
         if need > self.num_blocks:
@@ -208,20 +211,22 @@ class BlockManager:
         return new <= free
 
     def allocate(self, seq_id, token_ids: list[int]) -> int:
-        """Give a new sequence blocks for all its tokens; return how many leading prompt
-        tokens already have their KV in the prefix cache (a multiple of P, <= len - 1). With a
-        host tier that includes blocks restored from it (booked: see `take_kv_moves`)."""
+        """Give a new sequence blocks for all its tokens; return how many leading prompt tokens
+        have their KV cached already (a multiple of P; host-tier restores, booked, included)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
         tokens, hits, new, free = self._plan(token_ids)
         if new > free:
             raise NoFreeBlocksError(f"seq {seq_id!r} needs {new} new blocks, {free} free")
-        host = self.offload.hits(tokens, hits)   # the chain goes on in the host tier
+        host = self._host_hits(tokens, hits)
         for b, _ in hits:  # take the hits first so that _take_free cannot evict them
             self._incref(b)
-        self.offload.pin(host)
-        table = [b for b, _ in hits] + [self._take_free() for _ in range(new)]
-        self.offload.book_restores(table[len(hits):], host)
+        table = [b for b, _ in hits]
+        if host:
+            self.offload.pin(host)
+        table += [self._take_free() for _ in range(new)]
+        if host:
+            self.offload.book_restores(table[len(hits):], host)
         chain = [(h, self.prefix_cache.identity(b)) for b, h in hits]
         num_cached = (len(hits) + len(host)) * self.block_size
         self._seqs[seq_id] = _Seq(tokens, table, num_cached, chain)
@@ -317,20 +322,21 @@ class BlockManager:
     # ---- the host tier's copies (offload.py) ----------------------------------------------
     def offload_idle(self, now: float, idle_s: float) -> int:
         """Book cached blocks idle `idle_s` or longer into the host tier; returns how many."""
-        return self.offload.offload_idle(now, idle_s, self._evictable)
+        return self.offload.offload_idle(now, idle_s, self._evictable) if self.offload else 0
 
     def has_pending_restores(self, seq_id) -> bool:
         """Whether some block of the sequence still waits for its restore (made this step)."""
-        return self.offload.pending_restore(self._get(seq_id).table)
+        return bool(self.offload) and self.offload.pending_restore(self._get(seq_id).table)
 
     def take_kv_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies booked since the last call: offloads, restores (`OffloadManager.take_moves`)."""
-        return self.offload.take_moves()
+        return self.offload.take_moves() if self.offload else ([], [])
 
     def forget_moves(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """A step failed after its copies were handed out, so they may not have been made: the
         offloads' host slots and the restores' device blocks lose what they were said to hold."""
-        self.offload.forget_offloads(offloads)
+        if self.offload:
+            self.offload.forget_offloads(offloads)
         for _, b in restores:
             if b in self.prefix_cache:
                 self.prefix_cache.uncache(b, self._seqs.values())
