@@ -81,7 +81,7 @@ class TensorParallelRunner(ModelRunner):
                 f"It runs, but the ranks take turns on the cores and every layer's two all-reduces "
                 f"wait for the slowest rank, so each step is slower than tensor_parallel_size=1 "
                 f"here; tensor parallelism pays off with one device (or core set) per rank.",
-                stacklevel=4)
+                stacklevel=3)                 # the engine line that makes the runner
 
     @property
     def pids(self) -> list[int]:
