@@ -29,13 +29,13 @@ import torch
 from benchmarks.decode import _equal_length_prompts, _ms_per_token, transformers_run
 from benchmarks.records import write_result
 from minillm.analysis.roofline import step_costs, step_time
-from minillm.distributed.tp_worker import CacheSpec
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels import compiled_steps as cs
 from minillm.kernels.load_now import Watch
 from minillm.lab.measure import measure_hardware
 from minillm.model.loading import default_device
+from minillm.paging.paged_cache import CacheSpec
 
 CONTEXT = cs.CONTEXT
 
@@ -51,7 +51,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 from minillm.llm import load_model
-from minillm.distributed.tp_worker import CacheSpec
+from minillm.paging.paged_cache import CacheSpec
 from minillm.kernels import compiled_steps as cs
 sizes, mode = json.loads(sys.argv[1]), sys.argv[2]
 model, _ = load_model(device="cpu")

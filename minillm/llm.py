@@ -21,9 +21,11 @@ import os
 import torch
 
 from minillm.analysis.roofline import torch_dtype
+from minillm.distributed.tp_runner import TensorParallelRunner
 from minillm.drafting.train import train_eagle, train_medusa
-from minillm.engine.args import apply_speculative_config
+from minillm.engine.config import apply_speculative_config
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.model_runner import ModelRunner
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import RequestOutput
 from minillm.kernels.cpu_kernels import ROUTES
@@ -113,11 +115,6 @@ class LLM:
                              f"(gptq / awq: minillm.quantize(model, ..., calibration=...) first)")
         dtype = resolve_dtype(dtype)
         config = EngineConfig(**engine_options)          # validates before any weights load
-        if config.tensor_parallel_size > 1 and (draft_model is not None or speculative_config):
-            name = "draft_model" if draft_model is not None else "speculative_config"
-            raise ValueError(f"{name} cannot be used with tensor_parallel_size="
-                             f"{config.tensor_parallel_size}: speculative decoding runs with "
-                             f"tensor_parallel_size=1 only")
         # the name a server announces (vLLM: the --model string); a Transformer: its config's name
         self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else \
             getattr(getattr(model, "config", None), "name", None)
@@ -144,7 +141,10 @@ class LLM:
             draft_model = self._load_draft(draft_model, model)
         if isinstance(speculative_config, dict):
             speculative_config = self._resolve_drafter(speculative_config, config, model, tokenizer)
-        self.llm_engine = LLMEngine(model, config, draft_model, tokenizer, speculative_config)
+        # tensor parallelism: a runner with worker processes in place of the one-process runner
+        runner = TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.llm_engine = LLMEngine(model, config, draft_model, tokenizer, speculative_config,
+                                    runner=runner)
 
     def _resolve_drafter(self, spec: dict, config: EngineConfig, model, tokenizer) -> dict:
         """A copy of `spec` whose "model" the engine can take: a draft model given by name is

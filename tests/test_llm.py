@@ -13,7 +13,7 @@ import minillm
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, generate, tiny_model
 from minillm.model.chat import encode_chat
 from minillm.engine.detokenizer import Detokenizer
-from minillm.engine.args import num_blocks_for_memory
+from minillm.paging.sizing import num_blocks_for_memory
 from minillm.analysis.kv_math import plan_capacity, weight_bytes
 from minillm.paging.paged_cache import PagedKVCache
 

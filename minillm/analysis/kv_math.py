@@ -13,7 +13,7 @@ dim, L layers, N blocks, P block size (tokens per block).
 The capacity planner follows vLLM's arithmetic: of `gpu_memory_utilization * memory`, the
 weights and an activation reserve come off, and the rest is cut into blocks of P tokens.
 vLLM measures the reserve with a profiling forward of `max_num_batched_tokens` tokens (minillm's
-engine does the same on CUDA: `engine.args.measure_activation_bytes`); `activation_reserve_bytes`
+engine does the same on CUDA: `paging.sizing.measure_activation_bytes`); `activation_reserve_bytes`
 estimates it from the shapes alone, so the planner can be run for a card you do not have.
 Left out on purpose: the CUDA context, allocator fragmentation and CUDA-graph memory, and tensor
 parallelism.

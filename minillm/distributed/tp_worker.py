@@ -22,7 +22,7 @@ import torch
 
 from minillm.attention.metadata import long_tensor
 from minillm.distributed.tensor_parallel import build_shard, shard_config
-from minillm.paging.paged_cache import PagedKVCache
+from minillm.paging.paged_cache import CacheSpec, PagedKVCache
 
 
 @dataclass
@@ -47,35 +47,11 @@ class StepPlan:
         return bool(self.query_lens)
 
 
-@dataclass
-class CacheSpec:
-    """How each rank makes its KV pool: the engine's pool settings, for its shard's heads."""
-
-    num_blocks: int
-    block_size: int
-    dtype: torch.dtype = torch.float32
-    kv_cache_dtype: str = "auto"
-    attention_backend: str = "paged"
-
-    def make(self, shard_cfg, device) -> PagedKVCache:
-        return PagedKVCache(shard_cfg, self.num_blocks, self.block_size, device, self.dtype,
-                            self.kv_cache_dtype, self.attention_backend)
-
-
-def move_blocks(cache: PagedKVCache, plan: StepPlan, swapped: dict) -> None:
-    """Swap-outs, copy-on-write copies, swap-ins, in that order (as `ModelRunner.move_blocks`)."""
-    for seq_id, blocks in plan.swap_out:
-        swapped[seq_id] = cache.swap_out(blocks)
-    cache.copy_blocks(plan.copies)
-    for seq_id, blocks, first in plan.swap_in:
-        cache.swap_in(swapped.pop(seq_id), blocks, first)
-
-
 @torch.inference_mode()
 def run_step(model, cache: PagedKVCache, plan: StepPlan, swapped: dict, prepared: bool = False):
     """Run `plan` on this rank -> (logits (1, K, V), hidden (1, M, C) or None), or (None, None)
     for a plan that only moves blocks. `prepared`: the cache's metadata is already this step's."""
-    move_blocks(cache, plan, swapped)
+    cache.move_blocks(plan.swap_out, plan.copies, plan.swap_in, swapped)
     if not plan.has_forward:
         return None, None
     if not prepared:

@@ -2,7 +2,7 @@
 sequence state), `scheduler` (decides; `static_scheduler` is the static-batching baseline),
 `model_runner` (runs tensors), `sampler` (logits -> tokens, drafts verified, one seed rule),
 `llm_engine` (owns them: `LLMEngine.step()` = schedule -> run -> sample -> update_from_output)
-and `spec_decoder` (proposes speculative drafts); `kv_transfer` moves a prefilled request's KV
-blocks and first token from one engine to another (chapter 11). The block manager and paged attention it
-books and runs are in `minillm.paging`."""
+and `spec_decoder` (proposes speculative drafts). The block manager, paged attention and pool
+sizing it books, runs and reads are in `minillm.paging`; tensor parallelism and moving a request's
+KV between engines (chapter 11) sit a floor above, in `minillm.distributed`."""
 from minillm.engine.llm_engine import EngineConfig, LLMEngine  # noqa: F401

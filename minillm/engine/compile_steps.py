@@ -1,25 +1,54 @@
-"""`python -m minillm compile-steps [--sizes 1,2,4,8,16] [--threads N] [--mode M]`: compile the
-engine's steps for the default model ahead of time, so no engine waits for them.
+"""The engine's compiled steps: made when an engine starts (`compiled_steps`, what `ModelRunner`
+runs with `compilation_config`), or ahead of time by
+`python -m minillm compile-steps [--sizes 1,2,4,8,16] [--threads N] [--mode M]`, so no engine waits.
 
-It loads SmolLM2 as `LLM(...)` does, compiles one package per padded row count
+The command loads SmolLM2 as `LLM(...)` does, compiles one package per padded row count
 (`kernels/compiled_steps.py`; minutes per size the first time on a machine, progress printed),
 checks each against eager, times it, saves the verdicts when the machine was quiet, and prints
 which sizes were kept and where the packages are. A later `LLM(..., compilation_config={...})`
 with the same sizes, threads and mode loads them in seconds.
 
-Left out on purpose: models other than the default (an engine built with `compilation_config`
-compiles its own model), and tensor parallelism.
+Left out on purpose: models other than the default in the command (an engine built with
+`compilation_config` compiles its own model), and tensor parallelism (one process only).
 """
 import argparse
+import dataclasses
 import logging
 import sys
 
 import torch
 
 from minillm.kernels import compiled_steps as cs
-from minillm.kernels.compiled import inductor_cache_dir
+from minillm.kernels.background_steps import BackgroundSteps
+from minillm.kernels.compiled import inductor_cache_dir, reference_twin
+from minillm.kernels.cuda_graph_steps import cuda_graph_steps
+from minillm.kernels.tuning_cache import notice
 from minillm.model.loading import load_model
-from minillm.paging.paged_cache import PagedKVCache
+from minillm.paging.paged_cache import CacheSpec, PagedKVCache
+
+
+def compiled_steps(model, config, spec: CacheSpec, device):
+    """The model's compiled steps for `config.compilation_config`, compiled and judged now
+    (progress on stderr), or None without one; on a CUDA device its piecewise CUDA graphs
+    instead (`cudagraph_mode`, kernels/cuda_graph_steps.py). A model the compiler cannot take (a
+    quantized one) or a compiler that fails: None, with one line saying why."""
+    cc = config.compilation_config
+    if cc is None:
+        return None
+    make = lambda n, block_size: dataclasses.replace(spec, num_blocks=n, block_size=block_size) \
+        .make(model.config, device)                                          # noqa: E731
+    try:
+        steps = cuda_graph_steps(model, cc, make, device)        # None: no CUDA graphs here
+        if steps is None and cc.background:    # eager now; the runner adopts the steps when ready
+            reference_twin(model)                                 # TypeError: cannot compile
+            return BackgroundSteps(model, cc, make)
+        if steps is None:
+            steps = cs.compiled_steps_for(model, cc, make, progress=notice)
+    except TypeError as e:
+        notice(f"compiled steps: none ({e}); every step eager")
+        return None
+    notice(steps.summary())
+    return steps if steps.kept else None
 
 
 def main(argv=None) -> None:

@@ -1,32 +1,36 @@
 """`EngineConfig`: every knob of the serving engine in one frozen dataclass, with vLLM's names,
-validated when it is made (a bad value raises ValueError naming the field and its range).
+validated when it is made (a bad value raises ValueError naming the field and its range), and
+`apply_speculative_config`, which maps vLLM's `speculative_config` dict onto its flat fields.
 
-The groups, each with the module that reads it: the KV pool (`num_blocks`,
-`gpu_memory_utilization`, `kv_cache_memory_bytes`: args.py; `kv_cache_dtype`: paging/kv_storage.py),
+The groups, each with the module that reads it: the KV pool (`num_blocks`, `gpu_memory_utilization`,
+`kv_cache_memory_bytes`: paging/sizing.py; `kv_cache_dtype`: paging/kv_storage.py),
 the batch (`max_num_seqs`, `max_num_batched_tokens`), the order within a step and partial prefills
 (`prefill_first`, `long_prefill_token_threshold`, ...: scheduler.py; `prefill_step_target_ms`:
 prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
 priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
 `speculative_token_tree`, the switch's `speculative_disable_by_batch_size` and
 `speculative_min_seq_len`: spec_decoder.py), the decode attention backend (attention/backends.py),
-`tensor_parallel_size` (tp_runner.py), SLO targets (slo_controller.py), the host KV tier
-(`kv_offloading_size`, `offload_idle_s`: paging/offload.py), and what a long-running engine keeps
-(`retain_finished`, `max_trace_steps`).
+`tensor_parallel_size` (distributed/tp_runner.py, passed in by `LLM`), SLO targets
+(slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`: paging/offload.py),
+and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
+
+Left out on purpose: vLLM's other speculative methods (mtp, suffix).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
 from minillm.kernels.compilation_config import compilation_config
 from minillm.engine.scheduler import check_partial_prefills
-from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, tree_paths
+from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, check_tree, tree_paths
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs (vLLM's names). `num_blocks=None` sizes the pool from `kv_cache_memory_bytes`,
-    or on a GPU from `gpu_memory_utilization` when set (args.py; ignored on a CPU)."""
+    or on a GPU from `gpu_memory_utilization` when set (paging/sizing.py; ignored on a CPU)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -57,7 +61,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
     attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
-    tensor_parallel_size: int = 1                 # ranks the model is split over (tp_runner.py)
+    tensor_parallel_size: int = 1                 # ranks the model is split over (LLM; tp_runner)
     slo_ttft_p95_ms: float | None = None          # SLO controller targets (slo_controller.py);
     slo_tpot_p95_ms: float | None = None          # None: no target; both None: no controller
     slo_interval_s: float = 2.0                   # seconds between the controller's decisions
@@ -69,6 +73,11 @@ class EngineConfig:
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         check_int("EngineConfig.tensor_parallel_size", self.tensor_parallel_size, 1)  # vs the model: tp_runner
+        if self.tensor_parallel_size > 1 and self.num_speculative_tokens > 0:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not support "
+                             f"speculative decoding (num_speculative_tokens="
+                             f"{self.num_speculative_tokens}, speculative_config); use "
+                             f"tensor_parallel_size=1 for it")
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
             object.__setattr__(self, "max_num_seqs", max(1, min(32, self.max_num_batched_tokens)))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
@@ -154,3 +163,68 @@ def check_offload(cfg: EngineConfig) -> None:
     if cfg.kv_offloading_size and cfg.tensor_parallel_size > 1:
         raise ValueError(f"EngineConfig.kv_offloading_size > 0 needs tensor_parallel_size=1, got "
                          f"{cfg.tensor_parallel_size} (each rank would need its own host tier)")
+
+
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+             "speculative_token_tree", "disable_by_batch_size")
+VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "medusa": "medusa",
+                "eagle": "eagle", "lookahead": "lookahead"}   # vLLM's -> ours
+
+
+def apply_speculative_config(config, spec: dict, draft_model=None):
+    """(EngineConfig, vLLM speculative_config dict, draft_model) -> (EngineConfig, draft_model,
+    drafter).
+
+    The dict fills the flat fields (its "disable_by_batch_size" is
+    `speculative_disable_by_batch_size`, as in vLLM); a flat field already set to something else
+    raises ValueError.
+    "model" is a Transformer for "draft_model" (`LLM` loads one given by name first), and the
+    drafter for "medusa" / "eagle" / "lookahead" (a proposer, or None; spec_methods.py). The
+    dict is only read, and everything is checked before anything is made.
+    """
+    if not isinstance(spec, dict):
+        raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; allowed: {list(SPEC_KEYS)}")
+    method = spec.get("method", "draft_model" if "model" in spec else None)
+    if method not in VLLM_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {list(VLLM_METHODS)}, "
+                         f"got {method!r}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config needs 'num_speculative_tokens'")
+    k = spec["num_speculative_tokens"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"speculative_config['num_speculative_tokens'] must be an int >= 1, "
+                         f"got {k!r}")
+    fields = {"speculative_method": VLLM_METHODS[method]}
+    fields.update({k: spec[k] for k in SPEC_KEYS[1:4] if k in spec})
+    if spec.get("disable_by_batch_size") is not None:   # vLLM's SpeculativeConfig key -> flat field
+        fields["speculative_disable_by_batch_size"] = check_int(
+            "speculative_config['disable_by_batch_size'] (None or)", spec["disable_by_batch_size"], 2)
+    if spec.get("speculative_token_tree") is not None:
+        if fields["speculative_method"] not in TREE_METHODS:
+            raise ValueError(f"speculative_config['speculative_token_tree'] needs a method in "
+                             f"{list(TREE_METHODS)}, got {method!r}")
+        fields["speculative_token_tree"] = check_tree(spec["speculative_token_tree"], k, None)
+    defaults = type(config)()
+    for name, value in fields.items():
+        flat = getattr(config, name)
+        if flat != getattr(defaults, name) and flat != value:
+            raise ValueError(f"speculative_config sets {name}={value!r} but EngineConfig has "
+                             f"{name}={flat!r}; set it in one place")
+    drafter = None
+    if "model" in spec and fields["speculative_method"] in TREE_METHODS:
+        drafter = spec["model"]
+    elif "model" in spec:
+        if fields["speculative_method"] != "draft":
+            raise ValueError("speculative_config['model'] needs method 'draft_model', 'medusa' "
+                             "or 'eagle'")
+        draft = spec["model"]
+        if isinstance(draft, str):
+            raise ValueError("a draft model given by name needs LLM(...); LLMEngine takes a Transformer")
+        if draft_model is not None and draft_model is not draft:
+            raise ValueError("the draft model is given twice (draft_model= and speculative_config"
+                             "['model']); set it in one place")
+        draft_model = draft
+    return replace(config, **fields), draft_model, drafter

@@ -9,8 +9,9 @@ Pieces: `Sequence` state (sequence.py), `BlockManager` (paging/block_manager.py,
 them and checks requests before anything else sees them; `update_from_output` (step_update.py)
 is the one place a step's results land. The features each engine field switches on live in their
 own modules: speculation (spec_decoder.py), priorities (priority.py), the SLO controller
-(slo_controller.py), the prefill pacer (prefill_pacer.py), structured output (structured.py), the
-host KV tier (paging/host_tier.py) and tensor parallelism (tp_runner.py). `LLM` (llm.py) wraps it.
+(slo_controller.py), the prefill pacer (prefill_pacer.py), structured output (structured.py) and
+the host KV tier (paging/host_tier.py). Tensor parallelism is another `runner`
+(distributed/tp_runner.py), which `LLM` (llm.py, the front door over the engine) passes in.
 
 Left out on purpose: async serving and HTTP streaming (serve/), pipeline parallelism.
 """
@@ -21,12 +22,11 @@ from dataclasses import asdict
 
 from minillm.paging.block_manager import BlockManager
 from minillm.paging.host_tier import HostTier
-from minillm.engine.args import (apply_speculative_config, batch_requests, check_prompt,
-                                 offload_num_blocks, pool_num_blocks, request_state)
-from minillm.engine.config import EngineConfig
+from minillm.paging.sizing import offload_num_blocks, pool_num_blocks
+from minillm.engine.config import EngineConfig, apply_speculative_config
+from minillm.engine.requests import batch_requests, check_prompt, request_state
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
-from minillm.engine.model_runner import prompt_rows
-from minillm.engine.tp_runner import make_runner
+from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.sampler import Sampler
 from minillm.engine.prefill_pacer import PrefillPacer
 from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
@@ -41,7 +41,9 @@ from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, Sequ
 
 class LLMEngine(StepUpdate):
     def __init__(self, model, config: EngineConfig | None = None, draft_model=None, tokenizer=None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, runner=ModelRunner):
+        """`runner`: what makes and runs the pool, called as `runner(model, config, num_blocks,
+        block_manager, num_host_blocks)`; `ModelRunner` runs in this process."""
         config = config or EngineConfig()
         drafter = None                                # a trained method's proposer, or None
         if speculative_config is not None:            # vLLM's dict -> the flat fields
@@ -56,9 +58,8 @@ class LLMEngine(StepUpdate):
         num_host = offload_num_blocks(model, cfg)   # the host KV tier's slots (0: no tier)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           HostTier(num_host) if num_host else None)
-        # the paged pool and what runs on it; tensor_parallel_size > 1: worker processes too
-        self.runner = make_runner(model, cfg, num_blocks + scratch, self.block_manager, draft_model,
-                                  num_host)
+        # the paged pool and what runs on it (tensor_parallel_size > 1: a runner with workers)
+        self.runner = runner(model, cfg, num_blocks + scratch, self.block_manager, num_host)
         self.cache = self.runner.cache
         self.spec = None
         if cfg.num_speculative_tokens > 0:

@@ -10,7 +10,9 @@ attend to their ancestors only). `execute_with_hidden` also returns the final no
 features trained drafters read; `prompt_rows` adds rows for `prompt_logprobs`. With compiled
 steps or CUDA graphs (kernels/compiled_steps.py, cuda_graph_steps.py) `prepare` pads a step to the
 next kept size M' with rows in the scratch block. Sampling is sampler.py's job, applying results
-the engine's.
+the engine's. It makes its own pool from the engine's config (paging's `CacheSpec`) and its
+compiled steps (compile_steps.py); `LLMEngine(runner=...)` takes another runner in its place
+(the tensor-parallel one: distributed/tp_runner.py).
 
 Left out on purpose: overlapping CPU scheduling with GPU work.
 """
@@ -21,7 +23,8 @@ import torch
 from minillm.paging.block_manager import BlockManager
 from minillm.attention.metadata import long_tensor
 from minillm.paging.host_pool import HostKVPool
-from minillm.paging.paged_cache import PagedKVCache
+from minillm.paging.paged_cache import CacheSpec, PagedKVCache
+from minillm.engine.compile_steps import compiled_steps
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sequence import Sequence
 
@@ -58,9 +61,38 @@ def prompt_rows(out: SchedulerOutput) -> list[PromptRows]:
     return rows
 
 
+class SwappedOnSeqs:
+    """`PagedKVCache.move_blocks`' store of swapped blocks, kept on each `Sequence` (its
+    `swapped_kv`), where the scheduler looks for them (to undo a step, or to free an abort's)."""
+
+    def __setitem__(self, seq: Sequence, kv) -> None:
+        seq.swapped_kv = kv
+
+    def pop(self, seq: Sequence):
+        kv, seq.swapped_kv = seq.swapped_kv, None
+        return kv
+
+
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, block_manager: BlockManager,
-                 num_host_blocks: int = 0, compiled=None):
+    """`LLMEngine`'s default runner: one process, its own pool of `num_blocks` blocks (the
+    engine's `config` read by attribute) and, with `compilation_config`, the compiled steps."""
+
+    def __init__(self, model, config, num_blocks: int, block_manager: BlockManager,
+                 num_host_blocks: int = 0):
+        n = config.tensor_parallel_size
+        if n > 1:
+            raise ValueError(f"tensor_parallel_size={n} needs worker processes, which the "
+                             f"default ModelRunner does not start: use LLM(..., "
+                             f"tensor_parallel_size={n}), or LLMEngine(..., runner="
+                             f"TensorParallelRunner) from minillm.distributed.tp_runner")
+        param = next(model.parameters())
+        spec = CacheSpec.for_engine(config, num_blocks, param.dtype)
+        self.attach(model, spec.make(model.config, param.device), block_manager, num_host_blocks,
+                    compiled_steps(model, config, spec, param.device))
+
+    def attach(self, model, cache: PagedKVCache, block_manager: BlockManager,
+               num_host_blocks: int = 0, compiled=None) -> None:
+        """Run `model` on `cache` (a subclass that makes its own model or pool calls this)."""
         self.model, self.cache, self.bm = model, cache, block_manager
         # CompiledSteps or CudaGraphSteps (per padded size), None: eager; a BackgroundSteps
         # still compiling waits in `pending` and is adopted at the first step after it is ready
@@ -82,12 +114,8 @@ class ModelRunner:
     def move_blocks(self, out: SchedulerOutput) -> None:
         if out.offload:       # first: the blocks they read may be written by anything below
             self.host.store(self.cache, out.offload)
-        for seq, blocks in out.swap_out:
-            seq.swapped_kv = self.cache.swap_out(blocks)   # (2, L, nb, P, Hkv, D) on CPU (+ scales)
-        self.cache.copy_blocks(out.copies)
-        for seq, blocks, first in out.swap_in:
-            self.cache.swap_in(seq.swapped_kv, blocks, first)
-            seq.swapped_kv = None
+        # swap-outs (each (2, L, nb, P, Hkv, D) on CPU, + scales), copies, swap-ins
+        self.cache.move_blocks(out.swap_out, out.copies, out.swap_in, SwappedOnSeqs())
         if out.restore:       # last: their blocks are fresh ones, maybe freed by a swap-out above
             self.host.restore(self.cache, out.restore)
 

@@ -13,7 +13,7 @@ extras (top_k -1 or >= 1, repetition_penalty > 0, min_p [0, 1], at most 20 logpr
 
 Left out on purpose: limits that depend on the engine or the model (n and best_of within
 max_num_seqs, max_tokens within the context, token ids within the vocabulary): they are checked
-where the engine is known (engine/args.py; the server before tokenizing), not here.
+where the engine is known (engine/requests.py; the server before tokenizing), not here.
 """
 from dataclasses import dataclass
 

@@ -14,7 +14,9 @@ import warnings
 
 from minillm.analysis.parallel_math import tp_collectives
 from minillm.distributed.tensor_parallel import allowed_sizes
+from minillm.distributed.tp_runner import TensorParallelRunner
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
+from minillm.engine.model_runner import ModelRunner
 from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.prompts import DEMO_QUESTIONS
 from minillm.model.chat import encode_chat
@@ -38,7 +40,8 @@ def run_parallel_demo(model, tokenizer, max_tokens: int = 24) -> dict:
     for size in sorted({1, n}):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")            # more ranks than cores: the numbers show it
-            engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), tensor_parallel_size=size))
+            engine = LLMEngine(model, EngineConfig(max_num_seqs=len(prompts), tensor_parallel_size=size),
+                               runner=TensorParallelRunner if size > 1 else ModelRunner)
         try:
             outs, seconds = _timed(engine, prompts, params)
             comm = getattr(engine.runner, "comm", None)

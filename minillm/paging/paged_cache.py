@@ -10,10 +10,14 @@ defined in attention/paged.py) and follows the model's cache protocol: the runne
 `BackendChoice` (attention/backends.py) picks per step the paged path or, for a decode-only step,
 flash-decoding. Block tables come from the `BlockManager`; this class never picks a block. With
 `kv_cache_dtype` "int8" / "fp8" each pool is a `KVSlots` (kv_storage.py) holding one-byte codes.
+`CacheSpec` describes a pool, so the engine's runner and each tensor-parallel worker make their own;
+`move_blocks` is a step's swaps and copies, in one order for both.
 
 Left out on purpose: swapping to disk (swap_out keeps blocks in CPU memory), pools that grow,
 and a fused kernel (see attention/paged.py).
 """
+from dataclasses import dataclass
+
 import torch
 
 from minillm.attention.backends import BackendChoice
@@ -159,3 +163,35 @@ class PagedKVCache:
         for (k, v), d in zip(self.pools(), data if isinstance(data, tuple) else (data,)):
             k[:, idx] = d[0, :, first:].to(k.device)
             v[:, idx] = d[1, :, first:].to(v.device)
+
+    def move_blocks(self, swap_out, copies, swap_in, swapped) -> None:
+        """A step's block moves, in this order: swap-outs [(key, blocks)], copy-on-write copies
+        [(src, dst)], swap-ins [(key, blocks, first)]. `swapped` holds each key's CPU copy (a
+        swap-out sets it, a swap-in pops it): the engine keys by sequence, a TP worker by seq_id."""
+        for key, blocks in swap_out:
+            swapped[key] = self.swap_out(blocks)
+        self.copy_blocks(copies)
+        for key, blocks, first in swap_in:
+            self.swap_in(swapped.pop(key), blocks, first)
+
+
+@dataclass
+class CacheSpec:
+    """How to make a paged pool: the engine's pool settings, made for a model's (or a tensor-
+    parallel shard's) config on a device. The engine's runner and each TP worker make theirs."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "paged"
+
+    @classmethod
+    def for_engine(cls, config, num_blocks: int, dtype: torch.dtype) -> "CacheSpec":
+        """An `EngineConfig`'s pool (read by attribute) of `num_blocks` blocks in `dtype`."""
+        return cls(num_blocks, config.block_size, dtype, config.kv_cache_dtype,
+                   config.attention_backend)
+
+    def make(self, model_cfg: ModelConfig, device=None) -> PagedKVCache:
+        return PagedKVCache(model_cfg, self.num_blocks, self.block_size, device, self.dtype,
+                            self.kv_cache_dtype, self.attention_backend)

@@ -28,7 +28,7 @@ from multiprocessing.connection import Client
 import torch
 
 from minillm.distributed.group import die_with_parent
-from minillm.engine.kv_transfer import can_import, export_prompt_kv, import_prefilled
+from minillm.distributed.kv_transfer import can_import, export_prompt_kv, import_prefilled
 from minillm.engine.llm_engine import LLMEngine
 from minillm.serve.kv_link import DECODE_RANK, PREFILL_RANK, KVLink
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.distributed.group import HOST, Comm, make_process_group
-from minillm.engine.kv_transfer import Handoff
+from minillm.distributed.kv_transfer import Handoff
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0          # an idle link is not an error

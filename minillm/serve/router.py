@@ -22,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from multiprocessing.connection import wait
 
-from minillm.engine.args import check_prompt, request_state
+from minillm.engine.requests import check_prompt, request_state
 from minillm.engine.config import EngineConfig
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput

@@ -1,7 +1,8 @@
-"""Tensor parallelism (distributed/tensor_parallel.py, tp_layers.py, tp_worker.py, engine/tp_runner.py):
+"""Tensor parallelism (distributed/tensor_parallel.py, tp_layers.py, tp_worker.py, tp_runner.py):
 shards that put the weights back together, partial sums that add up to the dense layer, the real
 SmolLM2 split over 3 processes giving tensor_parallel_size=1's tokens, the collectives a step
-costs, sizes refused with the ones that work, and no process left behind, even when one dies."""
+costs, sizes refused with the ones that work, an engine without the TP runner sent to the front
+door, and no process left behind, even when one dies."""
 import multiprocessing
 import os
 import signal
@@ -13,10 +14,12 @@ from minillm.distributed.group import WorkerDied
 from minillm.distributed.tensor_parallel import (allowed_sizes, build_shard,
                                                  check_tensor_parallel_size, full_state,
                                                  shard_config, shard_state_dict)
+from minillm.distributed import tp_runner
 from minillm.distributed.tp_layers import SoloComm
-from minillm.engine import tp_runner
+from minillm.distributed.tp_runner import TensorParallelRunner
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.model_runner import ModelRunner
 from minillm.engine.sampling_params import SamplingParams
 from minillm.llm import LLM
 from minillm.model.config import get_config
@@ -89,14 +92,26 @@ def test_each_ranks_partial_sums_add_up_to_the_dense_layer(one_thread):
 def test_speculative_decoding_is_refused_before_any_worker_starts():
     before = multiprocessing.active_children()
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not support speculative"):
-        LLMEngine(_tiny(), EngineConfig(num_blocks=32, tensor_parallel_size=3,
-                                        num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="speculative_config cannot be used with tensor_parallel"):
+        EngineConfig(num_blocks=32, tensor_parallel_size=3, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not support speculative"):
         LLM(_tiny(), tensor_parallel_size=3,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"sizes that work: \[1, 3\]"):
-        LLMEngine(_tiny(), EngineConfig(num_blocks=32, tensor_parallel_size=2))
+        LLMEngine(_tiny(), EngineConfig(num_blocks=32, tensor_parallel_size=2),
+                  runner=TensorParallelRunner)
     assert multiprocessing.active_children() == before
+
+
+def test_an_engine_without_the_tp_runner_names_the_front_door():
+    """The one-process runner starts no workers: LLMEngine alone refuses n > 1 and says what
+    does it (LLM, or the runner to pass); n = 1 builds as before."""
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 needs worker processes.*"
+                                         r"LLM\(\.\.\., tensor_parallel_size=3\).*"
+                                         r"runner=TensorParallelRunner"):
+        LLMEngine(_tiny(), EngineConfig(num_blocks=32, tensor_parallel_size=3))
+    assert multiprocessing.active_children() == before
+    assert type(LLMEngine(_tiny(), EngineConfig(num_blocks=32)).runner) is ModelRunner
 
 
 def test_more_threads_than_cores_warns_what_it_costs(monkeypatch):
@@ -114,7 +129,7 @@ def test_swaps_run_on_every_rank_and_a_killed_worker_is_named(one_thread):
     params = SamplingParams(max_tokens=20)
     opts = dict(num_blocks=9, block_size=4, preemption_mode="swap", attention_backend="paged")
     want = LLMEngine(model, EngineConfig(**opts)).generate(prompts, params)
-    engine = LLMEngine(model, EngineConfig(**opts, tensor_parallel_size=3))
+    engine = LLMEngine(model, EngineConfig(**opts, tensor_parallel_size=3), runner=TensorParallelRunner)
     pids = engine.runner.pids
     try:
         got = engine.generate(prompts, params)

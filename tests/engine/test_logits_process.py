@@ -289,7 +289,7 @@ def test_engine_grammar_hook(monkeypatch, spec):
     """The engine starts a grammar per request, masks every row with it, advances it with the
     tokens it appends (FakeGrammar.accept fails on a refused token), forks it for n > 1, and
     stops a sequence when it is done; greedy output is the same with n-gram speculation."""
-    import minillm.engine.args as engine_args
+    import minillm.engine.requests as engine_requests
     V, started = 32, []
 
     class StartingFake(FakeGrammar):
@@ -298,7 +298,7 @@ def test_engine_grammar_hook(monkeypatch, spec):
             started.append(params)
             return cls(vocab_size, length=6)
 
-    monkeypatch.setattr(engine_args, "GrammarState", StartingFake)
+    monkeypatch.setattr(engine_requests, "GrammarState", StartingFake)
     model = tiny_model(vocab_size=V, seed=0, dtype=torch.float64)
     cfg = dict(num_speculative_tokens=3, speculative_method="ngram") if spec else {}
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8,

@@ -1,4 +1,4 @@
-"""Disaggregated prefill and decode (minillm/engine/kv_transfer.py, minillm/serve/{kv_link,
+"""Disaggregated prefill and decode (minillm/distributed/kv_transfer.py, minillm/serve/{kv_link,
 disagg_worker,router,disaggregated}.py), against a single engine as the reference:
 
 - a prefilled request moved between two engines in one process decodes the same greedy tokens,
@@ -26,7 +26,7 @@ import torch
 
 from minillm.analysis.kv_math import kv_cache_bytes
 from minillm.engine.config import EngineConfig
-from minillm.engine.kv_transfer import can_import, export_prompt_kv, import_prefilled
+from minillm.distributed.kv_transfer import can_import, export_prompt_kv, import_prefilled
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.sampling_params import SamplingParams
 from minillm.model.config import get_config

@@ -193,7 +193,7 @@ def test_serve_flags():
 def test_a_prefilled_handoff_into_an_engine_with_the_tier(model):
     """import_prefilled writes the handed-over rows into fresh blocks at once: blocks it took by
     evicting cached ones must reach the host tier before they are overwritten."""
-    from minillm.engine.kv_transfer import export_prompt_kv, import_prefilled
+    from minillm.distributed.kv_transfer import export_prompt_kv, import_prefilled
     rng = random.Random(7)
     a, noise = [rng.randrange(256) for _ in range(60)], [rng.randrange(256) for _ in range(100)]
 

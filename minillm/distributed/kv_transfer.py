@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.engine.args import request_state
+from minillm.engine.requests import request_state
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, Sequence

@@ -4,17 +4,16 @@
         every rank: its shard's forward over its own KV heads, 2 all-reduces per layer + 1
         (embedding), 1 all-gather of the logits; the driver samples from them
 
-`make_runner(model, config, num_blocks, block_manager)` gives a plain `ModelRunner` for
-`tensor_parallel_size=1`, else a `TensorParallelRunner`: the engine's interface (`execute`,
-`execute_with_hidden`, `cache`), rank 0's shard and pool, the other ranks as a `WorkerGroup`, and
-one `StepPlan` per step. One block manager serves every rank (each pool holds Hkv/n heads of the
-same blocks). A dead worker makes the next step raise `WorkerDied` naming it; `shutdown()`
-leaves no process behind. More ranks x threads than cores only warns (and runs slower).
+`LLM(..., tensor_parallel_size=n)` passes `TensorParallelRunner` to `LLMEngine(runner=...)`: the
+engine's interface (`execute`, `execute_with_hidden`, `cache`), rank 0's shard and pool, the other
+ranks as a `WorkerGroup`, and one `StepPlan` per step. One block manager serves every rank (each
+pool holds Hkv/n heads of the same blocks). A dead worker makes the next step raise `WorkerDied`
+naming it; `shutdown()` leaves no process behind. More ranks x threads than cores only warns (and
+runs slower).
 
-Left out on purpose: speculative decoding, trained drafters and the host KV tier with n > 1
-(refused with a ValueError), pipeline parallelism, several engines sharing workers.
+Left out on purpose: speculative decoding, trained drafters, compiled steps and the host KV tier
+with n > 1 (`EngineConfig` refuses them), pipeline parallelism, several engines sharing workers.
 """
-import dataclasses
 import multiprocessing.connection
 import os
 import time
@@ -26,58 +25,9 @@ import torch
 from minillm.distributed.group import WorkerDied, WorkerGroup
 from minillm.distributed.tensor_parallel import (build_shard, check_tensor_parallel_size,
                                                  shard_config, shard_state_dict)
-from minillm.distributed.tp_worker import CacheSpec, StepPlan, run_step, tp_worker
+from minillm.distributed.tp_worker import StepPlan, run_step, tp_worker
 from minillm.engine.model_runner import ModelRunner, prompt_rows
-from minillm.kernels.background_steps import BackgroundSteps
-from minillm.kernels.compiled import reference_twin
-from minillm.kernels.compiled_steps import compiled_steps_for
-from minillm.kernels.cuda_graph_steps import cuda_graph_steps
-from minillm.kernels.tuning_cache import notice
-
-
-def make_runner(model, config, num_blocks: int, block_manager, draft_model=None,
-                num_host_blocks: int = 0):
-    """The runner `LLMEngine` uses: `ModelRunner` (n = 1) or `TensorParallelRunner` (n > 1).
-    `num_host_blocks` > 0: the host KV tier's slots (n = 1 only)."""
-    param = next(model.parameters())
-    spec = CacheSpec(num_blocks, config.block_size, param.dtype, config.kv_cache_dtype,
-                     config.attention_backend)
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(model, spec.make(model.config, param.device), block_manager,
-                           num_host_blocks, compiled_steps(model, config, spec, param.device))
-    n = check_tensor_parallel_size(model.config, config.tensor_parallel_size)
-    if num_host_blocks:
-        raise ValueError(f"tensor_parallel_size={n} does not support kv_offloading_size (each "
-                         f"rank would need its own host tier); use tensor_parallel_size=1 for it")
-    if config.num_speculative_tokens > 0 or draft_model is not None:
-        raise ValueError(f"tensor_parallel_size={n} does not support speculative decoding "
-                         f"(num_speculative_tokens={config.num_speculative_tokens}, draft_model, "
-                         f"speculative_config); use tensor_parallel_size=1 for it")
-    return TensorParallelRunner(model, n, spec, block_manager)
-
-
-def compiled_steps(model, config, spec: CacheSpec, device):
-    """The model's compiled steps for `config.compilation_config`, compiled and judged now
-    (progress on stderr), or None without one; on a CUDA device its piecewise CUDA graphs
-    instead (`cudagraph_mode`, kernels/cuda_graph_steps.py). A model the compiler cannot take (a
-    quantized one) or a compiler that fails: None, with one line saying why."""
-    cc = config.compilation_config
-    if cc is None:
-        return None
-    make = lambda n, block_size: dataclasses.replace(spec, num_blocks=n, block_size=block_size) \
-        .make(model.config, device)                                          # noqa: E731
-    try:
-        steps = cuda_graph_steps(model, cc, make, device)        # None: no CUDA graphs here
-        if steps is None and cc.background:    # eager now; the runner adopts the steps when ready
-            reference_twin(model)                                 # TypeError: cannot compile
-            return BackgroundSteps(model, cc, make)
-        if steps is None:
-            steps = compiled_steps_for(model, cc, make, progress=notice)
-    except TypeError as e:
-        notice(f"compiled steps: none ({e}); every step eager")
-        return None
-    notice(steps.summary())
-    return steps if steps.kept else None
+from minillm.paging.paged_cache import CacheSpec
 
 
 def num_cores() -> int:
@@ -91,12 +41,16 @@ def worker_threads(n: int) -> int:
 
 
 class TensorParallelRunner(ModelRunner):
-    """`ModelRunner`'s interface over `n` ranks: this process is rank 0 (`model`, `cache` are its
-    shard and pool); `group` holds the workers (`pids`, `comm`)."""
+    """`ModelRunner`'s interface over `config.tensor_parallel_size` ranks: this process is rank 0
+    (`model`, `cache` are its shard and pool); `group` holds the workers (`pids`, `comm`).
+    `LLM(..., tensor_parallel_size=n)` passes it to `LLMEngine` as its `runner`."""
 
-    def __init__(self, model, n: int, spec: CacheSpec, block_manager):
+    def __init__(self, model, config, num_blocks: int, block_manager, num_host_blocks: int = 0):
+        """`ModelRunner`'s arguments; `num_host_blocks` is 0 (EngineConfig refuses a host tier)."""
         cfg = model.config
-        device = next(model.parameters()).device
+        n = check_tensor_parallel_size(cfg, config.tensor_parallel_size)
+        param = next(model.parameters())
+        device, spec = param.device, CacheSpec.for_engine(config, num_blocks, param.dtype)
         sd = model.state_dict()
         threads = worker_threads(n)
         self._warn_if_oversubscribed(n, threads)
@@ -109,7 +63,7 @@ class TensorParallelRunner(ModelRunner):
         self.comm, self.n, self.closed = self.group.comm, n, False
         try:
             shard = build_shard(shard_state_dict(sd, cfg, 0, n), cfg, 0, n, self.comm)
-            super().__init__(shard, spec.make(shard_config(cfg, n), device), block_manager)
+            self.attach(shard, spec.make(shard_config(cfg, n), device), block_manager)
         except BaseException:                            # no engine: no workers either
             self.group.shutdown(timeout_s=0.5)
             raise
@@ -127,7 +81,7 @@ class TensorParallelRunner(ModelRunner):
                 f"It runs, but the ranks take turns on the cores and every layer's two all-reduces "
                 f"wait for the slowest rank, so each step is slower than tensor_parallel_size=1 "
                 f"here; tensor parallelism pays off with one device (or core set) per rank.",
-                stacklevel=4)
+                stacklevel=3)                 # the engine line that makes the runner
 
     @property
     def pids(self) -> list[int]:

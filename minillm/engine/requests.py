@@ -1,0 +1,81 @@
+"""What comes into the engine, checked and mapped before anything is queued: a request's prompt
+(`check_prompt`: token ids that fit the vocabulary, the context and the whole pool), its logits
+processors and grammar (`request_state`), and `LLMEngine.generate`'s arguments as one
+(prompt, params, priority) per request (`batch_requests`). The disaggregated router runs the same
+checks before it sends a request anywhere.
+
+Left out on purpose: the fields of `SamplingParams` on their own (sampling_params.py checks them
+when made) and the priority's range (priority.py).
+"""
+from minillm._validate import ArgumentTypeError
+from minillm.engine.logits_process import LogitsProcessors
+from minillm.engine.structured import GrammarState
+
+
+def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block_size: int) -> list[int]:
+    """A request's prompt as token ids, or a TypeError/ValueError naming what is wrong: not ids
+    (or a str without a tokenizer), empty, outside the vocabulary, no room left in the context,
+    or more KV slots than the whole pool holds."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("a str prompt needs LLMEngine(..., tokenizer=...); pass token ids instead")
+        prompt = tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+        raise TypeError("prompt must be a str or a list of int token ids")
+    if not prompt:
+        raise ValueError("prompt must hold at least one token, got an empty prompt")
+    V, ctx = model_config.vocab_size, model_config.max_seq_len
+    bad = [t for t in prompt if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size), got {bad[:5]}")
+    if len(prompt) >= ctx:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the model's "
+                         f"context of max_seq_len={ctx} tokens")
+    need = min(len(prompt) + params.max_tokens, ctx)
+    pool = num_blocks * block_size
+    if need > pool:
+        raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs "
+                         f"{need} KV slots, but the whole pool holds num_blocks={num_blocks}"
+                         f" x block_size={block_size} = {pool}")
+    return list(prompt)
+
+
+def request_state(params, tokenizer, vocab_size: int, eos_token_id=None,
+                  prefix_caching: bool = False):
+    """A request's prepared logits processors (None if it asks for none) and its grammar state
+    (None without structured output), or ValueError/TypeError naming the field: a logit_bias id
+    outside the vocabulary, bad_words or structured_outputs without a tokenizer, a bad schema, or
+    prompt_logprobs with prefix caching (a cached prompt token is never computed: no logits)."""
+    if params.prompt_logprobs is not None and prefix_caching:
+        raise ValueError("prompt_logprobs needs enable_prefix_caching=False: prompt tokens found "
+                         "in the prefix cache are never computed, so they have no logits")
+    procs = LogitsProcessors.build(params, vocab_size, tokenizer, eos_token_id)
+    grammar = None
+    if params.structured_outputs is not None:
+        if tokenizer is None:
+            raise ArgumentTypeError("structured_outputs needs LLMEngine(..., tokenizer=...): the "
+                                    "grammar is compiled against the tokenizer")
+        grammar = GrammarState.start(params.structured_outputs, tokenizer, vocab_size)
+    return procs, grammar
+
+
+def batch_requests(prompts, params=None, sampling_params=None, priority=None) -> list[tuple]:
+    """`LLMEngine.generate`'s arguments as one (prompt, params, priority) per request: one
+    prompt (token ids) or a list; `params` or vLLM's `sampling_params`, one for all or one per
+    prompt; `priority` None (0), an int, or one per prompt. Lengths that disagree raise."""
+    if params is not None and sampling_params is not None:
+        raise TypeError("pass params or sampling_params, not both")
+    params = sampling_params if params is None else params
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of str or of token-id lists")
+    if isinstance(prompts[0], int):
+        prompts = [prompts]
+    plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+    prios = priority if isinstance(priority, (list, tuple)) else \
+        [0 if priority is None else priority] * len(prompts)
+    if len(prios) != len(prompts):
+        raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
+    return list(zip(prompts, plist, prios))
