@@ -134,8 +134,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None:
             check_real("gpu_memory_utilization (None or)", self.gpu_memory_utilization, 0, 1, low_open=True)
         check_offload(self)
-        object.__setattr__(self, "compilation_config",
-                           compilation_config(self.compilation_config, self.max_num_batched_tokens))
+        if self.compilation_config is not None:       # a dict or CompilationConfig, checked
+            object.__setattr__(self, "compilation_config", compilation_config(
+                self.compilation_config, self.max_num_batched_tokens))
         if self.compilation_config is not None and self.tensor_parallel_size > 1:
             raise ValueError(f"compilation_config needs tensor_parallel_size=1, got "
                              f"{self.tensor_parallel_size} (each rank would compile its own shard)")

@@ -87,8 +87,10 @@ class ModelRunner:
                              f"TensorParallelRunner) from minillm.distributed.tp_runner")
         param = next(model.parameters())
         spec = CacheSpec.for_engine(config, num_blocks, param.dtype)
+        compiled = (None if config.compilation_config is None      # eager: no compile wing
+                    else compiled_steps(model, config, spec, param.device))
         self.attach(model, spec.make(model.config, param.device), block_manager, num_host_blocks,
-                    compiled_steps(model, config, spec, param.device))
+                    compiled)
 
     def attach(self, model, cache: PagedKVCache, block_manager: BlockManager,
                num_host_blocks: int = 0, compiled=None) -> None:

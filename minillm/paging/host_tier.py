@@ -19,16 +19,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from minillm._validate import check_int
-
-
-class TokenNode:
-    """One full block's tokens and the node of the block before it (None for the first block):
-    following `parent` spells out the whole token prefix whose KV the block holds."""
-
-    __slots__ = ("tokens", "parent")
-
-    def __init__(self, tokens: tuple[int, ...], parent: "TokenNode | None"):
-        self.tokens, self.parent = tokens, parent
+from minillm.paging.prefix_cache import TokenNode
 
 
 def same_chain(a: TokenNode | None, b: TokenNode | None) -> bool:

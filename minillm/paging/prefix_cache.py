@@ -15,7 +15,15 @@ Left out on purpose: extra hash inputs (LoRA id, images, cache salt) and sharing
 """
 from dataclasses import dataclass
 
-from minillm.paging.host_tier import TokenNode
+
+class TokenNode:
+    """One full block's tokens and the node of the block before it (None for the first block):
+    following `parent` spells out the whole token prefix whose KV the block holds."""
+
+    __slots__ = ("tokens", "parent")
+
+    def __init__(self, tokens: tuple[int, ...], parent: "TokenNode | None"):
+        self.tokens, self.parent = tokens, parent
 
 
 @dataclass(frozen=True)

@@ -89,4 +89,6 @@ def pool_num_blocks(model, config, draft_model=None) -> int:
 
 def offload_num_blocks(model, config) -> int:
     """Host-tier slots for `config.kv_offloading_size` GiB (0: no tier; paging/host_pool.py)."""
+    if not config.kv_offloading_size:
+        return 0
     return host_num_blocks(config.kv_offloading_size, _bytes_per_block(model, config))

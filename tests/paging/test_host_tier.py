@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from minillm.paging.block_manager import BlockManager
-from minillm.paging.host_tier import HostTier, TokenNode, same_chain, spells
+from minillm.paging.host_tier import HostTier, same_chain, spells
+from minillm.paging.prefix_cache import TokenNode
 from test_block_manager import MANAGERS, Machine, check_free_lists, tokens_st
 
 
