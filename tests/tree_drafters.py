@@ -10,6 +10,7 @@ import torch
 
 from engine_configs import workload
 from minillm import generate, tiny_model
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import Proposal
 from minillm.spec.tree import TokenTree, TreeDraft
 
@@ -26,7 +27,7 @@ def work(model):
     return prompts, max_tokens, [generate(model, p, k) for p, k in zip(prompts, max_tokens)]
 
 
-class TreeDrafter:
+class TreeDrafter(Proposer):
     """Proposer stand-in with propose_tree; checks the features it is handed (if it reads them)."""
     feature_window, max_rank = 4, 2
 

@@ -9,7 +9,7 @@ the batch (`max_num_seqs`, `max_num_batched_tokens`), the order within a step an
 prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
 priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
 `speculative_token_tree`, the switch's `speculative_disable_by_batch_size` and
-`speculative_min_seq_len`: spec_decoder.py), the decode attention backend (attention/backends.py),
+`speculative_min_seq_len`: spec/decoder.py), the decode attention backend (attention/backends.py),
 `tensor_parallel_size` (distributed/tp_runner.py, passed in by `LLM`), SLO targets
 (slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`: paging/offload.py),
 and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
@@ -23,7 +23,7 @@ from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.priority import PriorityClass, check_classes
 from minillm.kernels.compilation_config import compilation_config
 from minillm.engine.scheduler import check_partial_prefills
-from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, check_tree, tree_paths
+from minillm.spec.methods import SPEC_METHODS, TREE_METHODS, check_tree, tree_paths
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 
 
@@ -47,7 +47,7 @@ class EngineConfig:
     scheduling: str = "continuous"               # or "static" (the baseline)
     kv_cache_memory_bytes: int = 512 * 2**20
     num_speculative_tokens: int = 0
-    speculative_method: str | None = None         # see SPEC_METHODS (spec_methods.py)
+    speculative_method: str | None = None         # see SPEC_METHODS (spec/methods.py)
     speculative_token_tree: tuple | str | None = None   # paths of top-k ranks, "auto", None: chain
     speculative_disable_by_batch_size: int | None = None   # no drafts once this many requests run
     speculative_min_seq_len: int | None = None    # a sequence drafts once it holds this many tokens
@@ -180,7 +180,7 @@ def apply_speculative_config(config, spec: dict, draft_model=None):
     `speculative_disable_by_batch_size`, as in vLLM); a flat field already set to something else
     raises ValueError.
     "model" is a Transformer for "draft_model" (`LLM` loads one given by name first), and the
-    drafter for "medusa" / "eagle" / "lookahead" (a proposer, or None; spec_methods.py). The
+    drafter for "medusa" / "eagle" / "lookahead" (a proposer, or None; spec/methods.py). The
     dict is only read, and everything is checked before anything is made.
     """
     if not isinstance(spec, dict):

@@ -8,7 +8,7 @@ Pieces: `Sequence` state (sequence.py), `BlockManager` (paging/block_manager.py,
 `Scheduler` (decides), `ModelRunner` (runs tensors), `Sampler` (logits -> tokens). The engine owns
 them and checks requests before anything else sees them; `update_from_output` (step_update.py)
 is the one place a step's results land. The features each engine field switches on live in their
-own modules: speculation (spec_decoder.py), priorities (priority.py), the SLO controller
+own modules: speculation (spec/decoder.py), priorities (priority.py), the SLO controller
 (slo_controller.py), the prefill pacer (prefill_pacer.py), structured output (structured.py) and
 the host KV tier (paging/host_tier.py). Tensor parallelism is another `runner`
 (distributed/tp_runner.py), which `LLM` (llm.py, the front door over the engine) passes in.
@@ -25,7 +25,7 @@ from minillm.paging.host_tier import HostTier
 from minillm.paging.sizing import offload_num_blocks, pool_num_blocks
 from minillm.engine.config import EngineConfig, apply_speculative_config
 from minillm.engine.requests import batch_requests, check_prompt, request_state
-from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
+from minillm.spec.decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.sampler import Sampler
 from minillm.engine.prefill_pacer import PrefillPacer

@@ -82,11 +82,6 @@ def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> tuple[t
     return tuple(out)
 
 
-def needs_processing(seq) -> bool:
-    """Whether a sequence's logits change before sampling (a grammar or any processor)."""
-    return seq.procs is not None or seq.grammar is not None
-
-
 def process_logits(logits: torch.Tensor, seq, drafts=()) -> torch.Tensor:
     """logits (R, V) of one sequence, R = len(drafts) + 1 -> a processed copy (R, V): row j as if
     drafts[:j] were already appended (module docstring). The input is left untouched."""

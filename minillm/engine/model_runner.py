@@ -177,7 +177,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_with_hidden(self, out: SchedulerOutput, return_hidden: bool = True):
         """`execute`, plus the target's features: hidden (M, C), one row per scheduled token in
-        the order of `out.scheduled` (what trained drafters read; features.py), or None."""
+        the order of `out.scheduled` (what trained drafters read; spec/features.py), or None."""
         if self.pending is not None and self.pending.ready():
             steps, self.pending = self.pending.steps, None
             self.compiled = steps if steps is not None and steps.kept else None

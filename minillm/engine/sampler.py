@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.logits_process import needs_processing, process_logits, token_logprobs
+from minillm.engine.logits_process import process_logits, token_logprobs
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import Logprob, Sequence
 from minillm.model.sampling import logits_to_probs, sample
@@ -143,7 +143,7 @@ class Sampler:
         if idx != list(range(len(logits))):      # forks share a row; drafting rows are not ours
             logits = logits[idx]                                                  # (R', V)
         errors = {}
-        processed = [i for i, r in enumerate(rows) if needs_processing(r.seq)]
+        processed = [i for i, r in enumerate(rows) if r.seq.needs_processing]
         if processed:
             logits = logits.clone()              # the runner's logits stay as the model gave them
             for i in processed:
@@ -188,7 +188,7 @@ class Sampler:
             return self._verify_tree(r, logits)
         try:
             ids = list(seq.draft_token_ids)
-            if needs_processing(seq):
+            if seq.needs_processing:
                 logits = process_logits(logits, seq, ids)       # row j as after drafts[:j]
                 ok = torch.isfinite(logits).any(-1).tolist()    # (K+1,)
                 if not ok[0]:
@@ -220,7 +220,7 @@ class Sampler:
     def _verify_tree(self, r: SampleRow, logits: torch.Tensor) -> Sampled:
         """logits (N, V), one row per node of the sequence's token tree (its newest token, then
         the drafts in node order) -> the kept path's tokens and one more (1..depth + 1). A tree is
-        drafted only for requests without logits processors, grammar or min_p (spec_decoder.py),
+        drafted only for requests without logits processors, grammar or min_p (spec/decoder.py),
         so the rows are the law `tree_accept` reads as they are."""
         seq, p, lk = r.seq, r.seq.params, logprobs_k(r.seq.params)
         k = r.num_drafts

@@ -46,7 +46,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)   # speculative drafts for this step
     draft_probs: object = None           # (1, K, V) q of a sampling draft model, else None
     draft_parents: list[int] | None = None   # a token tree: parents of [newest, *drafts]; None: chain
-    features: object = None              # FeatureWindow: the target's hidden rows (features.py)
+    features: object = None              # FeatureWindow: the target's hidden rows (spec/features.py)
     error: str | None = None             # why it was aborted, when a token could not be drawn
     detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
     priority: int = 0                    # lower = served first (scheduling_policy="priority")
@@ -58,6 +58,11 @@ class Sequence:
 
     def clear_drafts(self) -> None:      # no drafts this step, chain or tree
         self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether its logits change before sampling (a grammar or any processor)."""
+        return self.procs is not None or self.grammar is not None
 
     @property
     def num_tokens(self) -> int:

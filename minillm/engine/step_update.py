@@ -16,7 +16,7 @@ Left out on purpose: anything that runs tensors (model_runner.py, asked for the 
 draws tokens (sampler.py).
 """
 from minillm.engine.detokenizer import Detokenizer
-from minillm.engine.features import FeatureWindow
+from minillm.spec.features import FeatureWindow
 from minillm.engine.sampler import Sampled, SampleRow
 from minillm.engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 from minillm.engine.trace import prune, trace_row
@@ -107,7 +107,7 @@ class StepUpdate:
         return num_decode, prefill_ids
 
     def _keep_features(self, out, hidden, rows: list[SampleRow], sampled: list[Sampled]) -> None:
-        """Each scheduled chunk's hidden rows join its sequence's window (features.py), but for
+        """Each scheduled chunk's hidden rows join its sequence's window (spec/features.py), but for
         the rows of rejected drafts. Runs before the counts move (and before any fork)."""
         if hidden is None:
             return

@@ -43,8 +43,7 @@ def _run(model, prompt, proposer, tree, k, n, temperature, seed, stop):
     if proposer is None:
         out = generate(model, prompt, n, temperature, generator=gen, stop_token_ids=stop)
     else:
-        if hasattr(proposer, "reset"):
-            proposer.reset()
+        proposer.reset()
         out = speculative_generate(model, proposer, prompt, n, num_speculative_tokens=k,
                                    temperature=temperature, generator=gen, stop_token_ids=stop,
                                    stats=stats, tree=tree)

@@ -16,6 +16,7 @@ sampled guesses.
 """
 import torch
 
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import Proposal, _check_k, _contexts
 from minillm.spec.tree import TreeDraft
 
@@ -37,7 +38,7 @@ class _Seq:
         self.pool: dict[int, list[tuple[int, ...]]] = {}   # token -> (N-1)-grams, newest last
 
 
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     """Lookahead decoding's drafts: W Jacobi guesses plus up to G n-grams from the pool.
 
     >>> p = LookaheadProposer(window=3, ngram=2, max_candidates=2, seed=0)
@@ -45,7 +46,7 @@ class LookaheadProposer:
     >>> d.tokens[0].item(), d.parents[:2], len(d.tokens)     # the root, then the W guesses
     (6, [-1, 0], 4)
     """
-    needs_features = False
+    keyed = True                        # guesses per sequence, stepped by each verify's logits
 
     def __init__(self, window: int = 4, ngram: int = 3, max_candidates: int = 4,
                  seed: int | None = 0, learn_from_output: bool = True, max_cached_seqs: int = 8):

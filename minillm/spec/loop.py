@@ -28,6 +28,7 @@ from minillm.analysis.spec_theory import estimate_acceptance
 from minillm.model.generate import _check
 from minillm.model.kv_cache import KVCache
 from minillm.model.sampling import logits_to_probs, next_token
+from minillm.spec.proposer import Proposer
 from minillm.spec.rejection import greedy_verify, rejection_sample
 from minillm.spec.tree_loop import check_tree, tree_generate
 
@@ -101,17 +102,21 @@ def speculative_generate(target, proposer, prompt_ids, max_new_tokens: int,
     K = num_speculative_tokens
     if not isinstance(K, int) or K < 1:
         raise ValueError(f"num_speculative_tokens must be an int >= 1, got {K!r}")
-    draft_vocab = getattr(proposer, "vocab_size", target.config.vocab_size)
+    if not isinstance(proposer, Proposer):
+        raise TypeError(f"proposer must be a minillm.spec.proposer.Proposer, got "
+                        f"{type(proposer).__name__}")
+    draft_vocab = target.config.vocab_size if proposer.vocab_size is None else proposer.vocab_size
     if draft_vocab != target.config.vocab_size:
         raise ValueError(f"vocab mismatch: the draft model has {draft_vocab} tokens, the target "
                          f"{target.config.vocab_size}; speculative decoding needs one vocabulary")
-    if adaptive_k is not None and not (hasattr(adaptive_k, "k") and callable(getattr(adaptive_k, "update", None))):
+    if adaptive_k is not None and not (hasattr(adaptive_k, "k")
+                                       and callable(getattr(adaptive_k, "update", None))):
         raise TypeError(f"adaptive_k must have .k and .update(num_accepted, num_proposed), got "
                         f"{type(adaptive_k).__name__}")
     stats = stats if stats is not None else SpecStats()
     stop, dev = set(stop_token_ids or []), target.device
-    if hasattr(proposer, "propose_tree") or tree is not None:
-        if not hasattr(proposer, "propose_tree"):
+    if proposer.drafts_trees or tree is not None:
+        if not proposer.drafts_trees:
             raise ValueError(f"tree= needs a tree proposer (one with propose_tree), got "
                              f"{type(proposer).__name__}")
         if adaptive_k is not None:

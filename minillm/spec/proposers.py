@@ -26,6 +26,7 @@ import torch.nn as nn
 from minillm.model.kv_cache import KVCache
 from minillm.model.llama import Transformer
 from minillm.model.sampling import check_sampling_args, logits_to_probs
+from minillm.spec.proposer import Proposer
 
 
 @dataclass
@@ -49,7 +50,7 @@ def _check_k(k) -> None:
         raise ValueError(f"k (num_speculative_tokens) must be an int >= 1, got {k!r}")
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup drafting: copy what followed the last earlier match of the context's tail."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -81,12 +82,11 @@ class NgramProposer:
             rows.append(found + [found[-1] if found else ctx[-1]] * (k - len(found)))
         return Proposal(torch.tensor(rows), None, torch.tensor(counts))
 
-    def reset(self) -> None:
-        pass
 
-
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Sample K tokens from a draft model with the target's sampling parameters."""
+
+    keyed = True                            # one draft cache per sequence (the engine's seq_id)
 
     def __init__(self, model, use_cache: bool = True, max_cached_seqs: int = 8):
         self.model, self.use_cache, self.max_cached_seqs = model, use_cache, max_cached_seqs

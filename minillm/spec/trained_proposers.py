@@ -19,6 +19,7 @@ import torch
 
 from minillm.spec.eagle_runs import CachedRun, Draft, StableWindow, WindowRun
 from minillm.spec.heads import EagleDrafter, MedusaHeads
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import Proposal, _check_k, _contexts
 from minillm.spec.tree import TokenTree, TreeDraft
 
@@ -42,8 +43,8 @@ def _check_drafter(model, drafter, cls) -> None:
                          f"{drafter.vocab_size}; the model has {cfg.d_model}, {cfg.vocab_size}")
 
 
-class _TrainedProposer:
-    needs_features = True
+class _TrainedProposer(Proposer):
+    needs_features = True                  # Medusa reads the last row, EAGLE a window
 
     def _features(self, context_ids, features) -> torch.Tensor:
         if features is None:
@@ -66,9 +67,6 @@ class _TrainedProposer:
 
     def _chain(self, context_ids, features, chain: TokenTree) -> TreeDraft:
         return self.propose_tree(context_ids, features, chain)
-
-    def reset(self) -> None:
-        pass
 
 
 class MedusaProposer(_TrainedProposer):
@@ -113,6 +111,10 @@ class EagleProposer(_TrainedProposer):
         self.window, self.dynamic, self.dynamic_width = window, dynamic, dynamic_width
         self.kv_cache = kv_cache
         self.stable = StableWindow() if kv_cache else None     # window rows across proposals
+
+    @property
+    def feature_window(self) -> int:
+        return self.window                           # the drafter reads a window of rows
 
     def _runner(self, context_ids, features):
         feats = self._features(context_ids, features)                       # (w, C)

@@ -49,7 +49,7 @@ def count_positions(stats, draft: TreeDraft, path: list[int]) -> None:
 def tree_generate(target, proposer, prompt: list[int], max_new_tokens: int, tree: TokenTree,
                   params: tuple, generator, stop: set, stats) -> list[int]:
     """The tree loop behind `speculative_generate(..., tree=...)` (already validated there)."""
-    dev, needs = target.device, bool(getattr(proposer, "needs_features", False))
+    dev, needs = target.device, proposer.needs_features
     room = min(target.config.max_seq_len, len(prompt) + max_new_tokens + tree.num_nodes)
     cache = KVCache(target.config, 1, room, dev, target.dtype)
     features = torch.zeros(0, target.config.d_model, dtype=target.dtype, device=dev)
@@ -94,8 +94,7 @@ def _step(target, proposer, cache, context, features, tree, budget, params, gene
     logits, hidden = out if features is not None else (out, None)            # (N, V), (N, C)
     path, nxt = tree_accept(logits, draft, *params, generator=generator)
     commit_path(cache, start, path)
-    if hasattr(proposer, "observe"):
-        proposer.observe(draft, logits, path)
+    proposer.observe(draft, logits, path)                   # lookahead's Jacobi step
     stats.draft_s += t1 - t0
     stats.verify_s += time.perf_counter() - t1
     stats.num_proposed.append(draft.num_nodes - 1)

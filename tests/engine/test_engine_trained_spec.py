@@ -5,9 +5,11 @@ max_tokens caps; the features a drafter is handed equal the hidden rows of a den
 over its context; bad speculative configs are refused before anything is built, and a bad
 request leaves its neighbours their exact answers.
 
-The drafters here are stand-ins with the proposer interface (spec_methods.py): they draft the
+The drafters here are stand-ins with the proposer interface (spec/proposer.py): they draft the
 target's own greedy continuation with one token made wrong at a place set by the context length,
 so drafts are both accepted and rejected, and a drafter that reads features checks them."""
+import types
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sampling_params import SamplingParams
 from minillm.kernels.flat_forward import flatten
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import Proposal
 from tree_drafters import model, work  # noqa: F401 (shared fixtures)
 
@@ -45,7 +48,7 @@ def dense_hidden(model, ctx: list[int]) -> torch.Tensor:
     return _HIDDEN[key]
 
 
-class StandInDrafter:
+class StandInDrafter(Proposer):
     """Proposer stand-in: greedy continuation of the target, one token wrong every third call."""
 
     def __init__(self, model, needs_features: bool, feature_window: int = 1, max_rank: int = 4):
@@ -56,7 +59,7 @@ class StandInDrafter:
     def propose(self, contexts, k, temperature=0.0, top_k=None, top_p=None, generator=None,
                 features=None, key=None):
         assert len(contexts) == 1 and (features is not None) == self.needs_features
-        assert (key is not None) == hasattr(self, "observe_chain")
+        assert (key is not None) == self.keyed
         ctx = list(contexts[0])
         if self.needs_features:
             self._check(ctx, features[0])
@@ -83,7 +86,7 @@ class StandInLookahead(StandInDrafter):
     """Keeps state per sequence, so it is keyed and sees the verify logits, which must be the
     dense forward pass's logits at [last token, drafts]."""
 
-    observed = 0
+    observed, keyed = 0, True
 
     def observe_chain(self, context_ids, draft_ids, logits, key=None):
         ids = list(context_ids) + list(draft_ids)
@@ -118,7 +121,7 @@ def check_run(engine, drafter, outs, refs):
     assert engine.num_free_blocks == engine.num_blocks
     if drafter.needs_features:
         assert drafter.checked == drafter.calls > 0 and drafter.missing == 0
-    if hasattr(drafter, "observe_chain"):                  # one verify pass per step with drafts
+    if drafter.keyed:                                      # one verify pass per step with drafts
         assert drafter.observed == stats.num_spec_steps > 0
 
 
@@ -217,7 +220,8 @@ BAD = [
     ({"speculative_token_tree": []}, "non-empty list of paths"),
     ({"method": "ngram", "speculative_token_tree": [(0,)]}, "needs a method in"),
     ({"model": None}, "use minillm.LLM"),
-    ({"model": 3}, "must be a MedusaHeads, a path to one, None or a proposer"),
+    ({"model": 3}, "must be a MedusaHeads, a path to one, None or a Proposer"),
+    ({"model": types.SimpleNamespace(propose=print)}, "None or a Proposer, got SimpleNamespace"),
 ]
 
 

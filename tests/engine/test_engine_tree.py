@@ -6,7 +6,7 @@
 - after every step, each running sequence's K/V in the paged pool equals what a plain forward over
   its computed tokens writes (the accepted path was moved to consecutive slots), and the features
   handed to the drafter equal a dense forward's hidden rows; blocks balance at the end;
-- the switch (engine/tree_choice.py) keeps the tree on flat verify costs and falls back to the
+- the switch (spec/tree_choice.py) keeps the tree on flat verify costs and falls back to the
   chain on steep ones, its decision in one line, as tree sizing's predicted speedups say;
 - a tree deeper than K or not prefix-closed is refused, naming `speculative_token_tree`.
 The law at temperature > 0 is tests/engine/test_engine_tree_law.py.
@@ -21,7 +21,7 @@ from engine_configs import CONFIGS
 from minillm import EagleDrafter, MedusaHeads, generate
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sampling_params import SamplingParams
-from minillm.engine.tree_choice import decide_tree, verify_costs
+from minillm.spec.tree_choice import decide_tree, verify_costs
 from minillm.model.kv_cache import KVCache
 from tree_drafters import TreeDrafter, model, work  # noqa: F401 (model, work: shared fixtures)
 from minillm.spec.tree import TokenTree

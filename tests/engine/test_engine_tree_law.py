@@ -19,6 +19,7 @@ from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sampling_params import SamplingParams
 from minillm.spec import tree_rejection
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import Proposal
 from minillm.spec.tree import TokenTree, TreeDraft
 from test_spec_stats import LENGTH, PROMPT, SMALL, V, chi_square_pvalue, exact_target_law
@@ -40,7 +41,7 @@ def ranker():
     return tiny_model(vocab_size=V, seed=1, dtype=F64, **SMALL)
 
 
-class RankedTreeDrafter:
+class RankedTreeDrafter(Proposer):
     """Each node's children are the ranker model's top tokens after that node's own context."""
     needs_features, max_rank = False, 2
 

@@ -16,7 +16,7 @@ from minillm.engine.llm_engine import EngineConfig, LLMEngine
 from minillm.engine.sampler import SampleRow, Sampler
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import Sequence
-from minillm.engine.spec_decoder import SpecDecoder
+from minillm.spec.decoder import SpecDecoder
 from minillm.model.sampling import logits_to_probs
 from minillm.spec.rejection import rejection_sample
 

@@ -21,6 +21,7 @@ import torch
 
 import minillm.spec.rejection as spec
 from minillm import logits_to_probs, tiny_model
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer, Proposal
 from minillm.spec.loop import speculative_generate
 
@@ -92,7 +93,7 @@ def speculative_samples(target, proposer, params, seed, n=N, k=K):
                 rows[i] += [t for t in out[j].tolist() if t >= 0]
 
 
-class BrokenDrafter:
+class BrokenDrafter(Proposer):
     """Draft model whose reported q does not match how it picked its tokens (negative controls)."""
 
     def __init__(self, model, mode):

@@ -13,6 +13,7 @@ from minillm import KVCache, generate, tiny_model
 from minillm.kernels.flat_forward import flatten, unflatten
 from minillm.spec.adaptive import WindowedK
 from minillm.spec.loop import SpecStats, speculative_generate
+from minillm.spec.proposer import Proposer
 from minillm.spec.proposers import NgramProposer
 from minillm.spec.tree import TokenTree, TreeDraft, commit_path, tree_forward
 from test_spec_stats import SMALL, chi_square_pvalue, exact_target_law
@@ -131,7 +132,7 @@ def test_tree_forward_on_smollm2(smollm2):
 
 # ---- stand-in tree proposers ----------------------------------------------------------------
 
-class TopKTreeProposer:
+class TopKTreeProposer(Proposer):
     """Fills the tree with the top-ranked tokens of a second model (a stand-in for Medusa), run
     without a cache on context + path for each parent node. Checks the features it is handed."""
 
@@ -156,7 +157,7 @@ class TopKTreeProposer:
         return TreeDraft.from_tree(tree, toks)
 
 
-class RandomTreeProposer:
+class RandomTreeProposer(Proposer):
     """Random distinct siblings, a shape of its own (a dynamic drafter), seeded."""
 
     def __init__(self, vocab, seed=0):

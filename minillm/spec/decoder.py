@@ -2,28 +2,25 @@
 
 Letters: K draft tokens of one sequence (K <= num_speculative_tokens), V vocab.
 
-`SpecDecoder.propose` gives every decoding sequence up to K drafts (n-gram lookup, a draft model,
-a trained drafter reading the target's features from features.py, or lookahead; spec_methods.py
-builds the proposers). The scheduler then books K + 1 tokens, the runner scores them in one
-ragged pass, the sampler verifies them exactly, and `LLMEngine.update_from_output` applies the
-result. This module proposes and defines the record of the counts; it changes no sequence, block
-or metric. `SpecDecoder.select` lets speculation step aside for a step: above
-`disable_by_batch_size` running requests (vLLM's rule) or below `min_seq_len` tokens a sequence
-decodes plainly, and the law of every token is unchanged. `tree_for` gives a sequence a token tree
-(tree_choice.py) when its proposer has `propose_tree`; grammar or logits-processor requests draft
-chains. Design notes: docs/sources.md.
-Left out on purpose: a batched or paged draft-model cache (it runs batch 1), per-request K and trees.
+`SpecDecoder.propose` gives every decoding sequence (the engine's `Sequence`, read only) up to K
+drafts from its `Proposer` (methods.py builds it; a trained drafter reads the target's features,
+features.py). The scheduler then books K + 1 tokens, the runner scores them in one ragged pass,
+the sampler verifies them exactly, and the engine applies the result. `select` lets speculation
+step aside for a step (above `disable_by_batch_size` running requests, below `min_seq_len`
+tokens), which leaves every token's law unchanged; `tree_for` gives a sequence a token tree
+(tree_choice.py) when its proposer drafts trees. Design notes: docs/sources.md.
+
+Left out on purpose: a batched or paged draft-model cache (it runs batch 1), per-request K and
+trees; changing any sequence, block or metric (the engine does).
 """
 from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.logits_process import needs_processing
-from minillm.engine.sequence import Sequence
-from minillm.engine.spec_methods import SPEC_METHODS, check_tree, make_proposer
-from minillm.engine.tree_choice import TreeSwitch
+from minillm.spec.methods import SPEC_METHODS, check_tree, make_proposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.tree import TokenTree, TreeDraft
+from minillm.spec.tree_choice import TreeSwitch
 
 
 @dataclass
@@ -62,22 +59,22 @@ class SpecDecoder:
             self.proposer = DraftModelProposer(draft_model, max_cached_seqs=2 * max_num_seqs)
         else:
             self.proposer = make_proposer(method, drafter, target, k, max_num_seqs)
-        max_rank = getattr(self.proposer, "max_rank", None)
+        max_rank = self.proposer.max_rank
         self.tree = check_tree(tree, k, max_rank)
         # a token tree is verified when one is configured and the proposer drafts trees; the
         # switch probes it and keeps it only if tree sizing predicts it wins here (tree_choice.py)
         self.switch = None
-        if self.tree is not None and callable(getattr(self.proposer, "propose_tree", None)):
+        if self.tree is not None and self.proposer.drafts_trees:
             self.switch = TreeSwitch(self.tree if self.tree == "auto" else TokenTree(self.tree),
                                      k, target, max_rank=max_rank, max_tokens=max_num_batched_tokens)
-        self.needs_features = bool(getattr(self.proposer, "needs_features", False))
-        self.feature_window = getattr(self.proposer, "feature_window", 1)
-        # a proposer with state per sequence (lookahead's guesses) is keyed by seq_id and sees
-        # the verify logits (`observe`)
-        self.keyed = method == "draft" or callable(getattr(self.proposer, "observe_chain", None))
+        self.needs_features = self.proposer.needs_features
+        self.feature_window = self.proposer.feature_window
+        # a proposer with state per sequence (a draft model's cache, lookahead's guesses) is
+        # keyed by seq_id and sees the verify logits (`observe`)
+        self.keyed = self.proposer.keyed
         self._trees: dict = {}         # seq_id -> the TreeDraft it verifies (keyed proposers)
 
-    def select(self, decoding: list[Sequence], running: list[Sequence]) -> list[Sequence]:
+    def select(self, decoding: list, running: list) -> list:
         """The switch: which of this step's decoding sequences draft. None when the running
         requests reach `disable_by_batch_size`; else those holding >= `min_seq_len` tokens."""
         limit = self.disable_by_batch_size
@@ -87,17 +84,17 @@ class SpecDecoder:
             return list(decoding)
         return [s for s in decoding if s.num_tokens >= self.min_seq_len]
 
-    def tree_for(self, seq: Sequence) -> TokenTree | None:
+    def tree_for(self, seq) -> TokenTree | None:
         """The token tree `seq` drafts this step, or None (a chain): the switch's current tree,
         for requests whose rows are the law as the model gives it (no logits processors, grammar
         or min_p: those verify chains, row j processed as after drafts[:j])."""
         if self.switch is None or self.switch.current is None:
             return None
-        if needs_processing(seq) or seq.params.min_p:
+        if seq.needs_processing or seq.params.min_p:
             return None
         return self.switch.current
 
-    def propose(self, seqs: list[Sequence], draft_generator) -> list[tuple]:
+    def propose(self, seqs: list, draft_generator) -> list[tuple]:
         """Drafts for decoding sequences: one (draft token ids, q, parents) per sequence, q
         (1, K, V) for a sampling draft model, else None; parents: a token tree's (of the newest
         token and the drafts, node order; depth <= K), else None; ([], None, None) where no draft
@@ -133,7 +130,7 @@ class SpecDecoder:
             drafts.append((prop.token_ids[0, :n].tolist(), probs, None))
         return drafts
 
-    def _propose_tree(self, seq: Sequence, tree: TokenTree, k: int, feats, key) -> tuple:
+    def _propose_tree(self, seq, tree: TokenTree, k: int, feats, key) -> tuple:
         """One sequence's tree draft, cut to depth <= k (the room left), as (ids, None, parents)."""
         extra = {} if key is None else {"key": key}
         draft = self.proposer.propose_tree(seq.token_ids, feats, tree, **extra)
@@ -153,8 +150,7 @@ class SpecDecoder:
     def observe(self, rows, logits: torch.Tensor | None) -> None:
         """Hand a keyed proposer the verify logits of its drafts (K + 1 rows at the last token
         and the drafts), before the engine appends anything: lookahead's Jacobi step."""
-        observe = getattr(self.proposer, "observe_chain", None)
-        if observe is None or logits is None:
+        if not self.keyed or logits is None:
             return
         for r in rows:
             if r.num_drafts and r.seq.draft_parents is not None:     # a tree: its own rule
@@ -163,5 +159,6 @@ class SpecDecoder:
                     self.proposer.observe(draft, logits[r.row:r.row + draft.num_nodes])  # (N, V)
             elif r.num_drafts:
                 seq = r.seq
-                observe(seq.token_ids, seq.draft_token_ids,
-                        logits[r.row:r.row + r.num_drafts + 1], key=seq.seq_id)       # (K+1, V)
+                self.proposer.observe_chain(seq.token_ids, seq.draft_token_ids,
+                                            logits[r.row:r.row + r.num_drafts + 1],
+                                            key=seq.seq_id)                          # (K+1, V)

@@ -1,22 +1,21 @@
 """The engine's speculative methods, and what each needs before it can draft: the names, the
-checks of a `speculative_token_tree`, and the proposer a trained method drafts with.
+checks of a `speculative_token_tree`, and the proposer a method other than "ngram" and "draft"
+drafts with.
 
-Methods: "ngram" and "draft" (chapter 6); "medusa", "eagle" and "lookahead" (chapter 10), which
-draft through a *proposer*: `propose(contexts, k, temperature, top_k, top_p, generator=None,
-features=None) -> Proposal`, with `needs_features` (then `features` holds one Tensor (w, C) | None
-per context: the target's hidden rows at positions S-1-w..S-2), optional `feature_window` (rows
-kept per sequence, default 1) and `max_rank` (top-k candidates per node; None: unbounded); one
-with `observe_chain` keeps state per sequence (`key=seq_id`). `make_proposer` takes heads, their
-file, None (lookahead) or a proposer object. `check_tree` refuses a `speculative_token_tree` that
-is not prefix-closed, deeper than K or ranked beyond the drafter ("auto": sized here).
+Methods: "ngram" and "draft" (chapter 6); "medusa", "eagle" and "lookahead" (chapter 10). Every
+drafter is a `Proposer` (proposer.py: `propose`, and for trees `propose_tree`, with what it needs
+as attributes). `make_proposer` takes heads, their file, None (lookahead) or a proposer object.
+`check_tree` refuses a `speculative_token_tree` that is not prefix-closed, deeper than K or
+ranked beyond the drafter ("auto": sized by tree_choice.py).
 
 Left out on purpose: training heads (the front door, `LLM`, trains or loads them: this floor
-cannot). Trees are checked here and verified by the engine (spec_decoder.py, tree_choice.py).
+cannot). Trees are checked here and verified by the engine (decoder.py, tree_choice.py).
 """
 import os
 
 from minillm.spec.heads import EagleDrafter, MedusaHeads
 from minillm.spec.lookahead import LookaheadProposer
+from minillm.spec.proposer import Proposer
 from minillm.spec.trained_proposers import EagleProposer, MedusaProposer
 from minillm.spec.tree import TokenTree
 
@@ -47,23 +46,20 @@ def check_tree(tree, k: int, max_rank: int | None) -> tuple | str | None:
     return paths
 
 
-def is_proposer(obj) -> bool:
-    return callable(getattr(obj, "propose", None))
-
-
 def make_proposer(method: str, drafter, target=None, k: int = 1, max_num_seqs: int = 32):
     """The proposer a trained method drafts with, from a speculative_config's "model": a
     proposer object as it is; None for lookahead (a `LookaheadProposer` with state for every
     running sequence); heads (`MedusaHeads`, `EagleDrafter`) or a path to their file, loaded
-    against `target` (heads made for another model, or a corrupt file: ValueError)."""
+    against `target` (heads made for another model, or a corrupt file: ValueError). Anything
+    else, an object that drafts without subclassing `Proposer` included: TypeError."""
     if method not in TREE_METHODS:
         raise ValueError(f"make_proposer is for methods {list(TREE_METHODS)}, got {method!r}")
-    if is_proposer(drafter):
+    if isinstance(drafter, Proposer):
         return drafter
     if method == "lookahead":
         if drafter is not None:
             raise TypeError(f"speculative_config['model'] for method 'lookahead' must be None or "
-                            f"a proposer, got {type(drafter).__name__}")
+                            f"a Proposer, got {type(drafter).__name__}")
         return LookaheadProposer(max_cached_seqs=2 * max_num_seqs)
     if drafter is None:
         raise ValueError(f"speculative_config['model'] is None: method {method!r} needs trained "
@@ -74,15 +70,11 @@ def make_proposer(method: str, drafter, target=None, k: int = 1, max_num_seqs: i
         drafter = heads_cls.load(drafter, target)
     if not isinstance(drafter, heads_cls):
         raise TypeError(f"speculative_config['model'] for method {method!r} must be a "
-                        f"{heads_cls.__name__}, a path to one, None or a proposer, got "
+                        f"{heads_cls.__name__}, a path to one, None or a Proposer, got "
                         f"{type(drafter).__name__}")
-    if method == "medusa":
-        if k > drafter.num_heads:
-            raise ValueError(f"num_speculative_tokens={k} needs as many Medusa heads; these "
-                             f"have num_heads={drafter.num_heads}")
-        proposer = MedusaProposer(target, drafter)
-        proposer.feature_window = 1                  # Medusa reads the last feature only
-    else:
-        proposer = EagleProposer(target, drafter)
-        proposer.feature_window = proposer.window    # EAGLE's drafter reads a window of rows
-    return proposer
+    if method == "eagle":
+        return EagleProposer(target, drafter)
+    if k > drafter.num_heads:
+        raise ValueError(f"num_speculative_tokens={k} needs as many Medusa heads; these "
+                         f"have num_heads={drafter.num_heads}")
+    return MedusaProposer(target, drafter)

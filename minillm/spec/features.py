@@ -3,15 +3,12 @@ the final norm's output (`model(..., return_hidden=True)`) at its last W compute
 
 Letters: W rows kept, C model width, S context length.
 
-The "features" of a context of S tokens are the hidden rows of positions 0..S-2: every token but
-the root (the last sampled token, not yet run through the target). The engine keeps a window of
-the last W of them per sequence, with the position its first row belongs to, and changes it in one
-place (`LLMEngine.update_from_output`):
-- every scheduled chunk's rows are appended (prefill chunks, decode tokens, accepted drafts; the
-  rows of rejected drafts never join, as their KV slots are released);
-- a chunk that does not continue the window (prefix-cache hits skip positions, a recompute starts
-  again from 0) starts it afresh, so a drafter reads whatever tail exists;
-- preemption by recompute clears it (the re-prefill rebuilds it); by swap keeps it, as the KV is.
+The features of a context of S tokens are the hidden rows of positions 0..S-2 (the root, the last
+sampled token, has not run through the target yet). The engine keeps the last W per sequence,
+with the position of the first, and changes them in one place (`update_from_output`): each
+scheduled chunk's rows are appended, except a rejected draft's; a chunk that does not continue the
+window (a prefix-cache hit, a recompute) starts it afresh; preemption by recompute clears it, by
+swap keeps it (as it keeps the KV).
 
 Left out on purpose: features of several layers (EAGLE-3's fusion) and a window that grows with
 the context (a drafter with its own KV cache over the whole context).
