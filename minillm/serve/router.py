@@ -10,7 +10,9 @@ unchanged. Requests are checked here as an engine checks them; outputs carry the
 (TTFT, inter-token times as a client sees them); `transfers[request_id]` holds {bytes, blocks,
 header_bytes, seconds}. The workers are children (`spawn_workers`) or processes that dial in
 (`listen=`, disagg_launch.py). A dead worker fails the requests it holds with `WorkerUnavailable`
-(503 "worker_unavailable"); `shutdown()` stops both and leaves no process.
+(503 "worker_unavailable") and sets `dead` (the server's /health reads it: 503); `shutdown()`
+stops both and leaves no process. A grammar is checked here against structured.py's cache (the
+server compiled it off the event loop), then compiled again in each worker's process.
 
 Left out on purpose: several prefill / decode workers and a policy to pick among them, n > 1 /
 best_of and prompt logprobs (refused with a ValueError), restarting a dead worker.
@@ -122,6 +124,15 @@ class DisaggregatedEngine:
     @property
     def num_blocks(self) -> int:
         return self._pool_blocks
+
+    @property
+    def dead(self) -> str | None:
+        """Why this router can never serve again (a worker gone, found by `step` or now), or None."""
+        if self.closed:
+            return None
+        gone = next((w.gone for w in self.workers.values() if w.gone), None)
+        return gone or next((w.describe_exit() for w in self.workers.values()
+                             if not w.process.is_alive()), None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._flights or self._failed)
