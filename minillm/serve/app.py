@@ -179,13 +179,26 @@ def _endpoint(kind: str):
         except (ShuttingDown, EngineDead) as err:
             return error_response(failure(err))
         except (TypeError, ValueError) as err:              # the engine's own checks
-            return error_response(APIError(400, str(err), req.structured_param if req else None))
+            return error_response(APIError(400, str(err), _param(err, req)))
         rid = responses.new_id(kind)
         if req.stream:
             return StreamingResponse(_events(s, req, rid, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(request, s, req, rid, stream)
     return handler
+
+
+def _param(err: Exception, req: protocol.GenRequest | None) -> str | None:
+    """The body field an engine's refusal is about: a SamplingParamError's field by the body's
+    name for it (echo asked for the prompt's logprobs), or the field of a grammar's error."""
+    field = getattr(err, "field", None)
+    if req is None:
+        return None
+    if field == "prompt_logprobs" and req.echo is not None and not req.show_prompt_logprobs:
+        return "echo"
+    if field is not None:
+        return protocol.HTTP_NAMES[req.kind].get(field, field)
+    return req.structured_param if str(err).startswith("structured_outputs") else None
 
 
 async def _whole(request, s, req, rid, stream):

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 
 from minillm.engine.args import check_prompt, request_state
 from minillm.engine.config import EngineConfig
-from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sampling_params import SamplingParamError, SamplingParams
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
 from minillm.serve.errors import WorkerUnavailable
@@ -143,13 +143,16 @@ class DisaggregatedEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if (params.best_of or params.n) != 1 or params.prompt_logprobs is not None:
-            raise ValueError("disaggregated serving samples one completion without prompt "
-                             f"logprobs: n and best_of must be 1 and prompt_logprobs None, got "
-                             f"n={params.n}, best_of={params.best_of}, "
-                             f"prompt_logprobs={params.prompt_logprobs}")
+        bad = ("n" if params.n != 1 else "best_of" if (params.best_of or 1) != 1
+               else "prompt_logprobs" if params.prompt_logprobs is not None else None)
+        if bad is not None:                   # a ValueError whose `field` the server's 400 names
+            raise SamplingParamError(bad, "disaggregated serving samples one completion without "
+                                     f"prompt logprobs: n and best_of must be 1 and prompt_logprobs "
+                                     f"None, got n={params.n}, best_of={params.best_of}, "
+                                     f"prompt_logprobs={params.prompt_logprobs}")
         if priority != 0:
-            raise ValueError(f"priority must be 0 in disaggregated serving (fcfs), got {priority!r}")
+            raise SamplingParamError("priority", f"priority must be 0 in disaggregated serving "
+                                                 f"(fcfs), got {priority!r}")
         ids = check_prompt(prompt, params, self.tokenizer, self.model.config, self.num_blocks,
                            self.config.block_size)
         request_state(params, self.tokenizer, self.model.config.vocab_size, self.eos_token_id,

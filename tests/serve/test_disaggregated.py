@@ -11,7 +11,8 @@ disagg_worker,router,disaggregated}.py), against a single engine as the referenc
   only new requests (a decoding one finishes); a killed decode worker
   ends its stream with a 503 "worker_unavailable" naming it and /health answers 503 from then
   on; no process is left after stop();
-- bad input: n > 1, threads_per_engine < 1, a port in use (a ValueError naming port).
+- bad input: n > 1, threads_per_engine < 1, a port in use (a ValueError naming port); over HTTP
+  what the router cannot serve is a 400 naming the field.
 
 A tiny random model of the real class keeps it fast (each worker process takes a few seconds to
 start); its answers are noise, but the reference sees the same noise.
@@ -256,6 +257,11 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok, m
         r = httpx.post(url, json={**body, "guided_choice": choice}, timeout=60)
         assert r.json()["choices"][0]["text"] in choice and on_loop == [False], (r.text, on_loop)
         assert_settled(srv.url)                      # 0 running, 0 waiting, 0 decode blocks in use
+        for extra, param in (({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"priority": 1}, "priority"),
+                             ({"echo": True, "logprobs": 1}, "echo"),
+                             ({"prompt_logprobs": 1}, "prompt_logprobs")):
+            r = httpx.post(url, json={**body, **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
         with httpx.stream("POST", url, json={**body, "max_tokens": 500, "stream": True},
                           timeout=60) as r:
             lines = r.iter_lines()
