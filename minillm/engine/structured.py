@@ -5,10 +5,13 @@ Letters: V the model's vocabulary (logits width), Vt the tokenizer's, K drafts.
 
 llguidance compiles the grammar against the tokenizer and gives, per position, a bitmask of the
 ids allowed next; every other logit becomes -inf. `GrammarState` is one sequence's place:
-`start` compiles (ValueError naming the field), `allowed(drafts)` -> (K + 1, V) bool rows after
-the output and after each draft prefix, `accept` advances, `fork` copies for n > 1, `done` says
-the grammar is complete. Ids >= Vt are never allowed. The translated tokenizer and compiled
-grammars are cached (`GRAMMAR_CACHE_SIZE`). `generate_structured` is the one-sequence reference loop.
+`start` compiles (ValueError naming the field, also for a language found empty at the first
+mask), `allowed(drafts)` -> (K + 1, V) bool rows after the output and after each draft prefix
+(all False once llguidance is in error: a sampling failure, never a "stop"), `accept` advances,
+`fork` copies for n > 1, `done` says the grammar is complete. Ids >= Vt are never allowed. The
+translated tokenizer and compiled grammars are cached (`GRAMMAR_CACHE_SIZE`: a server compiles
+off its event loop, then its engine copies). `generate_structured` is the one-sequence reference
+loop.
 
 Left out on purpose: llguidance's batched mask kernel and thread pool, fast-forward tokens, JSON
 whitespace options, tool-call grammars.
@@ -128,6 +131,11 @@ def _compile(params: StructuredOutputsParams, lltok) -> llguidance.LLMatcher:
     matcher = llguidance.LLMatcher(lltok, _grammar_text(name, text), log_level=0, limits=_LIMITS)
     if matcher.is_error():
         raise ValueError(f"structured_outputs.{name} does not compile: {matcher.get_error()}")
+    probe = matcher.deep_copy()          # llguidance finds some empty languages at the first mask
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise ValueError(f"structured_outputs.{name} matches no string (its language is empty): "
+                         f"{probe.get_error().splitlines()[0]}")
     with _lock:
         _grammars[key] = matcher.deep_copy()
         while len(_grammars) > GRAMMAR_CACHE_SIZE:
@@ -158,6 +166,9 @@ class GrammarState:
         32 w + i (little-endian words, so numpy's little bit order reads the bytes in id order).
         numpy, not torch: on a busy CPU torch's thread pool makes each small op cost ~10 ms."""
         packed = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)          # (4 W,)
+        if self._m.is_error():              # no way on (its mask allows EOS): nothing is allowed
+            out[:] = False
+            return
         bits = np.unpackbits(packed, bitorder="little").view(np.bool_)            # (32 W,)
         n = min(self._vt, self.vocab_size)
         out[:n] = bits[:n]
@@ -214,7 +225,7 @@ class GrammarState:
 
     @property
     def done(self) -> bool:
-        return self._m.is_stopped()
+        return self._m.is_stopped() and not self._m.is_error()
 
 
 @torch.inference_mode()

@@ -1,6 +1,6 @@
 """The HTTP routes: an OpenAI-compatible API over one `AsyncEngine`, as a Starlette app.
 
-    GET  /health                 200 "ok" once the engine loop runs
+    GET  /health                 200 "ok" while the engine can step, 503 once it cannot
     GET  /v1/models              the one served model, OpenAI's list shape
     POST /v1/completions         prompt -> text (OpenAI's legacy completions)
     POST /v1/chat/completions    messages -> the chat template -> the assistant's turn
@@ -8,10 +8,11 @@
 
 A streamed answer is server-sent events (streaming.py) with exactly the non-streamed text.
 Nothing slow runs on the event loop: parsing and tokenizing run in one worker thread
-(`Server.parser`, keeping request order), the engine step in another (async_engine.py).
+(`Server.parser`, keeping request order), grammars compile in another (`Server.grammars`: the
+engine then finds them in structured.py's cache), the engine step in a third (async_engine.py).
 Refusals are OpenAI error objects with ASCII-only JSON, never a bare 500: 400, 401, 404, 405,
-413, 415 (non-JSON bodies), 503 (`max_pending` reached, a queue timeout, shutdown), and 500
-"sampling_error" for a token that cannot be drawn; `CatchAll` (errors.py) answers the rest.
+413, 415 (non-JSON bodies), 503 (`max_pending` reached, a queue timeout, shutdown, a dead engine)
+and 500 "sampling_error" for a token that cannot be drawn; `CatchAll` (errors.py) answers the rest.
 `/metrics` and `/dashboard` take no API key; CORS is off unless `allowed_origins` lists origins.
 
 Left out on purpose: TLS (put a proxy in front), per-user rate limits, the /tokenize,
@@ -32,7 +33,8 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from minillm.serve import protocol, responses
-from minillm.serve.async_engine import AsyncEngine, QueueFull, ShuttingDown
+from minillm.engine.structured import GrammarState
+from minillm.serve.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown
 from minillm.serve.dashboard import dashboard, static
 from minillm.serve.errors import CatchAll, engine_error, error_response, failure, json_response
 from minillm.serve.metrics import ServerMetrics
@@ -67,6 +69,7 @@ class Server:
         self.metrics.loop = self.loop
         self.tokens = responses.TokenText(engine.tokenizer)
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-parse")
+        self.grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-grammar")
         cfg = engine.model.config
         self.limits = dict(context=cfg.max_seq_len, vocab_size=cfg.vocab_size,
                            pool_tokens=engine.num_blocks * engine.config.block_size,
@@ -114,14 +117,28 @@ class Server:
             raise APIError(400, str(err)) from None
 
 
+    def compile_grammar(self, req: protocol.GenRequest) -> None:
+        """Compile (or find cached) the request's grammar, in the grammar thread: the engine's
+        `add_request` on the event loop then only copies it. A grammar that does not compile, or
+        whose language is found empty, is a 400 naming its field."""
+        try:
+            GrammarState.start(req.params.structured_outputs, self.engine.tokenizer,
+                               self.limits["vocab_size"])
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), req.structured_param) from None
+
+
 def _server(request) -> Server:
     return request.app.state.server
 
 
 async def health(request):
-    task = _server(request).loop._task
-    ok = task is not None and not task.done()
-    return PlainTextResponse("ok" if ok else "engine loop not running", status_code=200 if ok else 503)
+    loop = _server(request).loop
+    if loop._task is None or loop._task.done():
+        return PlainTextResponse("engine loop not running", status_code=503)
+    if loop.dead is not None:
+        return PlainTextResponse(f"engine dead: {loop.dead}", status_code=503)
+    return PlainTextResponse("ok")
 
 
 async def models(request):
@@ -148,6 +165,8 @@ def _endpoint(kind: str):
             s.check_key(request)
             raw = await s.read_body(request)
             req = await asyncio.get_running_loop().run_in_executor(s.parser, s.parse, raw, kind)
+            if req.params.structured_outputs is not None:
+                await asyncio.get_running_loop().run_in_executor(s.grammars, s.compile_grammar, req)
             stream = await s.loop.submit(req.prompt_token_ids, req.params, req.priority)
         except APIError as err:
             return error_response(err)
@@ -157,16 +176,29 @@ def _endpoint(kind: str):
             s.metrics.rejected()
             return error_response(APIError(503, f"the server is overloaded: {err}; retry later",
                                    type="server_error", code="overloaded"), {"Retry-After": "1"})
-        except ShuttingDown as err:
+        except (ShuttingDown, EngineDead) as err:
             return error_response(failure(err))
         except (TypeError, ValueError) as err:              # the engine's own checks
-            return error_response(APIError(400, str(err), req.structured_param if req else None))
+            return error_response(APIError(400, str(err), _param(err, req)))
         rid = responses.new_id(kind)
         if req.stream:
             return StreamingResponse(_events(s, req, rid, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(request, s, req, rid, stream)
     return handler
+
+
+def _param(err: Exception, req: protocol.GenRequest | None) -> str | None:
+    """The body field an engine's refusal is about: a SamplingParamError's field by the body's
+    name for it (echo asked for the prompt's logprobs), or the field of a grammar's error."""
+    field = getattr(err, "field", None)
+    if req is None:
+        return None
+    if field == "prompt_logprobs" and req.echo is not None and not req.show_prompt_logprobs:
+        return "echo"
+    if field is not None:
+        return protocol.HTTP_NAMES[req.kind].get(field, field)
+    return req.structured_param if str(err).startswith("structured_outputs") else None
 
 
 async def _whole(request, s, req, rid, stream):
@@ -250,6 +282,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_pending: 
         yield
         await server.loop.stop()
         server.parser.shutdown(wait=False, cancel_futures=True)
+        server.grammars.shutdown(wait=False, cancel_futures=True)
 
     middleware = [Middleware(CatchAll)]
     if allowed_origins:

@@ -9,7 +9,9 @@ steps, runs `engine.step()` in a worker thread, and lets handlers write this ste
 `max_pending` a new one gets `QueueFull` (503). `num_queued` counts those not yet handed to the
 engine. At shutdown `end_streams` ends each request in flight with `ShuttingDown`; a handler
 whose client left calls `abort`; a step that raises ends every request in flight with its error
-and the loop goes on serving.
+and the loop goes on serving, unless the engine can never step again (a worker process died:
+`WorkerDied`, a disaggregated worker gone): then `dead` says why, logged once, /health answers
+503 and `submit` raises `EngineDead`.
 
 Left out on purpose: several engines (data parallel), and waking early from a step to admit a
 request (vLLM also admits new requests only between steps).
@@ -20,6 +22,8 @@ import logging
 import secrets
 import time
 
+from minillm.distributed.group import WorkerDied
+
 log = logging.getLogger("minillm.serve")
 
 
@@ -29,6 +33,26 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server is stopping: requests still in flight end with this."""
+
+
+class EngineDead(RuntimeError):
+    """The engine can never step again (a worker process is gone); the message says which."""
+
+
+def engine_death(engine) -> str | None:
+    """Why `engine` can never step again, or None, without stepping it: a disaggregated router's
+    lost worker (`engine.dead`), or a tensor-parallel group with a rank gone."""
+    dead = getattr(engine, "dead", None)
+    if dead:
+        return dead
+    group = getattr(getattr(engine, "runner", None), "group", None)
+    if group is None or getattr(group, "closed", True) or not hasattr(group, "check_alive"):
+        return None
+    try:
+        group.check_alive()
+    except WorkerDied as err:
+        return f"WorkerDied: {err}"
+    return None
 
 
 class RequestStream:
@@ -70,6 +94,22 @@ class AsyncEngine:
         self._tokens: dict[str, int] = {}          # tokens counted so far, per request
         self.num_queued = 0                        # submitted, not yet added to the engine
         self.closing = False
+        self._dead: str | None = None
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can never step again (None while it can)."""
+        return self.find_death()
+
+    def find_death(self, why: str | None = None) -> str | None:
+        """`dead`, probing the engine's workers (or taking `why`) while none is known; a death
+        is logged once."""
+        if self._dead is None:
+            why = why or engine_death(self.engine)
+            if why is not None:
+                self._dead = why
+                log.error("the engine is dead, /health answers 503 from now on: %s", why)
+        return self._dead
 
     @property
     def num_pending(self) -> int:
@@ -108,6 +148,8 @@ class AsyncEngine:
         """Queue a request; raises QueueFull, or the engine's ValueError/TypeError for bad input."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         if self.num_pending >= self.max_pending:
             raise QueueFull(f"{self.num_pending} requests are pending (max {self.max_pending})")
         rid = f"{self._prefix}-{next(self._ids)}"
@@ -138,14 +180,19 @@ class AsyncEngine:
                 continue
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as err:                           # should not happen; keep serving
-                log.exception("engine step failed; aborting the requests in flight")
+            except Exception as err:
+                if isinstance(err, WorkerDied):
+                    self.find_death(f"{type(err).__name__}: {err}")
+                elif self.dead is None:                        # should not happen; keep serving
+                    log.exception("engine step failed; aborting the requests in flight")
                 for rid in list(self._streams):
                     self._finish_with(rid, err)
                     self._abort_in_engine(rid)
                 continue
             for out in outputs:
                 self._deliver(out)
+            if any(getattr(o, "error", None) for o in outputs):
+                self.find_death()                              # a lost worker: say so once
             await self._drain()
 
     async def _drain(self, max_rounds: int = 16) -> None:

@@ -6,7 +6,8 @@
     python -m minillm serve --disaggregated --threads-per-engine 1   # prefill + decode processes
 
 Engine flags map onto `EngineConfig` fields (`--max-num-seqs` -> max_num_seqs, ...) with the
-server's own defaults (`SERVER_DEFAULTS`); a bad flag is one line and exit status 2. The server
+server's own defaults (`SERVER_DEFAULTS`); a bad flag (a heads file that is not there too) is
+one line and exit status 2; the SLO controller's line says the load it needs to act. The server
 binds 127.0.0.1 unless `--host` says otherwise, binds its port before loading anything, keeps CORS
 off unless `--allowed-origins` lists origins, and loads through the front door (`LLM`).
 `--disaggregated` puts a router in front of a prefill and a decode process (serve/disaggregated.py;
@@ -110,6 +111,27 @@ ENGINE_FLAGS["--compilation-config"] = ("compilation_config", json_object)
 ENGINE_FLAGS.update({"--slo-ttft-p95-ms": ("slo_ttft_p95_ms", positive),
                      "--slo-tpot-p95-ms": ("slo_tpot_p95_ms", positive),
                      "--slo-interval-s": ("slo_interval_s", positive)})
+
+
+def missing_heads(spec: dict) -> str | None:
+    """The complaint about a --speculative-config whose Medusa / EAGLE heads file is not there."""
+    path = spec.get("model")
+    if spec.get("method") in ("medusa", "eagle") and isinstance(path, str) and not os.path.isfile(path):
+        return (f"--speculative-config: no {spec['method']} heads file at {path!r} (\"model\": "
+                f"a path to trained heads, or null to train them)")
+    return None
+
+
+def slo_notice(engine) -> str | None:
+    """The load the SLO controller needs to act: it holds until `min_samples` latencies (TPOT:
+    one per finished request) fall within its longest window, a count of intervals."""
+    ctl = getattr(engine, "controller", None)
+    if ctl is None:
+        return None
+    i, n, w = ctl.interval_s, ctl.min_samples, ctl.max_window_s
+    return (f"minillm: the SLO controller decides every {i:g} s from >= {n} latencies of the last "
+            f"{w:g} s (TPOT: one per finished request): with R requests finishing per second, "
+            f"--slo-interval-s must exceed {n * i / w:g} / R s ({i:g} s needs R >= {n / w:.2g})")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -218,6 +240,8 @@ def main(argv=None) -> None:
         parser().error("--disaggregated takes no --tensor-parallel-size (each engine is one process)")
     if args.role != "all" and not args.disaggregated:
         parser().error(f"--role {args.role} needs --disaggregated")
+    if args.speculative_config is not None and missing_heads(args.speculative_config):
+        parser().error(missing_heads(args.speculative_config))
     if args.role in ("prefill", "decode"):
         return run_worker_role(args)                   # no HTTP port: it dials the router
     sock = bind(args.host, args.port)                  # first: a clash costs no model load
@@ -234,6 +258,8 @@ def main(argv=None) -> None:
     name = args.served_model_name or args.model
     app = build_app(llm.llm_engine, name, args.api_key, args.max_pending_requests,
                     allowed_origins=args.allowed_origins)
+    if slo_notice(llm.llm_engine):
+        print(slo_notice(llm.llm_engine), flush=True)
     print(f"minillm: {name!r}, max_num_seqs={llm.llm_engine.config.max_num_seqs}, "
           f"{llm.llm_engine.num_blocks} KV blocks of {llm.llm_engine.config.block_size} tokens", flush=True)
     try:

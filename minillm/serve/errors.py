@@ -7,6 +7,7 @@ and code each failure maps to:
                                 anything else   -> 500 "sampling_error" (a token could not be drawn)
     the server is shutting down                 -> 503 "server_shutting_down"
     the engine loop failed                      -> 500 "engine_error"
+    the engine is dead (a worker process gone)  -> 503 "engine_dead" (or "worker_unavailable")
     a bug anywhere else                         -> 500 "internal_error", `Connection: close`
 
 `CatchAll` is the outermost ASGI middleware: whatever escapes a handler is logged once and
@@ -21,7 +22,7 @@ import logging
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from minillm.serve.async_engine import ShuttingDown
+from minillm.serve.async_engine import EngineDead, ShuttingDown
 from minillm.serve.protocol import APIError
 
 log = logging.getLogger("minillm.serve")
@@ -56,6 +57,9 @@ def failure(err: BaseException) -> APIError:
         return APIError(503, str(err), type="server_error", code="server_shutting_down")
     if isinstance(err, WorkerUnavailable):
         return APIError(503, str(err), type="server_error", code="worker_unavailable")
+    if isinstance(err, EngineDead):
+        code = "worker_unavailable" if str(err).startswith("worker unavailable") else "engine_dead"
+        return APIError(503, f"the engine is dead: {err}", type="server_error", code=code)
     return APIError(500, f"the engine failed: {type(err).__name__}: {err}", type="server_error",
                     code="engine_error")
 

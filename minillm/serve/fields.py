@@ -5,9 +5,11 @@ silently ignored; one that changes nothing (a penalty of 0, `logit_bias: {}`) pa
     logprobs + top_logprobs (chat), logprobs=k (completions)   -> logprobs=k
     echo (completions; with logprobs, the prompt's too)        -> prompt_logprobs=k
     presence_penalty, frequency_penalty, logit_bias, and vLLM's repetition_penalty, min_p,
-    min_tokens, bad_words, stop_token_ids, prompt_logprobs     -> the same names
+    min_tokens, bad_words, stop_token_ids, prompt_logprobs     -> the same names (prompt_logprobs
+                                                                  not streamed, as vLLM)
     n with best_of (best_of >= n; not streamed when best_of > n, as vLLM)
     response_format, guided_* and structured_outputs           -> StructuredOutputsParams
+                                      (at most MAX_GRAMMAR_CHARS; compiled in app.py's thread)
     temperature in (0, 0.01)                                   -> 0.01 (vLLM's clamp)
 
 Refused: `suffix`, `tools` / `functions` unless tool_choice is "none", and `NO_OP` fields with a
@@ -21,6 +23,7 @@ import json
 from minillm.engine.structured import StructuredOutputsParams
 
 MIN_TEMPERATURE = 0.01     # vLLM's clamp: 0 < temperature < 0.01 overflows logits / T in fp32
+MAX_GRAMMAR_CHARS = 2**20  # a grammar as llguidance reads it; its compile time grows with it
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
                      "safety_identifier", "request_id", "guided_decoding_backend",
                      "parallel_tool_calls"})
@@ -85,10 +88,13 @@ def _tools(body: dict) -> None:
                          f"is accepted)", tools if given else choice)
 
 
-def logprobs(body: dict, kind: str) -> dict:
+def logprobs(body: dict, kind: str, stream: bool = False) -> dict:
     """{logprobs, prompt_logprobs} for SamplingParams (None = off), from the HTTP shapes: chat's
     `logprobs` boolean with `top_logprobs`, completions' `logprobs` count with `echo`. Their
-    ranges are SamplingParams'."""
+    ranges are SamplingParams'; vLLM's `prompt_logprobs` is refused in a stream (as vLLM)."""
+    if stream and body.get("prompt_logprobs") is not None:
+        raise FieldError("'prompt_logprobs' cannot be streamed (as in vLLM): send the request "
+                         "with 'stream': false", "prompt_logprobs")
     if kind == "chat":
         on, top = body.get("logprobs"), body.get("top_logprobs")
         if on not in (None, True, False):
@@ -174,6 +180,11 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str 
                          f"{[p for p, _ in found]}", found[1][0])
     param, kwargs = found[0]
     try:
-        return StructuredOutputsParams(**kwargs), param
+        params = StructuredOutputsParams(**kwargs)
+        size = len(params.kind_and_text()[1])
     except (TypeError, ValueError) as err:
         raise FieldError(f"'{param}': {err}", param) from None
+    if size > MAX_GRAMMAR_CHARS:
+        raise FieldError(f"'{param}' is {size} characters as a grammar; at most "
+                         f"{MAX_GRAMMAR_CHARS} are compiled", param)
+    return params, param

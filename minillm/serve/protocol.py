@@ -194,7 +194,7 @@ def _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n
         "top_p", "top_k", "seed", "n", "stop", "ignore_eos", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
         "stop_token_ids")}
-    given.update(fields.logprobs(body, kind), logit_bias=fields.logit_bias(body, vocab_size),
+    given.update(fields.logprobs(body, kind, stream), logit_bias=fields.logit_bias(body, vocab_size),
                  best_of=body.get("best_of"), structured_outputs=structured,
                  max_tokens=_or(body.get(_max_tokens_name(body)), room),   # vLLM's default: the room
                  temperature=fields.temperature(_or(body.get("temperature"), 1.0)))   # OpenAI's

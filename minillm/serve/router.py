@@ -10,7 +10,9 @@ unchanged. Requests are checked here as an engine checks them; outputs carry the
 (TTFT, inter-token times as a client sees them); `transfers[request_id]` holds {bytes, blocks,
 header_bytes, seconds}. The workers are children (`spawn_workers`) or processes that dial in
 (`listen=`, disagg_launch.py). A dead worker fails the requests it holds with `WorkerUnavailable`
-(503 "worker_unavailable"); `shutdown()` stops both and leaves no process.
+(503 "worker_unavailable") and sets `dead` (the server's /health reads it: 503); `shutdown()`
+stops both and leaves no process. A grammar is checked here against structured.py's cache (the
+server compiled it off the event loop), then compiled again in each worker's process.
 
 Left out on purpose: several prefill / decode workers and a policy to pick among them, n > 1 /
 best_of and prompt logprobs (refused with a ValueError), restarting a dead worker.
@@ -24,7 +26,7 @@ from multiprocessing.connection import wait
 
 from minillm.engine.requests import check_prompt, request_state
 from minillm.engine.config import EngineConfig
-from minillm.engine.sampling_params import SamplingParams
+from minillm.engine.sampling_params import SamplingParamError, SamplingParams
 from minillm.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.serve.disagg_launch import Remote, Worker, accept_workers, spawn_workers, stop_workers
 from minillm.serve.errors import WorkerUnavailable
@@ -123,6 +125,15 @@ class DisaggregatedEngine:
     def num_blocks(self) -> int:
         return self._pool_blocks
 
+    @property
+    def dead(self) -> str | None:
+        """Why this router can never serve again (a worker gone, found by `step` or now), or None."""
+        if self.closed:
+            return None
+        gone = next((w.gone for w in self.workers.values() if w.gone), None)
+        return gone or next((w.describe_exit() for w in self.workers.values()
+                             if not w.process.is_alive()), None)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._flights or self._failed)
 
@@ -132,13 +143,16 @@ class DisaggregatedEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if (params.best_of or params.n) != 1 or params.prompt_logprobs is not None:
-            raise ValueError("disaggregated serving samples one completion without prompt "
-                             f"logprobs: n and best_of must be 1 and prompt_logprobs None, got "
-                             f"n={params.n}, best_of={params.best_of}, "
-                             f"prompt_logprobs={params.prompt_logprobs}")
+        bad = ("n" if params.n != 1 else "best_of" if (params.best_of or 1) != 1
+               else "prompt_logprobs" if params.prompt_logprobs is not None else None)
+        if bad is not None:                   # a ValueError whose `field` the server's 400 names
+            raise SamplingParamError(bad, "disaggregated serving samples one completion without "
+                                     f"prompt logprobs: n and best_of must be 1 and prompt_logprobs "
+                                     f"None, got n={params.n}, best_of={params.best_of}, "
+                                     f"prompt_logprobs={params.prompt_logprobs}")
         if priority != 0:
-            raise ValueError(f"priority must be 0 in disaggregated serving (fcfs), got {priority!r}")
+            raise SamplingParamError("priority", f"priority must be 0 in disaggregated serving "
+                                                 f"(fcfs), got {priority!r}")
         ids = check_prompt(prompt, params, self.tokenizer, self.model.config, self.num_blocks,
                            self.config.block_size)
         request_state(params, self.tokenizer, self.model.config.vocab_size, self.eos_token_id,

@@ -5,15 +5,19 @@ disagg_worker,router,disaggregated}.py), against a single engine as the referenc
   across different block sizes, and moves exactly chapter 2's KV bytes;
 - through the two worker processes, concurrent prompts (one longer than a block) get a single
   LLMEngine's greedy tokens, and each request's transfer is kv_cache_bytes(cfg, S, "fp32");
-- over HTTP, a streamed answer is the single engine's text;
+- over HTTP, a streamed answer is the single engine's text; a grammar is compiled off the event
+  loop (the router checks it against that compile);
 - workers started apart that dial the router (`--role`) serve too; a killed prefill worker fails
   only new requests (a decoding one finishes); a killed decode worker
-  ends its stream with a 503 "worker_unavailable" naming it; no process is left after stop();
-- bad input: n > 1, threads_per_engine < 1, a port in use (a ValueError naming port).
+  ends its stream with a 503 "worker_unavailable" naming it and /health answers 503 from then
+  on; no process is left after stop();
+- bad input: n > 1, threads_per_engine < 1, a port in use (a ValueError naming port); over HTTP
+  what the router cannot serve is a 400 naming the field.
 
 A tiny random model of the real class keeps it fast (each worker process takes a few seconds to
 start); its answers are noise, but the reference sees the same noise.
 """
+import asyncio
 import json
 import os
 import signal
@@ -206,6 +210,7 @@ def test_remote_workers_and_a_killed_prefill_worker_fails_new_requests_only(mode
         assert outs[long].finish_reason == "length" and len(outs[long].token_ids) == 400
         assert outs[late].finish_reason == "abort"
         assert outs[late].error.startswith("worker unavailable") and "prefill worker" in outs[late].error
+        assert "prefill worker" in engine.dead                 # what the server's /health reads
     finally:
         engine.shutdown()
         for p in procs:
@@ -222,7 +227,18 @@ def _sse(r) -> list[dict]:
     return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
-def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
+def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok, monkeypatch):
+    from minillm.engine import structured
+    real, on_loop = structured._grammar_text, []
+
+    def watched(name, text):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(name, text)
+    monkeypatch.setattr(structured, "_grammar_text", watched)
     torch.manual_seed(0)
     m = tiny_model(vocab_size=len(tok))
     prompt = "The capital of France is"
@@ -237,7 +253,15 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
             chunks = _sse(r)
         assert "".join(c["choices"][0]["text"] for c in chunks) == want
         assert httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"] == want
+        choice = [f"yes-{os.getpid()}", "no"]                     # new: not in the grammar cache
+        r = httpx.post(url, json={**body, "guided_choice": choice}, timeout=60)
+        assert r.json()["choices"][0]["text"] in choice and on_loop == [False], (r.text, on_loop)
         assert_settled(srv.url)                      # 0 running, 0 waiting, 0 decode blocks in use
+        for extra, param in (({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"priority": 1}, "priority"),
+                             ({"echo": True, "logprobs": 1}, "echo"),
+                             ({"prompt_logprobs": 1}, "prompt_logprobs")):
+            r = httpx.post(url, json={**body, **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
         with httpx.stream("POST", url, json={**body, "max_tokens": 500, "stream": True},
                           timeout=60) as r:
             lines = r.iter_lines()
@@ -249,4 +273,6 @@ def test_http_streams_the_single_engines_text_and_a_dead_decoder_is_a_503(tok):
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == "worker_unavailable" and "decode worker" in err["message"]
+        health = httpx.get(srv.url + "/health", timeout=60)
+        assert health.status_code == 503 and "decode worker" in health.text, health.text
     assert not any(alive(pid) for pid in pids.values())

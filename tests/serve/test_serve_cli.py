@@ -142,3 +142,42 @@ def test_allowed_origins_take_vllms_json_list_or_commas():
     assert args.allowed_origins == ["http://a.example", "http://b.example"]
     with pytest.raises(SystemExit):
         parser().parse_args(["--allowed-origins", '["http://a.example", 3]'])
+
+
+def test_a_missing_heads_file_is_one_line_naming_the_flag(capsys):
+    from minillm.serve import cli
+    spec = '{"method": "medusa", "num_speculative_tokens": 3, "model": "/nonexistent/heads.pt"}'
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--speculative-config", spec, "--load-format", "dummy", "--device", "cpu",
+                  "--port", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--speculative-config" in err and "/nonexistent/heads.pt" in err, err
+
+
+def _budget_moves(llm, finished_per_s: float, seconds: float = 40.0) -> int:
+    """Drive the engine's SLO controller on a clock: TPOT samples far over target arrive at
+    `finished_per_s`, decisions are ticked every 0.1 s; how many times the budget went down."""
+    ctl, t, due = llm.llm_engine.controller, 0.0, 0.0
+    while t < seconds:
+        if t >= due:
+            ctl.record("tpot", t, 1.0)
+            due += 1 / finished_per_s
+        ctl.tick(t)
+        t = round(t + 0.1, 1)
+    return ctl.num_adjustments["down"]
+
+
+def test_the_slo_controller_says_at_startup_what_load_its_interval_needs(tok):
+    """The startup line's threshold is the controller's: below it the controller never moves
+    (the review's case: 0.5 s on a slow CPU), above it it does."""
+    from minillm.serve.cli import slo_notice
+    from serve_tiny import tiny_llm
+    line = slo_notice(tiny_llm(tok, slo_tpot_p95_ms=1, slo_interval_s=0.5).llm_engine)
+    assert "every 0.5 s" in line and "--slo-interval-s must exceed 0.8 / R s" in line, line
+    need = float(line.rsplit("R >= ", 1)[1].rstrip(")"))
+    assert need == 1.6
+    assert _budget_moves(tiny_llm(tok, slo_tpot_p95_ms=1, slo_interval_s=0.5), 0.8 * need) == 0
+    assert _budget_moves(tiny_llm(tok, slo_tpot_p95_ms=1, slo_interval_s=0.5), 1.25 * need) > 0
+    assert _budget_moves(tiny_llm(tok, slo_tpot_p95_ms=1, slo_interval_s=2.0), 0.8 * need) > 0
+    assert slo_notice(tiny_llm(tok).llm_engine) is None                # no targets: no controller

@@ -3,9 +3,15 @@ logprobs (chat and completions, echo's prompt logprobs, streamed as whole) equal
 outputs for the same SamplingParams (the engine is checked against transformers in
 test_logprobs.py) and, greedy, the log-softmax of a dense forward pass written here; logit_bias
 forces its token; frequency and presence penalties follow OpenAI's formula run here by hand;
-guided_choice and guided_regex answers are what the grammar allows; best_of returns n choices."""
+guided_choice and guided_regex answers are what the grammar allows; a grammar whose language is
+empty is a 400 naming its field (or, found only after a token, a 500 sampling_error: never a
+"stop"); a grammar compiles off the event loop (a plain request is answered while a compile is
+held); best_of returns n choices."""
+import asyncio
 import json
 import re
+import secrets
+import threading
 
 import httpx
 import pytest
@@ -139,6 +145,61 @@ def test_a_bad_grammar_is_a_400_naming_its_field(srv):
     r = httpx.post(srv.base_url + "/chat/completions", timeout=60,
                    json=chat(guided_grammar="start: ((("))
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+
+
+EMPTY = [("guided_grammar", "start: a\na: a"),              # no finite string derives from a
+         ("guided_regex", "[^\\x00-\\U0010FFFF]")]            # a character that is none
+
+
+@pytest.mark.parametrize("field,grammar", EMPTY)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_whose_language_is_empty_is_a_400_naming_its_field(srv, field, grammar, stream):
+    r = httpx.post(srv.base_url + "/completions", timeout=60,
+                   json=completion(stream=stream, **{field: grammar}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "matches no string" in r.json()["error"]["message"]
+
+
+def test_a_grammar_that_dies_after_a_token_is_a_sampling_failure_not_a_stop(srv):
+    """llguidance allows "a", then finds that nothing can follow: no string is in the language,
+    so no answer may end "stop" (the mask it gives then allows only EOS)."""
+    r = httpx.post(srv.base_url + "/completions", timeout=60,
+                   json=completion(guided_grammar='start: "a" x\nx: x'))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "sampling_error", r.text
+
+
+def test_a_grammar_compiles_off_the_event_loop(srv, monkeypatch):
+    """The compile is held until a plain request has been answered: on the event loop it would
+    hold that request too (the plain request's timeout then fails the test)."""
+    from minillm.engine import structured
+    real, held, entered, on_loop = structured._grammar_text, threading.Event(), threading.Event(), []
+
+    def slow(name, text):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        entered.set()
+        held.wait(60)
+        return real(name, text)
+    monkeypatch.setattr(structured, "_grammar_text", slow)
+    regex = f"[0-9]{{2}}-{secrets.token_hex(4)}"          # new: not in the grammar cache
+    answers = {}
+    guided = threading.Thread(target=lambda: answers.update(guided=httpx.post(
+        srv.base_url + "/completions", json=completion(guided_regex=regex, max_tokens=12),
+        timeout=120)))
+    guided.start()
+    try:
+        assert entered.wait(60)
+        plain = httpx.post(srv.base_url + "/completions", json=completion(), timeout=20)
+        assert plain.status_code == 200 and "guided" not in answers
+    finally:
+        held.set()
+        guided.join(120)
+    assert answers["guided"].status_code == 200, answers["guided"].text
+    assert re.fullmatch(regex, answers["guided"].json()["choices"][0]["text"])
+    assert on_loop == [False]                           # compiled once, in a worker thread
 
 
 def test_best_of_returns_the_n_best(srv):

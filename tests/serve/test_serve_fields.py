@@ -170,6 +170,11 @@ REFUSED = [  # (body, kind or None, param)
     (chat(messages=[{"role": "user", "content": "a"}] * (LIMITS["context"] + 1)), None, "messages"),
     (completion(prompt="\ud800"), None, "prompt"),                    # a lone surrogate
     (chat(messages=[{"role": "user", "content": "a\udfffb"}]), None, "messages[0].content"),
+    (completion(prompt_logprobs=2, stream=True), None, "prompt_logprobs"),   # vLLM refuses it too
+    (chat(prompt_logprobs=0, stream=True), None, "prompt_logprobs"),
+    (completion(guided_regex="a" * (2**20 + 1)), None, "guided_regex"),      # too big to compile
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": {
+        "enum": [f"value {i}" for i in range(120_000)]}}}), None, "response_format"),
 ]
 
 
