@@ -1,5 +1,5 @@
 """The serving engine (chapters 3-6), split as nano-vllm splits it: `sequence` (request and
-sequence state), `scheduler` (decides; `static_scheduler` is the static-batching baseline),
+sequence state), `scheduler` (decides; static batching, priorities, the SLO controller: `policies/`),
 `model_runner` (runs tensors), `sampler` (logits -> tokens, drafts verified, one seed rule),
 `llm_engine` (owns them: `LLMEngine.step()` = schedule -> run -> sample -> update_from_output)
 and `spec_decoder` (proposes speculative drafts). The block manager, paged attention and pool

@@ -11,8 +11,8 @@ priority.py), speculative decoding (`num_speculative_tokens`, `speculative_metho
 `speculative_token_tree`, the switch's `speculative_disable_by_batch_size` and
 `speculative_min_seq_len`: spec_decoder.py), the decode attention backend (attention/backends.py),
 `tensor_parallel_size` (distributed/tp_runner.py, passed in by `LLM`), SLO targets
-(slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`: paging/offload.py),
-and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
+(policies/slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`:
+paging/offload.py), and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
 
 Left out on purpose: vLLM's other speculative methods (mtp, suffix).
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
-from minillm.engine.priority import PriorityClass, check_classes
+from minillm.engine.policies.priority import PriorityClass, check_classes
 from minillm.kernels.compilation_config import compilation_config
 from minillm.engine.scheduler import check_partial_prefills
 from minillm.engine.spec_methods import SPEC_METHODS, TREE_METHODS, check_tree, tree_paths

@@ -28,11 +28,11 @@ from minillm.engine.requests import batch_requests, check_prompt, request_state
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.sampler import Sampler
-from minillm.engine.prefill_pacer import PrefillPacer
-from minillm.engine.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
+from minillm.engine.policies.prefill_pacer import PrefillPacer
+from minillm.engine.policies.priority import PriorityScheduler, apply_queue_timeouts, check_request_priority
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.slo_controller import SLOController
-from minillm.engine.static_scheduler import StaticScheduler
+from minillm.engine.policies.slo_controller import SLOController
+from minillm.engine.policies.static_scheduler import StaticScheduler
 from minillm.engine.step_update import StepUpdate
 from minillm.engine.trace import progress_bar
 from minillm.engine.sampling_params import SamplingParams

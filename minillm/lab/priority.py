@@ -9,14 +9,14 @@ and choosing `max_num_batched_tokens` from P95 latency.
    `try_seed_bounds` run the seed article's queue bounds (`SEED_CLASSES`) under sustained
    overload on a simulated clock. The benchmark is `python -m benchmarks priority [--quick]`.
 
-Left out on purpose: retuning a live server (engine/slo_controller.py does), and the standard
+Left out on purpose: retuning a live server (engine/policies/slo_controller.py does), and the standard
 class (the mix has two kinds of traffic).
 """
 import numpy as np
 
 from minillm.lab.workloads import priority_mix_workload, replay
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import SEED_CLASSES
+from minillm.engine.policies.priority import SEED_CLASSES
 from minillm.engine.sampling_params import SamplingParams
 
 SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot": 6}}
@@ -103,7 +103,7 @@ def try_queue_timeouts(model, workload, waits=(0.05, 0.2, 1.0), seats: int = 4, 
     """Seed 001's queue timeouts on the batch class, each with on_timeout promote and reject, on
     a simulated clock of `step_seconds` per step (so 50 ms = 2 steps at 25 ms). Per trial: the
     classes' TTFT steps, batch promotions, rejections and the first rejection's error."""
-    from minillm.engine.priority import PriorityClass
+    from minillm.engine.policies.priority import PriorityClass
     rows = []
     for wait in waits:
         for how in ("promote", "reject"):

@@ -1,4 +1,5 @@
-"""Priorities and queue-wait bounds (priority.py) against schedules reasoned out by hand here.
+"""Priorities and queue-wait bounds (engine/policies/priority.py) against schedules reasoned out
+by hand here.
 
 Every scenario uses a tiny model and 1-2 seats so that the step at which each request gets its
 first token can be counted on paper; outputs are checked against a solo greedy run (`generate`),
@@ -11,7 +12,7 @@ import torch
 
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import SEED_CLASSES, PriorityClass
+from minillm.engine.policies.priority import SEED_CLASSES, PriorityClass
 from minillm.engine.sampling_params import SamplingParams
 
 P = [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16], [17, 18, 19]]

@@ -1,4 +1,4 @@
-"""The SLO controller (engine/slo_controller.py): its rule on synthetic latencies and a fake clock
+"""The SLO controller (engine/policies/slo_controller.py): its rule on synthetic latencies and a fake clock
 (moves the right way, hysteresis, bounds under any sequence of windows), the engine's wiring
 (the scheduler really runs with the moved budget; queue bounds move with priority classes), and
 exactness: greedy tokens of the real model identical with and without the controller while it
@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import PriorityClass
+from minillm.engine.policies.priority import PriorityClass
 from minillm.engine.sampling_params import SamplingParams
-from minillm.engine.slo_controller import SLOController
+from minillm.engine.policies.slo_controller import SLOController
 
 TPOT_MS, TTFT_MS = 100.0, 1000.0
 
