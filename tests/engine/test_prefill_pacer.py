@@ -1,7 +1,7 @@
 """Prompt chunks sized in time (engine/policies/prefill_pacer.py): a short request beside a long
 prompt runs each of its steps beside a chunk worth `prefill_step_target_ms`, not
-`long_prefill_token_threshold` tokens, on a machine whose steps are slow (a fake clock: each step costs a fixed part plus a
-part per token, so nothing here is timed); and pacing changes no token."""
+`long_prefill_token_threshold` tokens, on a machine whose steps are slow (a fake clock: each step
+costs a fixed part plus a part per token, so nothing here is timed); and pacing changes no token."""
 import random
 
 import pytest
