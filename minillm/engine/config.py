@@ -6,8 +6,8 @@ The groups, each with the module that reads it: the KV pool (`num_blocks`, `gpu_
 `kv_cache_memory_bytes`: paging/sizing.py; `kv_cache_dtype`: paging/kv_storage.py),
 the batch (`max_num_seqs`, `max_num_batched_tokens`), the order within a step and partial prefills
 (`prefill_first`, `long_prefill_token_threshold`, ...: scheduler.py; `prefill_step_target_ms`:
-prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
-priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
+policies/prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
+policies/priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
 `speculative_token_tree`, the switch's `speculative_disable_by_batch_size` and
 `speculative_min_seq_len`: spec_decoder.py), the decode attention backend (attention/backends.py),
 `tensor_parallel_size` (distributed/tp_runner.py, passed in by `LLM`), SLO targets
