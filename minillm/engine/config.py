@@ -58,11 +58,11 @@ class EngineConfig:
     max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
     gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
     kv_cache_dtype: str = "auto"                  # "auto" (the model's dtype), "int8" or "fp8"
-    scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
+    scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; policies/priority.py)
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
     attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
     tensor_parallel_size: int = 1                 # ranks the model is split over (LLM; tp_runner)
-    slo_ttft_p95_ms: float | None = None          # SLO controller targets (slo_controller.py);
+    slo_ttft_p95_ms: float | None = None          # SLO controller targets (policies/slo_controller.py);
     slo_tpot_p95_ms: float | None = None          # None: no target; both None: no controller
     slo_interval_s: float = 2.0                   # seconds between the controller's decisions
     kv_offloading_size: float | None = None       # GiB of host KV tier (None / 0: off; offload.py)

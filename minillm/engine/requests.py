@@ -5,7 +5,7 @@ processors and grammar (`request_state`), and `LLMEngine.generate`'s arguments a
 checks before it sends a request anywhere.
 
 Left out on purpose: the fields of `SamplingParams` on their own (sampling_params.py checks them
-when made) and the priority's range (priority.py).
+when made) and the priority's range (policies/priority.py).
 """
 from minillm._validate import ArgumentTypeError
 from minillm.engine.logits_process import LogitsProcessors
