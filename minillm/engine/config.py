@@ -100,7 +100,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if isinstance(self.priority_classes, list):      # one form: a tuple (the dataclass is frozen)
             object.__setattr__(self, "priority_classes", tuple(self.priority_classes))
-        check_classes(self.scheduling_policy, self.priority_classes)
+        if self.scheduling_policy != "fcfs" or self.priority_classes != ():   # fcfs, no classes: valid
+            check_classes(self.scheduling_policy, self.priority_classes)
         if self.scheduling_policy == "priority" and self.scheduling == "static":
             raise ValueError("scheduling_policy='priority' needs scheduling='continuous' "
                              "(a static batch admits no one until it drains)")

@@ -24,15 +24,15 @@ from minillm.paging.block_manager import BlockManager
 from minillm.paging.host_tier import HostTier
 from minillm.paging.sizing import offload_num_blocks, pool_num_blocks
 from minillm.engine.config import EngineConfig, apply_speculative_config
-from minillm.engine.requests import batch_requests, check_prompt, request_state
+from minillm.engine.requests import (batch_requests, check_prompt, check_request_priority,
+                                     request_state)
 from minillm.engine.spec_decoder import SpecDecoder, SpecDecodingStats
 from minillm.engine.features import FeatureWindow
 from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.output import OutputProcessor
 from minillm.engine.sampler import Sampled, Sampler, SampleRow
 from minillm.engine.policies.prefill_pacer import PrefillPacer
-from minillm.engine.policies.priority import (PriorityScheduler, apply_queue_timeouts,
-                                             check_request_priority)
+from minillm.engine.policies.priority import PriorityScheduler, apply_queue_timeouts
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.policies.slo_controller import SLOController
 from minillm.engine.policies.static_scheduler import StaticScheduler
