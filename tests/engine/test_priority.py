@@ -241,3 +241,14 @@ def test_llm_generate_passes_priorities_through(model):
     assert [o.metrics.first_token_step for o in outs] == [2, 0, 4]
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         LLM(model, num_blocks=64).generate(P[:1], use_tqdm=False, priority=1)
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(scheduling_policy="lottery"), ValueError), (dict(priority_classes=None), TypeError),
+    (dict(priority_classes=("batch",)), TypeError),
+    (dict(priority_classes=(PriorityClass("batch", 2),)), ValueError),      # fcfs with classes
+    (dict(scheduling_policy="priority",
+          priority_classes=(PriorityClass("a", 0), PriorityClass("a", 1))), ValueError)])
+def test_bad_policy_or_classes_are_refused_by_name(kw, error):
+    with pytest.raises(error, match="scheduling_policy|priority_classes"):
+        EngineConfig(**kw)
