@@ -6,13 +6,13 @@ The groups, each with the module that reads it: the KV pool (`num_blocks`, `gpu_
 `kv_cache_memory_bytes`: paging/sizing.py; `kv_cache_dtype`: paging/kv_storage.py),
 the batch (`max_num_seqs`, `max_num_batched_tokens`), the order within a step and partial prefills
 (`prefill_first`, `long_prefill_token_threshold`, ...: scheduler.py; `prefill_step_target_ms`:
-prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
-priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
+policies/prefill_pacer.py), the order across requests (`scheduling_policy`, `priority_classes`:
+policies/priority.py), speculative decoding (`num_speculative_tokens`, `speculative_method`,
 `speculative_token_tree`, the switch's `speculative_disable_by_batch_size` and
 `speculative_min_seq_len`: spec/decoder.py), the decode attention backend (attention/backends.py),
 `tensor_parallel_size` (distributed/tp_runner.py, passed in by `LLM`), SLO targets
-(slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`: paging/offload.py),
-and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
+(policies/slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`:
+paging/offload.py), and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
 
 Left out on purpose: vLLM's other speculative methods (mtp, suffix).
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
-from minillm.engine.priority import PriorityClass, check_classes
+from minillm.engine.policies.priority import PriorityClass, check_classes
 from minillm.kernels.compilation_config import compilation_config
 from minillm.engine.scheduler import check_partial_prefills
 from minillm.spec.methods import SPEC_METHODS, TREE_METHODS, check_tree, tree_paths
@@ -58,11 +58,11 @@ class EngineConfig:
     max_trace_steps: int = 100_000                # trace rows kept (oldest dropped first)
     gpu_memory_utilization: float | None = None   # e.g. 0.9: size the pool from GPU memory
     kv_cache_dtype: str = "auto"                  # "auto" (the model's dtype), "int8" or "fp8"
-    scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; priority.py)
+    scheduling_policy: str = "fcfs"               # or "priority" (vLLM's names; policies/priority.py)
     priority_classes: tuple[PriorityClass, ...] = ()   # allowed priorities and their queue bounds
     attention_backend: str = "auto"               # "paged" | "flash_decoding" | "auto" (decode steps)
     tensor_parallel_size: int = 1                 # ranks the model is split over (LLM; tp_runner)
-    slo_ttft_p95_ms: float | None = None          # SLO controller targets (slo_controller.py);
+    slo_ttft_p95_ms: float | None = None          # SLO controller targets (policies/slo_controller.py);
     slo_tpot_p95_ms: float | None = None          # None: no target; both None: no controller
     slo_interval_s: float = 2.0                   # seconds between the controller's decisions
     kv_offloading_size: float | None = None       # GiB of host KV tier (None / 0: off; offload.py)
@@ -100,7 +100,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if isinstance(self.priority_classes, list):      # one form: a tuple (the dataclass is frozen)
             object.__setattr__(self, "priority_classes", tuple(self.priority_classes))
-        check_classes(self.scheduling_policy, self.priority_classes)
+        if self.scheduling_policy != "fcfs" or self.priority_classes != ():   # fcfs, no classes: valid
+            check_classes(self.scheduling_policy, self.priority_classes)
         if self.scheduling_policy == "priority" and self.scheduling == "static":
             raise ValueError("scheduling_policy='priority' needs scheduling='continuous' "
                              "(a static batch admits no one until it drains)")

@@ -110,7 +110,7 @@ class ModelRunner:
         """Nothing to stop in one process (the tensor-parallel runner stops its workers)."""
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
-        """K/V of slots src -> dst in every layer (token trees' accepted paths, step_update.py)."""
+        """K/V of slots src -> dst in every layer (token trees' accepted paths, llm_engine.py)."""
         self.cache.move_slots(src, dst)
 
     def move_blocks(self, out: SchedulerOutput) -> None:

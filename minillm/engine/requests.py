@@ -1,11 +1,11 @@
 """What comes into the engine, checked and mapped before anything is queued: a request's prompt
 (`check_prompt`: token ids that fit the vocabulary, the context and the whole pool), its logits
-processors and grammar (`request_state`), and `LLMEngine.generate`'s arguments as one
-(prompt, params, priority) per request (`batch_requests`). The disaggregated router runs the same
-checks before it sends a request anywhere.
+processors and grammar (`request_state`), its priority (`check_request_priority`), and
+`LLMEngine.generate`'s arguments as one (prompt, params, priority) per request (`batch_requests`).
+The disaggregated router runs the same checks before it sends a request anywhere.
 
 Left out on purpose: the fields of `SamplingParams` on their own (sampling_params.py checks them
-when made) and the priority's range (priority.py).
+when made) and the priority classes themselves (policies/priority.py).
 """
 from minillm._validate import ArgumentTypeError
 from minillm.engine.logits_process import LogitsProcessors
@@ -79,3 +79,21 @@ def batch_requests(prompts, params=None, sampling_params=None, priority=None) ->
     if len(prios) != len(prompts):
         raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
     return list(zip(prompts, plist, prios))
+
+
+def check_priority_value(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (lower = served first), "
+                        f"got {type(value).__name__} {value!r}")
+
+
+def check_request_priority(priority, policy: str, classes) -> None:
+    """add_request's check: an int; non-zero needs "priority"; with classes, one of theirs."""
+    check_priority_value("priority", priority)
+    if policy == "fcfs" and priority != 0:
+        raise ValueError(f"priority={priority} needs EngineConfig(scheduling_policy='priority'); "
+                         "fcfs serves every request at priority 0")
+    allowed = sorted(c.priority for c in classes)
+    if classes and priority not in allowed:
+        names = ", ".join(f"{c.priority}={c.name}" for c in sorted(classes, key=lambda c: c.priority))
+        raise ValueError(f"priority={priority} names no priority class; allowed: {allowed} ({names})")

@@ -9,7 +9,7 @@ chunked prefill a prompt takes what budget is left. vLLM's partial-prefill knobs
 (`long_prefill_token_threshold`, `max_num_partial_prefills`, `max_long_partial_prefills`) keep
 short prompts from waiting behind long ones; `prefill_chunk_cap` is set each step by the
 `PrefillPacer`; `prefill_first=True` puts prompts before decodes. Priorities override the small
-hooks here (`_run_key`, `_victim_key`, ...) in priority.py; static batching is static_scheduler.py.
+hooks here (`_run_key`, `_victim_key`, ...) in policies/priority.py, as static batching does.
 
 Left out on purpose: fairness across users, lookahead scheduling, and vLLM V0's even split of the
 budget among partial prefills.

@@ -50,7 +50,7 @@ class Sequence:
     error: str | None = None             # why it was aborted, when a token could not be drawn
     detok: object = None                 # Detokenizer (text, stop strings) when there is a tokenizer
     priority: int = 0                    # lower = served first (scheduling_policy="priority")
-    promoted: bool = False               # waited past its class's max_queue_wait (priority.py)
+    promoted: bool = False               # waited past its class's max_queue_wait (policies/priority.py)
     procs: object = None                 # LogitsProcessors (logits_process.py), None: none asked
     grammar: object = None               # GrammarState (structured.py) for structured output
     logprobs: list = field(default_factory=list)   # one {token id: Logprob} per output token

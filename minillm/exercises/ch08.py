@@ -161,7 +161,7 @@ def _steps_until_rejected() -> float:
     import torch
     from minillm.model.loading import tiny_model
     from minillm.engine.llm_engine import EngineConfig, LLMEngine
-    from minillm.engine.priority import PriorityClass
+    from minillm.engine.policies.priority import PriorityClass
     from minillm.engine.sampling_params import SamplingParams
     classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, 0.2, "reject"))
     engine = LLMEngine(tiny_model(vocab_size=64, dtype=torch.float64),
@@ -183,7 +183,7 @@ def _running(rng: random.Random, n: int) -> list[dict]:
 
 
 def _test_victim(candidate) -> None:
-    from minillm.engine.priority import PriorityScheduler
+    from minillm.engine.policies.priority import PriorityScheduler
     from minillm.engine.sampling_params import SamplingParams
     from minillm.engine.sequence import Sequence
     if not callable(candidate):

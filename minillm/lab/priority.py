@@ -9,14 +9,15 @@ and choosing `max_num_batched_tokens` from P95 latency.
    `try_seed_bounds` run the seed article's queue bounds (`SEED_CLASSES`) under sustained
    overload on a simulated clock. The benchmark is `python -m benchmarks priority [--quick]`.
 
-Left out on purpose: retuning a live server (engine/slo_controller.py does), and the standard
+Left out on purpose: retuning a live server (engine/policies/slo_controller.py does), and the standard
 class (the mix has two kinds of traffic).
 """
 import numpy as np
 
 from minillm.lab.workloads import priority_mix_workload, replay
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import SEED_CLASSES
+from minillm.engine.policies.priority import SEED_CLASSES
+from minillm.engine.policies.slo_controller import choose_budget, over_target, p95
 from minillm.engine.sampling_params import SamplingParams
 
 SLO_STEPS = {"interactive": {"ttft": 8, "tpot": 3}, "batch": {"ttft": 400, "tpot": 6}}
@@ -103,7 +104,7 @@ def try_queue_timeouts(model, workload, waits=(0.05, 0.2, 1.0), seats: int = 4, 
     """Seed 001's queue timeouts on the batch class, each with on_timeout promote and reject, on
     a simulated clock of `step_seconds` per step (so 50 ms = 2 steps at 25 ms). Per trial: the
     classes' TTFT steps, batch promotions, rejections and the first rejection's error."""
-    from minillm.engine.priority import PriorityClass
+    from minillm.engine.policies.priority import PriorityClass
     rows = []
     for wait in waits:
         for how in ("promote", "reject"):
@@ -121,21 +122,20 @@ def try_queue_timeouts(model, workload, waits=(0.05, 0.2, 1.0), seats: int = 4, 
 def tune_budget(model, workload, budgets, sla_tpot_p95: float, seats: int, name="interactive",
                 classes=SEED_CLASSES) -> dict:
     """Seed 001's rule: serve the workload at each budget (priority policy); the choice is the
-    largest budget whose class `name` has P95 TPOT <= `sla_tpot_p95` (None if none does)."""
+    largest budget whose class `name` has P95 TPOT within `sla_tpot_p95` (None if none does):
+    `choose_budget`, the rule the online controller applies too (engine/policies/slo_controller.py)."""
     rows = []
     for budget in sorted(budgets):
         outs, engine = serve(model, workload, "priority", budget, seats, classes)
         wall = engine.trace[-1]["t_end"] - engine.trace[0]["t_start"]
         prio = next(c.priority for c in SEED_CLASSES if c.name == name)
         mine = [o.metrics for o, w in zip(outs, workload) if w.priority == prio]
-        tpot = [m.tpot for m in mine if m.tpot is not None]
         rows.append({"budget": budget, "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
-                     "tpot_p95": float(np.percentile(tpot, 95)),
-                     "ttft_p95": float(np.percentile([m.ttft for m in mine], 95)),
-                     "steps": len(engine.trace)})
-        rows[-1]["meets"] = rows[-1]["tpot_p95"] <= sla_tpot_p95
-    ok = [r["budget"] for r in rows if r["meets"]]
-    return {"sla_tpot_p95": sla_tpot_p95, "rows": rows, "chosen": max(ok) if ok else None}
+                     "tpot_p95": p95(m.tpot for m in mine if m.tpot is not None),
+                     "ttft_p95": p95(m.ttft for m in mine), "steps": len(engine.trace)})
+        rows[-1]["meets"] = not over_target(rows[-1]["tpot_p95"], sla_tpot_p95)
+    return {"sla_tpot_p95": sla_tpot_p95, "rows": rows,
+            "chosen": choose_budget({r["budget"]: r["tpot_p95"] for r in rows}, sla_tpot_p95)}
 
 
 def overload_mix(model, seconds: float, step_seconds: float, seats: int = 4, load: float = 2.0,

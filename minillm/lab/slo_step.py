@@ -22,6 +22,7 @@ import statistics
 from minillm.analysis.slo import goodput, percentile, slo_attainment
 from minillm.engine.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.policies.slo_controller import over_target, p95, rolling_p95
 from minillm.engine.sampling_params import SamplingParams
 from minillm.lab.workloads import WorkloadRequest, replay
 
@@ -68,18 +69,11 @@ def _sample(m) -> dict:
             "itls": [b - a for a, b in zip(t, t[1:])]}
 
 
-def rolling_p95(points, t: float, window_s: float):
-    """P95 of the values measured in (t - window_s, t]; None without any."""
-    vals = [v for at, v in points if t - window_s < at <= t]
-    return percentile(vals, 95) if vals else None
-
-
 def recovery(timeline: list[dict], start: float, end: float, targets: dict):
     """Seconds after `start` from which every rolling P95 stays within its target until `end`;
     0 if none left it, None if still over at the last second before `end`."""
     rows = [r for r in timeline if start <= r["t"] < end]
-    over = [r["t"] for r in rows if any(r[f"p95_{k}"] is not None and r[f"p95_{k}"] > v
-                                        for k, v in targets.items())]
+    over = [r["t"] for r in rows if any(over_target(r[f"p95_{k}"], v) for k, v in targets.items())]
     if not over:
         return 0.0
     if rows and over[-1] == rows[-1]["t"]:
@@ -122,7 +116,7 @@ def load_step(model, *, rate: float, targets_ms: dict, budget: int = 512, contro
     by_phase = {}
     for name, (a, b) in phases.items():
         mine = [o.metrics for o, w in zip(outs, work) if a <= w.arrival < b]
-        by_phase[name] = {"n": len(mine),
+        by_phase[name] = {"n": len(mine),                   # nan, not None, for an empty phase
                           "p95_ttft": percentile([m.ttft for m in mine if m.ttft is not None], 95),
                           "p95_tpot": percentile([m.tpot for m in mine if m.tpot is not None], 95)}
     ctl = engine.controller
@@ -150,8 +144,7 @@ def _steady_p95(model, rate, budget, seconds, seats, seed, prompt_len, output_le
     engine = LLMEngine(model, EngineConfig(max_num_seqs=seats, max_num_batched_tokens=budget,
                                            kv_cache_memory_bytes=256 * 2**20))
     ms = [o.metrics for o in replay(engine, work)]
-    return {"ttft": percentile([m.ttft for m in ms], 95),
-            "tpot": percentile([m.tpot for m in ms if m.tpot is not None], 95)}
+    return {"ttft": p95(m.ttft for m in ms), "tpot": p95(m.tpot for m in ms if m.tpot is not None)}
 
 
 def calibrate(model, rate: float, budget: int, seconds: float = 10, seats: int = 8, seed: int = 1,

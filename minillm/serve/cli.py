@@ -50,7 +50,7 @@ ENGINE_FLAGS.update({"--kv-offloading-size": ("kv_offloading_size", float),
 # typical prompt (HumanEval's longest are ~320 tokens) in one step, and partial prefills keep a
 # short request from waiting behind a long prompt's whole prefill (a quarter of the budget is left
 # to others). `--long-prefill-token-threshold 0 --max-num-partial-prefills 1` is the old order.
-# Chunks are also sized in time (`--prefill-step-target-ms`, engine/prefill_pacer.py): a 384-token
+# Chunks are also sized in time (`--prefill-step-target-ms`, engine/policies/prefill_pacer.py): a 384-token
 # chunk took 7-18 s at load 7 on a 2-core CPU, and a short request beside a long prompt waits a
 # chunk per token; `--prefill-step-target-ms 0` sizes chunks in tokens only.
 SERVER_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_partial_prefills": 2,
@@ -107,7 +107,7 @@ def positive(value: str) -> float:
 # compiled engine steps (kernels/compiled_steps.py), vLLM's JSON flag: '{"compile_sizes": [1, 2, 4, 8]}'
 ENGINE_FLAGS["--compilation-config"] = ("compilation_config", json_object)
 
-# The SLO controller (engine/slo_controller.py): P95 targets in ms and its decision interval.
+# The SLO controller (engine/policies/slo_controller.py): P95 targets in ms and its decision interval.
 ENGINE_FLAGS.update({"--slo-ttft-p95-ms": ("slo_ttft_p95_ms", positive),
                      "--slo-tpot-p95-ms": ("slo_tpot_p95_ms", positive),
                      "--slo-interval-s": ("slo_interval_s", positive)})

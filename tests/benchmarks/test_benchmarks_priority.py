@@ -14,7 +14,7 @@ from minillm import tiny_model
 from minillm.lab import priority as lp
 from minillm.lab.workloads import priority_mix_workload, replay
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import SEED_CLASSES
+from minillm.engine.policies.priority import SEED_CLASSES
 from minillm.engine.sequence import RequestMetrics
 
 

@@ -1,7 +1,7 @@
-"""Prompt chunks sized in time (prefill_pacer.py): a short request beside a long prompt runs each
-of its steps beside a chunk worth `prefill_step_target_ms`, not `long_prefill_token_threshold`
-tokens, on a machine whose steps are slow (a fake clock: each step costs a fixed part plus a
-part per token, so nothing here is timed); and pacing changes no token."""
+"""Prompt chunks sized in time (engine/policies/prefill_pacer.py): a short request beside a long
+prompt runs each of its steps beside a chunk worth `prefill_step_target_ms`, not
+`long_prefill_token_threshold` tokens, on a machine whose steps are slow (a fake clock: each step
+costs a fixed part plus a part per token, so nothing here is timed); and pacing changes no token."""
 import random
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.prefill_pacer import PrefillPacer
+from minillm.engine.policies.prefill_pacer import PrefillPacer
 from minillm.engine.sampling_params import SamplingParams
 
 # A loaded 2-core CPU, in simulated seconds: a step costs 0.2 s plus 20 ms per token, so a

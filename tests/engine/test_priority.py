@@ -1,4 +1,5 @@
-"""Priorities and queue-wait bounds (priority.py) against schedules reasoned out by hand here.
+"""Priorities and queue-wait bounds (engine/policies/priority.py) against schedules reasoned out
+by hand here.
 
 Every scenario uses a tiny model and 1-2 seats so that the step at which each request gets its
 first token can be counted on paper; outputs are checked against a solo greedy run (`generate`),
@@ -11,7 +12,7 @@ import torch
 
 from minillm import generate, tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import SEED_CLASSES, PriorityClass
+from minillm.engine.policies.priority import SEED_CLASSES, PriorityClass
 from minillm.engine.sampling_params import SamplingParams
 
 P = [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16], [17, 18, 19]]
@@ -240,3 +241,14 @@ def test_llm_generate_passes_priorities_through(model):
     assert [o.metrics.first_token_step for o in outs] == [2, 0, 4]
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         LLM(model, num_blocks=64).generate(P[:1], use_tqdm=False, priority=1)
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(scheduling_policy="lottery"), ValueError), (dict(priority_classes=None), TypeError),
+    (dict(priority_classes=("batch",)), TypeError),
+    (dict(priority_classes=(PriorityClass("batch", 2),)), ValueError),      # fcfs with classes
+    (dict(scheduling_policy="priority",
+          priority_classes=(PriorityClass("a", 0), PriorityClass("a", 1))), ValueError)])
+def test_bad_policy_or_classes_are_refused_by_name(kw, error):
+    with pytest.raises(error, match="scheduling_policy|priority_classes"):
+        EngineConfig(**kw)

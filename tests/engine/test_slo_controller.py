@@ -1,8 +1,9 @@
-"""The SLO controller (engine/slo_controller.py): its rule on synthetic latencies and a fake clock
-(moves the right way, hysteresis, bounds under any sequence of windows), the engine's wiring
-(the scheduler really runs with the moved budget; queue bounds move with priority classes), and
-exactness: greedy tokens of the real model identical with and without the controller while it
-moves the budget (chunked prefill boundaries move, the tokens must not)."""
+"""The SLO controller (engine/policies/slo_controller.py): the P95 and the offline budget choice
+by hand and against numpy; its rule on synthetic latencies and a fake clock (moves the right way,
+hysteresis, bounds under any sequence of windows), the engine's wiring (the scheduler really runs
+with the moved budget; queue bounds move with priority classes), and exactness: greedy tokens of
+the real model identical with and without the controller while it moves the budget (chunked
+prefill boundaries move, the tokens must not)."""
 import math
 from types import SimpleNamespace
 
@@ -12,11 +13,21 @@ from hypothesis import given, settings, strategies as st
 
 from minillm import tiny_model
 from minillm.engine.llm_engine import EngineConfig, LLMEngine
-from minillm.engine.priority import PriorityClass
+from minillm.engine.policies.priority import PriorityClass
 from minillm.engine.sampling_params import SamplingParams
-from minillm.engine.slo_controller import SLOController
+from minillm.engine.policies.slo_controller import SLOController, choose_budget, p95, rolling_p95
 
 TPOT_MS, TTFT_MS = 100.0, 1000.0
+
+
+def test_p95_and_the_offline_budget_choice_by_hand():
+    import numpy as np
+    xs = [0.3, 0.1, 0.25, 0.12, 0.4, 0.05, 0.2]
+    assert p95(xs) == pytest.approx(np.percentile(xs, 95)) and p95([]) is None
+    assert rolling_p95([(1.0, 0.5), (2.0, 9.0)], 1.5, 1.0) == 0.5      # (0.5, 1.5] holds one point
+    # P95 per budget against a 0.15 s target: 16 and 32 meet it (32 exactly), 64 is over
+    assert choose_budget({64: 0.2, 16: 0.1, 32: 0.15}, 0.15) == 32
+    assert choose_budget({16: 0.3, 32: 0.4}, 0.15) is None
 
 
 @pytest.fixture(scope="module", autouse=True)

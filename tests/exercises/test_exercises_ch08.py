@@ -108,7 +108,7 @@ def test_08_10_choice_renormalized():
 def test_08_11_decisions_to_the_floor_as_the_controller_moves():
     from types import SimpleNamespace
     from minillm.engine.llm_engine import EngineConfig
-    from minillm.engine.slo_controller import SLOController
+    from minillm.engine.policies.slo_controller import SLOController
     cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=8, slo_interval_s=1.0, slo_tpot_p95_ms=100)
     ctl = SLOController(cfg, SimpleNamespace(max_num_batched_tokens=512))
     ctl.tick(0.0)

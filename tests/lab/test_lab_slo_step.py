@@ -6,7 +6,8 @@ import json
 import pytest
 
 from minillm import tiny_model
-from minillm.lab.slo_step import calibrate, compare, recovery, rolling_p95, step_workload
+from minillm.engine.policies.slo_controller import rolling_p95
+from minillm.lab.slo_step import calibrate, compare, recovery, step_workload
 
 
 def test_step_workload_doubles_the_rate_in_the_step():

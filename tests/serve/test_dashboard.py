@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from minillm import SamplingParams
-from minillm.engine.priority import SEED_CLASSES, PriorityClass
+from minillm.engine.policies.priority import SEED_CLASSES, PriorityClass
 from minillm.serve import running
 from minillm.serve.dashboard import CSP, PARAMS, asset
 from minillm.serve.metrics import ServerMetrics

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from minillm.engine.priority import SEED_CLASSES
+from minillm.engine.policies.priority import SEED_CLASSES
 from minillm.lab import dashboard as page
 from minillm.serve import running
 from serve_tiny import MODEL, chat, completion, scrape, settled, settles, sse_lines, tiny_llm  # noqa: F401

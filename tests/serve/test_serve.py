@@ -232,7 +232,7 @@ def test_api_key_and_a_full_queue(llm):
 
 
 def test_priorities_reach_the_engine_and_a_queue_timeout_is_a_503(smollm2):
-    from minillm.engine.priority import PriorityClass
+    from minillm.engine.policies.priority import PriorityClass
     model, tok = smollm2
     classes = (PriorityClass("interactive", 0), PriorityClass("batch", 2, 1e-6, "reject"))
     strict = LLM(model, tok, scheduling_policy="priority", priority_classes=classes)

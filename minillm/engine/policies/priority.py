@@ -17,16 +17,12 @@ promote), and deadlines on the total latency (only the queue wait is bounded).
 import math
 from dataclasses import dataclass
 
+from minillm.engine.requests import check_priority_value
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.engine.sequence import Sequence, SequenceStatus
 
 ON_TIMEOUT = ("promote", "reject")
 WAIT_TOLERANCE = 1e-9   # s: a wait equal to the bound up to the clock's float rounding is not past it
-
-
-def check_priority_value(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (lower = served first), got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -68,18 +64,6 @@ def check_classes(policy: str, classes) -> None:
     for what, vals in (("names", [c.name for c in classes]), ("priorities", [c.priority for c in classes])):
         if len(set(vals)) != len(vals):
             raise ValueError(f"priority_classes must have unique {what}, got {vals}")
-
-
-def check_request_priority(priority, policy: str, classes) -> None:
-    """add_request's check: an int; non-zero needs "priority"; with classes, one of theirs."""
-    check_priority_value("priority", priority)
-    if policy == "fcfs" and priority != 0:
-        raise ValueError(f"priority={priority} needs EngineConfig(scheduling_policy='priority'); "
-                         "fcfs serves every request at priority 0")
-    allowed = sorted(c.priority for c in classes)
-    if classes and priority not in allowed:
-        raise ValueError(f"priority={priority} names no priority class; allowed: {allowed} "
-                         f"({', '.join(f'{c.priority}={c.name}' for c in sorted(classes, key=lambda c: c.priority))})")
 
 
 def queue_timeouts(waiting, requests: dict, classes, now: float) -> tuple[list[Sequence], list[Sequence]]:

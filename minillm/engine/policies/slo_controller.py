@@ -1,16 +1,18 @@
-"""The SLO controller: a closed loop that moves the engine's token budget towards P95 targets.
+"""The P95 budget, offline and online: the rule the SLO controller and chapter 8's search share,
+and the controller, a closed loop that moves the engine's token budget towards P95 targets.
 
     engine = LLMEngine(model, EngineConfig(slo_tpot_p95_ms=120, slo_ttft_p95_ms=2000))
     engine.controller.budget           # the scheduler's max_num_batched_tokens right now
 
-`observe` takes each step's outputs: TTFT is sampled when a request's first token lands, TPOT when
-it finishes (queue timeouts are counted, never sampled). `tick(now)` decides every `interval_s`,
-from the P95 of a window of recent samples, none older than the last move. TPOT over its target
-lowers the budget (x `down`), calm TPOT for `up_after` decisions raises it (x `up`), and a hysteresis
-band between `margin` x T and T holds it; TTFT over target raises it as soon as TPOT allows, and
-shortens the priority classes' queue bounds (never below a quarter of the configured one). The
-budget stays within [one decode step, the configured max_num_batched_tokens]. `timeline` keeps one
-row per decision for chapter 8's figure; the server exports the state as minillm:slo_* metrics.
+The rule: `p95` of a list of latencies (linear between order statistics), `over_target` when it
+exceeds its target; offline, `choose_budget` keeps the largest budget not over (lab/priority.py);
+lab/slo_step.py reads runs with `rolling_p95`. Online, `observe` samples TTFT when a request's
+first token lands and TPOT when it finishes; `tick(now)` decides every `interval_s` from the P95 of
+a window of recent samples, none older than the last move. TPOT over its target lowers the budget
+(x `down`), calm TPOT for `up_after` decisions raises it (x `up`), a band between `margin` x T and
+T holds it; TTFT over target raises it as soon as TPOT allows and shortens the priority classes'
+queue bounds (to a quarter at most). The budget stays within [one decode step, the configured
+max_num_batched_tokens]; `timeline` keeps one row per decision (chapter 8's figure).
 Left out on purpose: a model of the step cost (the loop only measures and moves), P99 or
 end-to-end targets, per-class targets, and moving `max_num_seqs`.
 """
@@ -21,6 +23,29 @@ from dataclasses import replace
 from minillm.analysis.slo import percentile
 
 MAX_TIMELINE = 10_000     # decisions kept (a day at 2 s is 43k: the oldest go first)
+
+
+def p95(values) -> float | None:
+    """The 95th percentile of latencies (analysis/slo.py's, numpy's linear rule); None for none."""
+    values = list(values)
+    return percentile(values, 95) if values else None
+
+
+def rolling_p95(points, t: float, window_s: float) -> float | None:
+    """P95 of the (time, value) points measured in (t - window_s, t]; None without any."""
+    return p95(v for at, v in points if t - window_s < at <= t)
+
+
+def over_target(p95_s: float | None, target_s: float | None) -> bool:
+    """Whether a P95 misses its target (False when either is unknown): the one test both the
+    offline choice and the online loop apply."""
+    return p95_s is not None and target_s is not None and p95_s > target_s
+
+
+def choose_budget(p95_by_budget: dict, target_s: float) -> int | None:
+    """Offline: the largest budget whose measured P95 is not over `target_s` (None if none)."""
+    ok = [b for b, v in p95_by_budget.items() if not over_target(v, target_s)]
+    return max(ok) if ok else None
 
 
 class SLOController:
@@ -114,7 +139,7 @@ class SLOController:
             if len(vals) < self.min_samples:        # too few: reach back for the newest ones
                 vals = [v for _, v in fresh[-self.min_samples:]]
             self.num_samples[metric] = len(vals)
-            self.p95[metric] = percentile(vals, 95) if vals else None
+            self.p95[metric] = p95(vals)
             state[metric] = self._state(metric, len(vals))
         action = self._move(state, now)
         row = {"t": now, "budget": self.budget, "p95_ttft": self.p95["ttft"],
@@ -127,11 +152,12 @@ class SLOController:
     def _state(self, metric: str, n: int) -> str:
         """"over", "calm", "band" (between margin x target and target), or "unknown" (no target
         or too few samples); counts calm decisions in a row."""
-        target, p95 = self.targets[metric], self.p95[metric]
+        target, value = self.targets[metric], self.p95[metric]
         if target is None or n < self.min_samples:
             state = "unknown"
         else:
-            state = "over" if p95 > target else "calm" if p95 < self.margin * target else "band"
+            state = ("over" if over_target(value, target) else
+                     "calm" if value < self.margin * target else "band")
         self._calm[metric] = self._calm[metric] + 1 if state == "calm" else 0
         return state
 
