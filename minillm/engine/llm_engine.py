@@ -4,39 +4,34 @@
     outs = engine.generate(prompts, SamplingParams(max_tokens=32))      # list[RequestOutput]
     rid = engine.add_request(prompt_ids, params); engine.step(); engine.abort_request(rid)
 
-Pieces: `Sequence` state (sequence.py), `BlockManager` (paging/block_manager.py, no tensors),
-`Scheduler` (decides), `ModelRunner` (runs tensors), `Sampler` (logits -> tokens), and the
-`OutputProcessor` (output.py: tokens, logprobs, text, finish reasons -> `RequestOutput`). The
-engine owns them and checks requests before anything else sees them; `update_from_output` is the
-one place a step's results land. Each feature an engine field switches on is its own module:
-speculation (spec/decoder.py), policies (policies/: priorities, the SLO controller, the prefill
-pacer), structured output (structured.py) and the host KV tier (paging/host_tier.py). Tensor
-parallelism is another `runner` (distributed/tp_runner.py), which `LLM` (llm.py) passes in.
+The engine owns `BlockManager` (paging/, no tensors), `Scheduler` (decides), `ModelRunner` (runs
+tensors), `Sampler` (logits -> tokens) and `OutputProcessor` (output.py: tokens, logprobs, text,
+finish reasons -> `RequestOutput`); it checks requests before any of them sees one, and
+`update_from_output` is the one place a step's results land. Each feature a config field switches
+on is its own module: speculation (spec/decoder.py), policies/ (priorities, the SLO controller,
+the prefill pacer), structured output, the host KV tier; tensor parallelism is another `runner`.
 
 Left out on purpose: async serving and HTTP streaming (serve/), pipeline parallelism.
 """
-import json
 import time
 from collections import OrderedDict
-from dataclasses import asdict
 
 from minillm.paging.block_manager import BlockManager
 from minillm.paging.host_tier import HostTier
 from minillm.paging.sizing import offload_num_blocks, pool_num_blocks
 from minillm.engine.config import EngineConfig, apply_speculative_config
-from minillm.engine.requests import (batch_requests, check_prompt, check_request_priority,
-                                     request_state)
+from minillm.engine.requests import (batch_requests, check_prompt, check_request,
+                                     check_request_priority, request_state)
 from minillm.spec.decoder import SpecDecoder, SpecDecodingStats
-from minillm.spec.features import FeatureWindow
 from minillm.engine.model_runner import ModelRunner, prompt_rows
 from minillm.engine.output import OutputProcessor
-from minillm.engine.sampler import Sampled, Sampler, SampleRow
+from minillm.engine.sampler import Sampled, Sampler, SampleRow, sample_rows
 from minillm.engine.policies.prefill_pacer import PrefillPacer
 from minillm.engine.policies.priority import PriorityScheduler, apply_queue_timeouts
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.policies.slo_controller import SLOController
 from minillm.engine.policies.static_scheduler import StaticScheduler
-from minillm.engine.trace import progress_bar, prune, trace_row
+from minillm.engine.trace import export_trace, progress_bar, prune, trace_row
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
 
@@ -53,7 +48,7 @@ class LLMEngine:
                                                                     draft_model)
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.draft_model = draft_model
-        mc, cfg = model.config, self.config
+        cfg = self.config
         num_blocks = pool_num_blocks(model, cfg, draft_model)
         # one block beyond the manager's: padding rows (static batching, compiled sizes) write here
         scratch = cfg.scheduling == "static" or cfg.compilation_config is not None
@@ -63,16 +58,8 @@ class LLMEngine:
         # the paged pool and what runs on it (tensor_parallel_size > 1: a runner with workers)
         self.runner = runner(model, cfg, num_blocks + scratch, self.block_manager, num_host)
         self.cache = self.runner.cache
-        self.spec = None
-        if cfg.num_speculative_tokens > 0:
-            self.spec = SpecDecoder(cfg.speculative_method or "ngram", cfg.num_speculative_tokens,
-                                    draft_model, mc.max_seq_len,
-                                    ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
-                                    max_num_seqs=cfg.max_num_seqs, drafter=drafter,
-                                    tree=cfg.speculative_token_tree, target=model,
-                                    disable_by_batch_size=cfg.speculative_disable_by_batch_size,
-                                    min_seq_len=cfg.speculative_min_seq_len,
-                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
+        self.spec = (SpecDecoder.from_config(cfg, model, draft_model, drafter)   # None: no drafts
+                     if cfg.num_speculative_tokens > 0 else None)
         self.needs_features = self.spec is not None and self.spec.needs_features
         param = next(model.parameters())
         scheduler = (StaticScheduler if cfg.scheduling == "static" else
@@ -96,7 +83,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # tokens -> outputs (output.py); it reads and writes these requests, the engine frees
         self.output_processor = OutputProcessor(self.requests, tokenizer,
-                                                getattr(tokenizer, "eos_token_id", None), mc.max_seq_len)
+                                                getattr(tokenizer, "eos_token_id", None),
+                                                model.config.max_seq_len)
         self.trace: list[dict] = []
         self.clock = time.perf_counter
         self.step_count = 0
@@ -134,15 +122,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        num_seqs = params.best_of or params.n
-        if num_seqs > self.config.max_num_seqs:
-            name = "best_of" if params.best_of else "n"
-            raise ValueError(f"{name}={num_seqs} completions can never run together with "
-                             f"max_num_seqs={self.config.max_num_seqs}; use {name} <= max_num_seqs")
+        check_request(params, self.config.max_num_seqs, self.tokenizer)
         ids = self._check_prompt(prompt, params)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs LLMEngine(..., tokenizer=...) to see text; "
-                             "use stop_token_ids with token ids")
         procs, grammar = request_state(params, self.tokenizer, self.model.config.vocab_size,
                                        self.eos_token_id, self.config.enable_prefix_caching)
         rid = str(self._next_request_id) if request_id is None else str(request_id)
@@ -232,12 +213,7 @@ class LLMEngine:
 
     def export_trace(self, path=None) -> dict:
         """Per-step trace and per-request metrics as a JSON-ready dict (written to `path` if given)."""
-        data = {"config": asdict(self.config), "num_blocks": self.num_blocks, "steps": self.trace,
-                "requests": {rid: r.metrics.as_dict() for rid, r in self.requests.items()}}
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(data, f, indent=1)
-        return data
+        return export_trace(self.config, self.num_blocks, self.trace, self.requests, path)
 
     # ---- where a step lands ------------------------------------------------------------------
     def update_from_output(self, out, rows: list[SampleRow], sampled: list[Sampled],
@@ -249,8 +225,9 @@ class LLMEngine:
         row is written. The output processor (output.py) appends tokens, logprobs and text and
         says who finished. A row that could not be sampled (say, NaN logits) aborts its own
         request and nobody else's."""
-        self._keep_features(out, hidden, rows, sampled)
-        self._kv_moves = []               # token trees' accepted paths: (src, dst) slots
+        if hidden is not None:            # a trained drafter's window (spec/decoder.py)
+            self.spec.keep_features(out.scheduled, hidden, rows, sampled)
+        moves = []                        # token trees' accepted paths: (src, dst) slots
         num_decode, prefill_ids = self._advance(out, t0)
         self.output_processor.add_prompt_logprobs(prompt_logprobs)
         now = self.clock()
@@ -260,12 +237,13 @@ class LLMEngine:
                 self.output_processor.fail(seq, s.error, now, self.step_count)
                 self.scheduler.remove(seq)         # its blocks go back at once
             else:
-                if s.num_drafts:
-                    self._settle_drafts(seq, s)
+                if s.num_drafts:              # rejected drafts roll back (spec/decoder.py)
+                    moves += self.spec.settle(seq, s, self.block_manager,
+                                              (self.requests[seq.request_id].metrics, self.spec_stats))
                 self._append(seq, s.token_ids, now, s.logprobs)
             advanced[seq.request_id] = self.requests[seq.request_id]
-        if self._kv_moves:                # before any later step reads, swaps or offloads them
-            self.runner.move_slots(*zip(*self._kv_moves))
+        if moves:                         # before any later step reads, swaps or offloads them
+            self.runner.move_slots(*zip(*moves))
         for seq in out.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
             if seq.features is not None and seq.num_computed_tokens == 0:
@@ -308,19 +286,7 @@ class LLMEngine:
         return num_decode, prefill_ids
 
     def _sample_rows(self, seqs: list[Sequence]) -> list[SampleRow]:
-        """What the sampler draws, in the order it draws: sequences with K drafts first (K + 1
-        logits rows each), then one row per other sequence. A request with n > 1 (or best_of)
-        whose prompt just finished draws all its first tokens from that row (indices 0..n-1)."""
-        drafting, plain, r = [], [], 0
-        for seq in seqs:
-            if seq.draft_token_ids:
-                drafting.append(SampleRow(seq, seq.index, r))
-            else:
-                req = self.requests[seq.request_id]
-                n = req.num_seqs if not req.forked else 1
-                plain += [SampleRow(seq, i, r) for i in range(seq.index, seq.index + n)]
-            r += 1 + len(seq.draft_token_ids)
-        return drafting + plain
+        return sample_rows(seqs, self.requests)     # what the sampler draws, in order (sampler.py)
 
     def _fork_rows(self, rows: list[SampleRow]) -> list[Sequence]:
         """The sequence each row's tokens go to. A request's n completions fork on its prompt's
@@ -333,76 +299,31 @@ class LLMEngine:
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         for i in range(1, req.num_seqs):
-            child = Sequence(self._new_seq_id(), req.request_id, parent.prompt_token_ids,
-                             req.params, parent.arrival_time, index=i,
-                             num_computed_tokens=parent.num_computed_tokens, priority=parent.priority,
-                             procs=parent.procs,
-                             grammar=parent.grammar.fork() if parent.grammar is not None else None,
-                             features=parent.features.copy() if parent.features is not None else None)
+            child = parent.child(self._new_seq_id(), i)     # shares the prompt's blocks
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             req.seqs.append(child)
         req.forked = True
 
-    # ---- speculative decoding's part of a step ------------------------------------------------
-    def _keep_features(self, out, hidden, rows: list[SampleRow], sampled: list[Sampled]) -> None:
-        """Each scheduled chunk's hidden rows join its sequence's window (features.py), but for
-        the rows of rejected drafts. Runs before the counts move (and before any fork)."""
-        if hidden is None:
-            return
-        # rows kept per verifying sequence: a chain's first n - rejected, a tree's path
-        kept = {r.seq.seq_id: s.path if s.path is not None else s.num_drafts - s.num_rejected + 1
-                for r, s in zip(rows, sampled) if r.num_drafts}
-        at = 0
-        for seq, n in out.scheduled:
-            if seq.features is None:
-                seq.features = FeatureWindow(self.spec.feature_window)
-            keep = kept.get(seq.seq_id, n)
-            rows_ = hidden[at:at + keep] if isinstance(keep, int) else hidden[[at + i for i in keep]]
-            seq.features.extend(seq.num_computed_tokens, rows_)                    # (kept, C)
-            at += n
-
-    def _settle_drafts(self, seq: Sequence, s: Sampled) -> None:
-        """K drafts were verified: the rejected ones' KV is void (num_computed_tokens -= rejected,
-        their slots go back), the rest is registered, and the counts go to the request's metrics
-        and the engine's. A token tree's kept path first takes the places its nodes were booked
-        in: its tokens in the block table's record, its K/V moved to the slots plain decoding
-        would have written (booked in `_kv_moves`, made once the step's results are in)."""
-        if s.path is not None and s.path != list(range(len(s.path))):
-            root = seq.num_computed_tokens - 1 - s.num_drafts       # the newest token's position
-            slots = self.block_manager.slot_mapping(seq.seq_id, root, root + 1 + s.num_drafts)
-            moves = [(slots[node], slots[j]) for j, node in enumerate(s.path) if node != j]
-            self._kv_moves += moves
-            self.block_manager.replace_tokens(seq.seq_id, root + 1, s.token_ids[:-1])
-        if s.path is not None and self.spec.switch is not None:    # the tree's probe counts
-            self.spec.switch.record(seq.draft_parents, s.path)
-        seq.num_computed_tokens -= s.num_rejected
-        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
-        self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        seq.clear_drafts()
-        for counts in (self.requests[seq.request_id].metrics, self.spec_stats):
-            counts.num_spec_steps += 1
-            counts.num_draft_tokens += s.num_drafts
-            counts.num_accepted_tokens += s.num_accepted
+    def _draft(self) -> None:
+        """Drafts before the scheduler books their blocks, and the step's switch (spec/decoder.py)."""
+        if self.spec is not None:
+            self._spec_step = self.spec.draft(self.scheduler.running, self.sampler.draft_generator)
 
     def _count_spec_step(self) -> None:
-        """The speculation switch's decision for this step (`_draft`), if it had decodes:
-        counted in `spec_stats`, kept as `spec_active` and in the trace row ("spec")."""
-        decision = self._spec_step
-        self.trace[-1]["spec"] = decision
+        """The switch's decision this step (None: no decodes, or no speculation): in the trace
+        row ("spec"), kept as `spec_active`, counted in `spec_stats`."""
+        decision = self.trace[-1]["spec"] = self._spec_step
+        self._spec_step = None
         if decision is not None:
             self.spec_active = decision
-            if decision:
-                self.spec_stats.num_steps_speculated += 1
-            else:
-                self.spec_stats.num_steps_skipped += 1
+            self.spec_stats.num_steps_speculated += decision
+            self.spec_stats.num_steps_skipped += not decision
 
     # ---- internals --------------------------------------------------------------------------
     def _operate(self, now: float) -> list:
-        """What runs before a step is scheduled (chapter 8's appendix): the SLO controller's
-        decision when one is due, the priority classes' queue-wait bounds (as the controller set
-        them), idle prefix-cache blocks copied to the host tier. Returns the requests a bound
-        rejected."""
+        """Before a step is scheduled (chapter 8's appendix): the SLO controller's decision when due,
+        the classes' queue-wait bounds, idle cached blocks to the host tier. Returns who timed out."""
         ctl = self.controller
         if ctl is not None:
             ctl.tick(now)              # a decision every slo_interval_s; nothing in between
@@ -412,23 +333,6 @@ class LLMEngine:
         if self.block_manager.host_tier is not None:   # idle cached blocks -> host (offload.py)
             self.block_manager.offload_idle(now, self.config.offload_idle_s)
         return timed_out
-
-    def _draft(self) -> None:
-        """Propose drafts for the decoding sequences the switch lets draft this step
-        (`SpecDecoder.select`), before the scheduler books their blocks; the others decode
-        plainly (no drafts left from a step that did not run them)."""
-        self._spec_step = None
-        if self.spec is None:
-            return
-        decoding = [s for s in self.scheduler.running if s.num_uncomputed == 1 and s.output_token_ids]
-        seqs = self.spec.select(decoding, self.scheduler.running)
-        for seq in decoding:
-            seq.clear_drafts()
-        drafts = self.spec.propose(seqs, self.sampler.draft_generator)
-        for seq, (ids, probs, parents) in zip(seqs, drafts):
-            seq.draft_token_ids, seq.draft_probs, seq.draft_parents = ids, probs, parents
-        if decoding:
-            self._spec_step = bool(seqs)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1

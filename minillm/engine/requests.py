@@ -12,6 +12,19 @@ from minillm.engine.logits_process import LogitsProcessors
 from minillm.engine.structured import GrammarState
 
 
+def check_request(params, max_num_seqs: int, tokenizer) -> None:
+    """What `add_request` refuses beyond the prompt: more completions than seats, and stop
+    strings with no tokenizer to see text."""
+    num_seqs = params.best_of or params.n
+    if num_seqs > max_num_seqs:
+        name = "best_of" if params.best_of else "n"
+        raise ValueError(f"{name}={num_seqs} completions can never run together with "
+                         f"max_num_seqs={max_num_seqs}; use {name} <= max_num_seqs")
+    if params.stop and tokenizer is None:
+        raise ValueError("SamplingParams.stop needs LLMEngine(..., tokenizer=...) to see text; "
+                         "use stop_token_ids with token ids")
+
+
 def check_prompt(prompt, params, tokenizer, model_config, num_blocks: int, block_size: int) -> list[int]:
     """A request's prompt as token ids, or a TypeError/ValueError naming what is wrong: not ids
     (or a str without a tokenizer), empty, outside the vocabulary, no room left in the context,

@@ -239,3 +239,19 @@ class Sampler:
                            path=path)
         except (ValueError, RuntimeError) as e:
             return Sampled([], k, error=f"{type(e).__name__}: {e}")
+
+
+def sample_rows(seqs: list[Sequence], requests: dict) -> list[SampleRow]:
+    """What the sampler draws, in the order it draws: sequences with K drafts first (K + 1 logits
+    rows each), then one row per other sequence. A request with n > 1 (or best_of) whose prompt
+    just finished draws all its first tokens from that row (indices 0..n-1)."""
+    drafting, plain, r = [], [], 0
+    for seq in seqs:
+        if seq.draft_token_ids:
+            drafting.append(SampleRow(seq, seq.index, r))
+        else:
+            req = requests[seq.request_id]
+            n = req.num_seqs if not req.forked else 1
+            plain += [SampleRow(seq, i, r) for i in range(seq.index, seq.index + n)]
+        r += 1 + len(seq.draft_token_ids)
+    return drafting + plain

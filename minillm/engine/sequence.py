@@ -56,6 +56,15 @@ class Sequence:
     logprobs: list = field(default_factory=list)   # one {token id: Logprob} per output token
     cumulative_logprob: float = 0.0      # sum of the output tokens' logprobs (when computed)
 
+    def child(self, seq_id: int, index: int) -> "Sequence":
+        """Completion `index` of the same request, forked after the prompt: the prompt's progress,
+        processors, a copy of the grammar's and of the features' state."""
+        return Sequence(seq_id, self.request_id, self.prompt_token_ids, self.params,
+                        self.arrival_time, index=index, num_computed_tokens=self.num_computed_tokens,
+                        priority=self.priority, procs=self.procs,
+                        grammar=self.grammar.fork() if self.grammar is not None else None,
+                        features=self.features.copy() if self.features is not None else None)
+
     def clear_drafts(self) -> None:      # no drafts this step, chain or tree
         self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
 

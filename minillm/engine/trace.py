@@ -1,6 +1,8 @@
 """What the engine records as it runs: one trace row per step (the chapters' Gantt charts,
 occupancy plots and step budgets are drawn from these rows), how much of it it keeps, and the
-progress bar of `generate`."""
+progress bar of `generate`, and the export of it all as JSON."""
+import json
+from dataclasses import asdict
 
 
 def trace_row(step: int, out, t0: float, t1: float, num_decode: int, prefill_ids: list[str],
@@ -42,3 +44,14 @@ def prune(trace: list, requests: dict, forgotten, pinned, config, num_unfinished
         forgotten[rid] = None
     while len(forgotten) > 16 * config.retain_finished:
         forgotten.popitem(last=False)
+
+
+def export_trace(config, num_blocks: int, trace: list, requests: dict, path=None) -> dict:
+    """An engine's per-step trace and per-request metrics as a JSON-ready dict (written to `path`
+    if given): `LLMEngine.export_trace`."""
+    data = {"config": asdict(config), "num_blocks": num_blocks, "steps": trace,
+            "requests": {rid: r.metrics.as_dict() for rid, r in requests.items()}}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    return data

@@ -8,15 +8,18 @@ features.py). The scheduler then books K + 1 tokens, the runner scores them in o
 the sampler verifies them exactly, and the engine applies the result. `select` lets speculation
 step aside for a step (above `disable_by_batch_size` running requests, below `min_seq_len`
 tokens), which leaves every token's law unchanged; `tree_for` gives a sequence a token tree
-(tree_choice.py) when its proposer drafts trees. Design notes: docs/sources.md.
+(tree_choice.py) when its proposer drafts trees. The engine's step calls three methods here:
+`draft` before scheduling, `keep_features` and `settle` (rejected drafts rolled back, a tree's
+path moved into place, the counts) as a step's results land. Design notes: docs/sources.md.
 
 Left out on purpose: a batched or paged draft-model cache (it runs batch 1), per-request K and
-trees; changing any sequence, block or metric (the engine does).
+trees.
 """
 from dataclasses import dataclass
 
 import torch
 
+from minillm.spec.features import FeatureWindow
 from minillm.spec.methods import SPEC_METHODS, check_tree, make_proposer
 from minillm.spec.proposers import DraftModelProposer, NgramProposer
 from minillm.spec.tree import TokenTree, TreeDraft
@@ -73,6 +76,16 @@ class SpecDecoder:
         # keyed by seq_id and sees the verify logits (`observe`)
         self.keyed = self.proposer.keyed
         self._trees: dict = {}         # seq_id -> the TreeDraft it verifies (keyed proposers)
+
+    @classmethod
+    def from_config(cls, cfg, target, draft_model=None, drafter=None) -> "SpecDecoder":
+        """The decoder an `EngineConfig` with num_speculative_tokens > 0 asks for."""
+        return cls(cfg.speculative_method or "ngram", cfg.num_speculative_tokens, draft_model,
+                   target.config.max_seq_len, ngram=(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
+                   max_num_seqs=cfg.max_num_seqs, drafter=drafter, tree=cfg.speculative_token_tree,
+                   target=target, disable_by_batch_size=cfg.speculative_disable_by_batch_size,
+                   min_seq_len=cfg.speculative_min_seq_len,
+                   max_num_batched_tokens=cfg.max_num_batched_tokens)
 
     def select(self, decoding: list, running: list) -> list:
         """The switch: which of this step's decoding sequences draft. None when the running
@@ -162,3 +175,56 @@ class SpecDecoder:
                 self.proposer.observe_chain(seq.token_ids, seq.draft_token_ids,
                                             logits[r.row:r.row + r.num_drafts + 1],
                                             key=seq.seq_id)                          # (K+1, V)
+
+    # ---- the engine's step: before scheduling, and as the results land ------------------------
+    def draft(self, running: list, draft_generator) -> bool | None:
+        """Drafts for the running sequences that decode and that the switch lets draft (`select`),
+        before the scheduler books their blocks; the others decode plainly (any drafts from a step
+        that did not run them dropped). Returns the step's switch: None (no decodes), True, False."""
+        decoding = [s for s in running if s.num_uncomputed == 1 and s.output_token_ids]
+        seqs = self.select(decoding, running)
+        for seq in decoding:
+            seq.clear_drafts()
+        for seq, (ids, probs, parents) in zip(seqs, self.propose(seqs, draft_generator)):
+            seq.draft_token_ids, seq.draft_probs, seq.draft_parents = ids, probs, parents
+        return bool(seqs) if decoding else None
+
+    def keep_features(self, scheduled: list, hidden: torch.Tensor, rows: list, sampled: list) -> None:
+        """Each scheduled chunk's hidden rows (M, C) join its sequence's window (features.py), but
+        for the rows of rejected drafts. Runs before the counts move (and before any fork)."""
+        # rows kept per verifying sequence: a chain's first n - rejected, a tree's path
+        kept = {r.seq.seq_id: s.path if s.path is not None else s.num_drafts - s.num_rejected + 1
+                for r, s in zip(rows, sampled) if r.num_drafts}
+        at = 0
+        for seq, n in scheduled:
+            if seq.features is None:
+                seq.features = FeatureWindow(self.feature_window)
+            keep = kept.get(seq.seq_id, n)
+            rows_ = hidden[at:at + keep] if isinstance(keep, int) else hidden[[at + i for i in keep]]
+            seq.features.extend(seq.num_computed_tokens, rows_)                    # (kept, C)
+            at += n
+
+    def settle(self, seq, s, block_manager, counts: tuple) -> list[tuple[int, int]]:
+        """K drafts were verified (`s`, the sampler's record): the rejected ones' KV is void
+        (num_computed_tokens -= rejected, their slots go back), the rest is registered, and each
+        of `counts` (the request's metrics, the engine's stats) adds the step. A token tree's kept
+        path first takes the places its nodes were booked in: its tokens in the block table's
+        record; returns the K/V moves (src, dst slots) to the slots plain decoding would have
+        written, for the engine to make once the step's results are in."""
+        moves = []
+        if s.path is not None and s.path != list(range(len(s.path))):
+            root = seq.num_computed_tokens - 1 - s.num_drafts       # the newest token's position
+            slots = block_manager.slot_mapping(seq.seq_id, root, root + 1 + s.num_drafts)
+            moves = [(slots[node], slots[j]) for j, node in enumerate(s.path) if node != j]
+            block_manager.replace_tokens(seq.seq_id, root + 1, s.token_ids[:-1])
+        if s.path is not None and self.switch is not None:     # the tree's probe counts
+            self.switch.record(seq.draft_parents, s.path)
+        seq.num_computed_tokens -= s.num_rejected
+        block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        seq.clear_drafts()
+        for c in counts:
+            c.num_spec_steps += 1
+            c.num_draft_tokens += s.num_drafts
+            c.num_accepted_tokens += s.num_accepted
+        return moves
