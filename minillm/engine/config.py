@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
 from minillm.engine.policies.priority import PriorityClass, check_classes
+from minillm.engine.requests import check_partial_prefills
 from minillm.kernels.compilation_config import compilation_config
-from minillm.engine.scheduler import check_partial_prefills
 from minillm.spec.methods import SPEC_METHODS, TREE_METHODS, check_tree, tree_paths
 from minillm.paging.kv_storage import check_kv_cache_dtype   # the platform is probed by the cache
 

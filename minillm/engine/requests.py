@@ -7,7 +7,7 @@ The disaggregated router runs the same checks before it sends a request anywhere
 Left out on purpose: the fields of `SamplingParams` on their own (sampling_params.py checks them
 when made) and the priority classes themselves (policies/priority.py).
 """
-from minillm._validate import ArgumentTypeError
+from minillm._validate import ArgumentTypeError, check_int
 from minillm.engine.logits_process import LogitsProcessors
 from minillm.engine.structured import GrammarState
 
@@ -110,3 +110,16 @@ def check_request_priority(priority, policy: str, classes) -> None:
     if classes and priority not in allowed:
         names = ", ".join(f"{c.priority}={c.name}" for c in sorted(classes, key=lambda c: c.priority))
         raise ValueError(f"priority={priority} names no priority class; allowed: {allowed} ({names})")
+
+
+def check_partial_prefills(max_num_partial_prefills: int, max_long_partial_prefills: int,
+                           long_prefill_token_threshold: int, chunked: bool = True) -> None:
+    """ValueError (naming the field and its range) unless 1 <= max_long_partial_prefills <=
+    max_num_partial_prefills and long_prefill_token_threshold >= 0 (0: no prompt is long); the
+    knobs shape chunks, so they need chunked prefill."""
+    check_int("max_num_partial_prefills", max_num_partial_prefills, 1)
+    check_int("max_long_partial_prefills", max_long_partial_prefills, 1, max_num_partial_prefills)
+    check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
+    if not chunked and (max_num_partial_prefills > 1 or long_prefill_token_threshold > 0):
+        raise ValueError("max_num_partial_prefills > 1 and long_prefill_token_threshold > 0 need "
+                         "enable_chunked_prefill=True")

@@ -5,34 +5,19 @@ It only decides: it keeps the waiting / running / swapped queues and books block
 (`schedule()`) within `max_num_batched_tokens`: running sequences first, decodes before prefill
 chunks, preempting the latest arrival when the pool is empty (recompute or swap); then swapped
 sequences come back; then waiting ones are admitted while seats, budget and blocks allow. With
-chunked prefill a prompt takes what budget is left. vLLM's partial-prefill knobs
-(`long_prefill_token_threshold`, `max_num_partial_prefills`, `max_long_partial_prefills`) keep
-short prompts from waiting behind long ones; `prefill_chunk_cap` is set each step by the
-`PrefillPacer`; `prefill_first=True` puts prompts before decodes. Priorities override the small
-hooks here (`_run_key`, `_victim_key`, ...) in policies/priority.py, as static batching does.
+chunked prefill a prompt takes what budget is left; vLLM's partial-prefill knobs keep short
+prompts from waiting behind long ones; `prefill_first=True` puts prompts before decodes. The
+policies (policies/: priorities, static batching, the pacer's `prefill_chunk_cap`) override or set
+the small hooks here (`_run_key`, `_victim_key`, ...).
 
-Left out on purpose: fairness across users, lookahead scheduling, and vLLM V0's even split of the
-budget among partial prefills.
+Left out on purpose: fairness across users, lookahead scheduling, vLLM V0's even budget split.
 """
 from collections import deque
 from dataclasses import dataclass, field
 
-from minillm._validate import check_int
 from minillm.paging.block_manager import BlockManager
+from minillm.engine.requests import check_partial_prefills
 from minillm.engine.sequence import Sequence, SequenceStatus
-
-
-def check_partial_prefills(max_num_partial_prefills: int, max_long_partial_prefills: int,
-                           long_prefill_token_threshold: int, chunked: bool = True) -> None:
-    """ValueError (naming the field and its range) unless 1 <= max_long_partial_prefills <=
-    max_num_partial_prefills and long_prefill_token_threshold >= 0 (0: no prompt is long); the
-    knobs shape chunks, so they need chunked prefill."""
-    check_int("max_num_partial_prefills", max_num_partial_prefills, 1)
-    check_int("max_long_partial_prefills", max_long_partial_prefills, 1, max_num_partial_prefills)
-    check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
-    if not chunked and (max_num_partial_prefills > 1 or long_prefill_token_threshold > 0):
-        raise ValueError("max_num_partial_prefills > 1 and long_prefill_token_threshold > 0 need "
-                         "enable_chunked_prefill=True")
 
 
 @dataclass
@@ -108,9 +93,8 @@ class Scheduler:
         seq.swapped_kv = None
 
     def undo(self, out: SchedulerOutput) -> None:
-        """The step `out` described failed before its results came back: every sequence it
-        scheduled (and any swap-out whose copy was not made) goes back to the front of the
-        waiting queue with its blocks freed, to be recomputed from its tokens."""
+        """The step `out` failed before its results came back: every sequence it scheduled (and
+        any swap-out not made) goes back to the waiting queue's front, blocks freed, to recompute."""
         lost = [s for s, _ in out.scheduled] + [s for s, _ in out.swap_out if s.swapped_kv is None]
         for seq in sorted(set(lost), key=lambda s: (s.arrival_time, s.seq_id), reverse=True):
             for q in (self.running, self.swapped):
@@ -119,8 +103,7 @@ class Scheduler:
             if seq.seq_id in self.bm:
                 self.bm.free(seq.seq_id)
             seq.clear_drafts()
-            seq.swapped_kv = None
-            seq.num_computed_tokens = 0
+            seq.swapped_kv, seq.num_computed_tokens = None, 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         self.bm.forget_moves(out.offload, out.restore)   # host-tier copies maybe never made

@@ -2,7 +2,7 @@
 
 Three checks, each able to fail:
 - **budget**: the core files (CORE) hold at most CORE_LINES lines in all and none more than
-  FILE_LINES (`wc -l`: docstrings and comments count), but for the three in OVER, which may not
+  FILE_LINES (`wc -l`: docstrings and comments count), but for the two in OVER, which may not
   grow until they are split;
 - **walk**: serving a request with the default options (`LLM(model).generate`, `LLMEngine(model)`
   with a sampled request) calls functions in core files only: every feature (speculation,
@@ -37,7 +37,7 @@ CORE = [
     "spec/rejection.py", "spec/proposer.py",
 ]
 # Core files still over FILE_LINES, with the size they may not grow past until they are split.
-OVER = {"paging/block_manager.py": 343, "engine/llm_engine.py": 343, "engine/scheduler.py": 317}
+OVER = {"paging/block_manager.py": 343, "engine/llm_engine.py": 343}
 
 
 def _lines(rel: str) -> int:
