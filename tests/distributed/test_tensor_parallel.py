@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minillm.distributed.group import WorkerDied
+from minillm.model.generate import generate
 from minillm.distributed.tensor_parallel import (allowed_sizes, build_shard,
                                                  check_tensor_parallel_size, full_state,
                                                  shard_config, shard_state_dict)
@@ -122,19 +123,20 @@ def test_more_threads_than_cores_warns_what_it_costs(monkeypatch):
 
 def test_swaps_run_on_every_rank_and_a_killed_worker_is_named(one_thread):
     """A pool too small for both requests: swap preemption moves blocks on each rank alike and
-    the tokens are tensor_parallel_size=1's. Then a worker is killed: the next step names it,
-    and shutdown leaves no process."""
+    the tokens are plain `generate`'s (a contiguous cache, no swap: a swap-in that wrote nothing
+    would show here). Then a worker is killed: the next step names it, and shutdown leaves no
+    process."""
     model = _tiny()
     prompts = [[1, 2, 3, 4, 5, 6], [40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(max_tokens=20)
     opts = dict(num_blocks=9, block_size=4, preemption_mode="swap", attention_backend="paged")
-    want = LLMEngine(model, EngineConfig(**opts)).generate(prompts, params)
+    want = [generate(model, p, 20) for p in prompts]
     engine = LLMEngine(model, EngineConfig(**opts, tensor_parallel_size=3), runner=TensorParallelRunner)
     pids = engine.runner.pids
     try:
         got = engine.generate(prompts, params)
         assert sum(r.metrics.num_preemptions for r in engine.requests.values()) > 0
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].token_ids for o in got] == want
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(WorkerDied, match=r"rank 2 \(pid \d+\) exited with code -9"):
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
