@@ -65,6 +65,12 @@ class Sequence:
         return self.procs is not None or self.grammar is not None
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when it asks for prompt logprobs,
+        which need every prompt position computed (vLLM skips the cache for it too)."""
+        return self.params.prompt_logprobs is None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
