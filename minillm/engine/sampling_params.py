@@ -106,11 +106,8 @@ class SamplingParams:
         return self.top_k
 
     def _check_max_tokens(self):
-        if type(self.max_tokens) is int and self.max_tokens == 0:
-            if self.prompt_logprobs is not None:       # score the prompt: no token is generated
-                return 0
-            raise ValueError("max_tokens must be an int >= 1 (0 only with prompt_logprobs set: "
-                             "score the prompt), got 0")
+        if type(self.max_tokens) is int and self.max_tokens == 0 and self.prompt_logprobs is not None:
+            return 0                                   # score the prompt: no token is generated
         return check_int("max_tokens", self.max_tokens, 1)
 
     def _check_seed(self):

@@ -5,9 +5,8 @@ silently ignored; one that changes nothing (a penalty of 0, `logit_bias: {}`) pa
     logprobs + top_logprobs (chat), logprobs=k (completions)   -> logprobs=k
     echo (completions; with logprobs, the prompt's too)        -> prompt_logprobs=k
     presence_penalty, frequency_penalty, logit_bias, and vLLM's repetition_penalty, min_p,
-    min_tokens, bad_words, stop_token_ids, prompt_logprobs,
-    include_stop_str_in_output                                 -> the same names (prompt_logprobs
-                                                                  not streamed, as vLLM)
+    min_tokens, bad_words, stop_token_ids, prompt_logprobs (not streamed, as vLLM),
+    include_stop_str_in_output                                 -> the same names
     echo with max_tokens 0 (completions)                       -> score the prompt: max_tokens=0
     n with best_of (best_of >= n; not streamed when best_of > n, as vLLM)
     response_format, guided_* and structured_outputs           -> StructuredOutputsParams

@@ -218,9 +218,11 @@ def _scoring(body: dict, kind: str, max_tokens, lps: dict) -> dict:
     if type(max_tokens) is not int or max_tokens != 0:
         return lps
     if kind != "completion" or body.get("echo") is not True:
+        if lps["prompt_logprobs"] is None:
+            return lps                                 # SamplingParams refuses it, naming it
         name = _max_tokens_name(body)
-        raise APIError(400, f"'{name}' must be an int >= 1, got 0 (0 only with 'echo': true on "
-                            f"/v1/completions: score the prompt)", name)
+        raise APIError(400, f"'{name}': max_tokens must be an int >= 1 (0 only with 'echo': "
+                            f"true on /v1/completions), got 0", name)
     return {**lps, "prompt_logprobs": 0 if lps["prompt_logprobs"] is None else lps["prompt_logprobs"]}
 
 
