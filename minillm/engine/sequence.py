@@ -175,8 +175,9 @@ class RequestMetrics:
 
 @dataclass
 class Logprob:
-    """One token's log probability (vLLM's shape): its rank in the distribution it was sampled
-    from (1 = the most likely) and its text when the engine has a tokenizer."""
+    """One token's log probability (vLLM's shape; the model's own or the law it was drawn from,
+    by `EngineConfig.logprobs_mode`): its rank there (1 = the most likely) and its text when the
+    engine has a tokenizer."""
 
     logprob: float
     rank: int | None = None
