@@ -1,5 +1,6 @@
 """The server as an evaluation client uses it: `echo: true, max_tokens: 0, logprobs: 1` scores a
-text (lm-eval's local-completions request), with prefix caching on; top_logprobs under top_p are
+text (vLLM's scoring request; lm-eval 0.4's local-completions sends max_tokens 1 and drops the
+last token), with prefix caching on; top_logprobs under top_p are
 the model's top tokens; a stop token's text is left out unless include_stop_str_in_output.
 
 References: a dense forward pass of the served tiny model (fp32) and its log-softmax, tolerance
@@ -34,19 +35,22 @@ def log_softmax_rows(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)   # (T, V)
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_with_prefix_caching(srv, tok):
+@pytest.mark.parametrize("max_tokens", [0, 1])   # vLLM's scoring request; lm-eval 0.4's (1 token)
+def test_echo_scores_the_prompt_with_prefix_caching(srv, tok, max_tokens):
+    """The prompt's logprobs equal the dense forward's, with its blocks in the prefix cache."""
     ids = tok.encode(PROMPT)
     assert post(srv, "/completions", prompt=PROMPT, max_tokens=1).status_code == 200   # cached
     ref = log_softmax_rows(srv.model, ids)
     for _ in range(2):                                  # the second finds its own blocks cached
-        r = post(srv, "/completions", prompt=PROMPT, echo=True, max_tokens=0, logprobs=1,
+        r = post(srv, "/completions", prompt=PROMPT, echo=True, max_tokens=max_tokens, logprobs=1,
                  temperature=0)
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
-        assert c["text"] == PROMPT and c["finish_reason"] == "length"
-        assert r.json()["usage"]["completion_tokens"] == 0
+        assert c["text"].startswith(PROMPT) and c["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
         lp = c["logprobs"]
-        assert lp["tokens"] == [tok.decode([t]) for t in ids]
+        assert len(lp["tokens"]) == len(ids) + max_tokens
+        assert lp["tokens"][:len(ids)] == [tok.decode([t]) for t in ids]
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for i in range(1, len(ids)):
             assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=TOL)
