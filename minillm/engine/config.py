@@ -12,7 +12,8 @@ policies/priority.py), speculative decoding (`num_speculative_tokens`, `speculat
 `speculative_min_seq_len`: spec/decoder.py), the decode attention backend (attention/backends.py),
 `tensor_parallel_size` (distributed/tp_runner.py, passed in by `LLM`), SLO targets
 (policies/slo_controller.py), the host KV tier (`kv_offloading_size`, `offload_idle_s`:
-paging/offload.py), and what a long-running engine keeps (`retain_finished`, `max_trace_steps`).
+paging/offload.py), `logprobs_mode` (sampler.py), and what a long-running engine keeps
+(`retain_finished`, `max_trace_steps`).
 
 Left out on purpose: vLLM's other speculative methods (mtp, suffix).
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from minillm._validate import ArgumentTypeError, check_int, check_real
 from minillm.attention.backends import ATTENTION_BACKENDS
+from minillm.engine.logits_process import LOGPROBS_MODES
 from minillm.engine.policies.priority import PriorityClass, check_classes
 from minillm.engine.requests import check_partial_prefills
 from minillm.kernels.compilation_config import compilation_config
@@ -69,6 +71,7 @@ class EngineConfig:
     offload_idle_s: float = 2.0                   # cached blocks idle this long go to the host tier
     compilation_config: object = None             # None: eager; a dict or CompilationConfig:
                                                   # compiled steps (kernels/compiled_steps.py)
+    logprobs_mode: str = "raw_logprobs"           # what logprobs show (LOGPROBS_MODES, sampler.py)
 
     def __post_init__(self):
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -94,6 +97,9 @@ class EngineConfig:
             check_real("EngineConfig.prefill_step_target_ms (None or)", self.prefill_step_target_ms, 0)
             if self.prefill_step_target_ms and not self.enable_chunked_prefill:   # nothing to size
                 raise ValueError("prefill_step_target_ms needs enable_chunked_prefill=True")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"EngineConfig.logprobs_mode must be one of {list(LOGPROBS_MODES)}, "
+                             f"got {self.logprobs_mode!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling not in ("continuous", "static"):

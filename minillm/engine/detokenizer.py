@@ -10,9 +10,9 @@ SentencePiece tokenizers, which drop a leading space when a decode starts at a w
 
 Stop strings are searched only where a new match can be: the new text plus the last
 `len(stop) - 1` characters before it. On a match the text is cut before the stop string
-(vLLM's default; the stop string is not shown) and `stopped` turns True.
+(vLLM's default; after it with `include_stop`) and `stopped` turns True.
 
-Left out on purpose: `include_stop_str_in_output`, holding back a prefix of a stop string
+Left out on purpose: holding back a prefix of a stop string
 while streaming (a client may briefly see the start of a stop string that is then cut), and
 `skip_special_tokens=False` (special tokens such as <|im_end|> are never shown, as in vLLM).
 """
@@ -28,9 +28,11 @@ class Detokenizer:
     >>> d.append(token_id); d.text, d.stopped
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.include_stop = include_stop   # cut after the stop string, not before it
         self.ids = list(prompt_token_ids[-PROMPT_CONTEXT:])   # context, then every output token
         self.context_start = 0             # window = ids[context_start:]
         self.shown = len(self.ids)         # ids[:shown] are in `text` (or are prompt context)
@@ -69,6 +71,8 @@ class Detokenizer:
             return
         longest = max(len(s) for s in self.stop)
         start = max(0, before - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop)
+                if i >= 0]
         if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
+            first, end = min(hits)
+            self.text, self.stopped = self.text[:end if self.include_stop else first], True

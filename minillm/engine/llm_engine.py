@@ -70,7 +70,7 @@ class LLMEngine:
                                    max_num_partial_prefills=cfg.max_num_partial_prefills,
                                    max_long_partial_prefills=cfg.max_long_partial_prefills,
                                    long_prefill_token_threshold=cfg.long_prefill_token_threshold)
-        self.sampler = Sampler(param.device, cfg.seed)
+        self.sampler = Sampler(param.device, cfg.seed, cfg.logprobs_mode)
         # None, or the loop that moves the scheduler's budget towards the P95 targets
         self.controller = (SLOController(cfg, self.scheduler)
                            if cfg.slo_ttft_p95_ms is not None or cfg.slo_tpot_p95_ms is not None else None)

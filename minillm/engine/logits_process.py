@@ -8,7 +8,8 @@ Letters: K draft tokens of one sequence, R = K + 1 logits rows, V vocab.
 `frequency_penalty` and `presence_penalty` (OpenAI's formula, over the output). Temperature,
 top-k, min-p and top-p follow in `logits_to_probs` (model/sampling.py). Row j of a verify is
 processed as if drafts[:j] were appended, so speculation keeps a penalized or constrained
-request's law. `token_logprobs` builds vLLM's logprobs entry (the token and the top k, ranked).
+request's law. `token_logprobs` builds vLLM's logprobs entry (the token and the top k, ranked)
+from the values `mode_values` picks (vLLM's `logprobs_mode`).
 
 Left out on purpose: vLLM's allowed_token_ids and custom processors; batching the processors
 over sequences; incremental token counts.
@@ -22,6 +23,8 @@ from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import Logprob
 
 NEG_INF = float("-inf")
+# what logprobs show (vLLM's names): the model's rows, or the rows a token was drawn from
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -135,15 +138,49 @@ def token_counts(output: list[int], drafts: list[int], V: int, device) -> torch.
     return counts
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
-    """logprobs (T, V) of the distributions tokens[0..T-1] were drawn from -> one dict per token:
+def mode_values(mode: str, raw: torch.Tensor, processed: torch.Tensor,
+                law: torch.Tensor | None = None, temperature: float = 0.0) -> torch.Tensor:
+    """(T, V) values logprobs show under `mode` (LOGPROBS_MODES): "raw_*" from the model's rows
+    `raw`, before any processor or grammar; "processed_*" from the rows after them and after
+    temperature, top-k, min-p and top-p: the log of the `law` a token was drawn from, or those
+    rows / T with the tokens outside the law at -inf (`law` None: greedy, the processed rows)."""
+    if mode.startswith("raw"):
+        return raw.float() if mode == "raw_logits" else torch.log_softmax(raw.float(), -1)
+    if law is None:
+        return processed.float() if mode == "processed_logits" else torch.log_softmax(
+            processed.float(), -1)
+    if mode == "processed_logprobs":
+        return law.log()
+    return (processed.float() / temperature).masked_fill(law == 0, NEG_INF)
+
+
+def _top(values: torch.Tensor, k: int, order: torch.Tensor | None):
+    """The k best ids of each row of values (T, V), best first; ties at -inf (tokens a mask or a
+    top-p cut removed) go by `order` (the model's own logits) instead of by index."""
+    top_v, top_i = values.topk(k, dim=-1)                                           # (T, k)
+    if order is None or torch.isfinite(top_v).all():
+        return top_v, top_i
+    top_v, top_i = top_v.clone(), top_i.clone()
+    for t in range(values.shape[0]):
+        finite = torch.isfinite(values[t])
+        kept = min(k, int(finite.sum()))
+        rest = order[t].float().masked_fill(finite, NEG_INF).topk(k - kept).indices
+        top_i[t, kept:] = rest
+        top_v[t, kept:] = values[t, rest]
+    return top_v, top_i
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int,
+                   order: torch.Tensor | None = None) -> list[dict[int, Logprob]]:
+    """logprobs (T, V), the values shown for tokens[0..T-1] (`mode_values`) -> one dict per token:
     {token: Logprob, and each of the k most likely ids: Logprob}, rank 1 = most likely (ties
-    share the best rank). decoded_token is left None (the engine has the tokenizer)."""
+    share the best rank; ties at -inf listed by `order`, (T, V)). decoded_token is left None
+    (the engine has the tokenizer)."""
     logprobs = logprobs.float()
     tok = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)[:, None]   # (T, 1)
     chosen = logprobs.gather(1, tok)                                                # (T, 1)
     ranks = (logprobs > chosen).sum(1) + 1                                          # (T,)
-    top_v, top_i = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tok[:, :0]))  # (T, k)
+    top_v, top_i = (_top(logprobs, k, order) if k else (logprobs[:, :0], tok[:, :0]))  # (T, k)
     out = []
     for t, lp, rank, vs, ids in zip(tokens, chosen[:, 0].tolist(), ranks.tolist(),
                                     top_v.tolist(), top_i.tolist()):

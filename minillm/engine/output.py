@@ -3,9 +3,10 @@
 
 For each sequence a step advanced it appends the sampled tokens up to the one that finishes the
 sequence, with their logprobs (decoded to text when there is a tokenizer), their grammar steps and
-the detokenized text (which stops at a stop string); it decides the finish reason, writes the
-request's latency metrics (first token, token times, finish) and builds each `RequestOutput`. It
-also stores the prompt logprobs a step computed.
+the detokenized text (which stops at a stop string; a stop token's or EOS's text is left out
+unless `include_stop_str_in_output`, as vLLM; max_tokens 0 appends nothing); it decides the finish
+reason, writes the request's latency metrics (first token, token times, finish) and builds each
+`RequestOutput`. It also stores the prompt logprobs a step computed.
 
 It only reports: `append` says whether the sequence finished, and the engine frees it at once
 (`LLMEngine.update_from_output` keeps the KV bookkeeping: counts, forks, drafts, freeing, trace).
@@ -47,6 +48,11 @@ class OutputProcessor:
         that finishes the sequence. Returns True if one did: the engine then frees its blocks."""
         req = self.requests[seq.request_id]
         m = req.metrics
+        p = seq.params
+        if p.max_tokens == 0:             # score the prompt: the token drawn after it is dropped
+            seq.finish_reason = "length"
+            self._finish(seq, now, step)
+            return True
         for i, tok in enumerate(toks):
             seq.output_token_ids.append(tok)
             if logprobs is not None:
@@ -55,8 +61,10 @@ class OutputProcessor:
                     seq.logprobs.append(self.decoded([logprobs[i]])[0])
             if seq.grammar is not None:
                 seq.grammar.accept([tok])
-            if self.tokenizer is not None:
-                self._detokenize(seq, tok)
+            stop_token = tok in (p.stop_token_ids or ()) or (
+                not p.ignore_eos and tok == self.eos_token_id)
+            if self.tokenizer is not None and (not stop_token or p.include_stop_str_in_output):
+                self._detokenize(seq, tok)        # a stop token's text is not shown (vLLM)
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = now, step
             m.num_generated = max(m.num_generated, len(seq.output_token_ids))
@@ -75,7 +83,8 @@ class OutputProcessor:
         """The text grows by `tok`; stop strings are watched only from min_tokens on (vLLM)."""
         if seq.detok is None:
             seq.detok = Detokenizer(self.tokenizer, seq.prompt_token_ids,
-                                    None if seq.params.min_tokens else seq.params.stop)
+                                    None if seq.params.min_tokens else seq.params.stop,
+                                    seq.params.include_stop_str_in_output)
         seq.detok.append(tok)
         if len(seq.output_token_ids) == seq.params.min_tokens and seq.params.stop:
             seq.detok.stop = list(seq.params.stop)

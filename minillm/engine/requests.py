@@ -58,11 +58,8 @@ def request_state(params, tokenizer, vocab_size: int, eos_token_id=None,
                   prefix_caching: bool = False):
     """A request's prepared logits processors (None if it asks for none) and its grammar state
     (None without structured output), or ValueError/TypeError naming the field: a logit_bias id
-    outside the vocabulary, bad_words or structured_outputs without a tokenizer, a bad schema, or
-    prompt_logprobs with prefix caching (a cached prompt token is never computed: no logits)."""
-    if params.prompt_logprobs is not None and prefix_caching:
-        raise ValueError("prompt_logprobs needs enable_prefix_caching=False: prompt tokens found "
-                         "in the prefix cache are never computed, so they have no logits")
+    outside the vocabulary, bad_words or structured_outputs without a tokenizer, a bad schema.
+    `prefix_caching` changes nothing: a prompt_logprobs request skips the cache (scheduler.py)."""
     procs = LogitsProcessors.build(params, vocab_size, tokenizer, eos_token_id)
     grammar = None
     if params.structured_outputs is not None:

@@ -5,9 +5,10 @@ Letters: R logits rows this step, K draft tokens of one sequence, V vocab.
 Each sampling sequence owns one row, or K + 1 when it drafted K. `Sampler.sample` processes a
 request's rows first when it asks for it (logits_process.py), then takes the argmax or one draw
 from `logits_to_probs` for a plain row, `greedy_verify` or the exact `rejection_sample` for K + 1
-rows, and `tree_accept` (spec/tree_rejection.py) for a token tree. Logprobs come from the
-distribution each token was drawn from; prompt logprobs are the model's unprocessed rows (as
-vLLM). It only computes: each row gives a `Sampled` record, and `update_from_output` applies them.
+rows, and `tree_accept` (spec/tree_rejection.py) for a token tree. Logprobs follow vLLM's
+`logprobs_mode`: the model's own rows by default ("raw_logprobs"), or the law each token was drawn
+from ("processed_logprobs"), or the logits of either; prompt logprobs are the model's rows. It
+only computes: each row gives a `Sampled` record, and `update_from_output` applies them.
 One seed rule (`generator_for`): a seeded request draws its k-th token from a generator seeded
 with hash((seed, completion index, k)), so its output does not depend on batching, chunking or
 preemption; drafters use k + DRAFT_OFFSET; unseeded requests share the engine's generator.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.logits_process import process_logits, token_logprobs
+from minillm.engine.logits_process import mode_values, process_logits, token_logprobs
 from minillm.engine.sampling_params import SamplingParams
 from minillm.engine.sequence import Logprob, Sequence
 from minillm.model.sampling import logits_to_probs, sample
@@ -89,9 +90,19 @@ class Sampled:
 
 
 class Sampler:
-    def __init__(self, device, seed: int = 0):
+    def __init__(self, device, seed: int = 0, logprobs_mode: str = "raw_logprobs"):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)   # unseeded requests
+        self.logprobs_mode = logprobs_mode      # LOGPROBS_MODES (logits_process.py)
+
+    def _logprobs(self, k, tokens, raw, processed, p: SamplingParams, law=None):
+        """The tokens' logprob entries (None when k is None) from raw (T, V), the model's rows,
+        processed (T, V), the rows after the processors, and `law` (T, V), what they were drawn
+        from (None: greedy)."""
+        if k is None:
+            return None
+        values = mode_values(self.logprobs_mode, raw, processed, law, p.temperature)  # (T, V)
+        return token_logprobs(values, tokens, k, order=raw)
 
     def generator_for(self, params: SamplingParams, index: int, k: int) -> torch.Generator:
         """The seed rule: the generator that draws token k of completion `index`."""
@@ -128,7 +139,9 @@ class Sampler:
         total = sum(r.count for r in prompt_rows)
         if not total:
             return []
-        logp = torch.log_softmax(logits[len(logits) - total:].float(), dim=-1)  # (sum count, V)
+        logp = logits[len(logits) - total:].float()                              # (sum count, V)
+        if not self.logprobs_mode.endswith("logits"):
+            logp = torch.log_softmax(logp, dim=-1)
         out, at = [], 0
         for r in prompt_rows:
             toks = r.seq.prompt_token_ids[r.first:r.first + r.count]
@@ -142,7 +155,7 @@ class Sampler:
         idx = [r.row for r in rows]
         if idx != list(range(len(logits))):      # forks share a row; drafting rows are not ours
             logits = logits[idx]                                                  # (R', V)
-        errors = {}
+        errors, raw = {}, logits
         processed = [i for i, r in enumerate(rows) if r.seq.needs_processing]
         if processed:
             logits = logits.clone()              # the runner's logits stay as the model gave them
@@ -160,24 +173,25 @@ class Sampler:
             if i in errors:
                 out.append(Sampled([], error=errors[i]))
             elif p.temperature == 0:
-                lps = None if k is None else token_logprobs(
-                    torch.log_softmax(logits[i:i + 1].float(), -1), tokens[i:i + 1], k)
+                lps = self._logprobs(k, tokens[i:i + 1], raw[i:i + 1], logits[i:i + 1], p)
                 out.append(Sampled([tokens[i]], logprobs=lps))
             else:
-                out.append(self._draw_one(r, logits[i:i + 1], k))
+                out.append(self._draw_one(r, logits[i:i + 1], k, raw[i:i + 1]))
         return out
 
-    def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None) -> Sampled:
-        """One token from one processed (1, V) row: the argmax at temperature 0, else a draw."""
+    def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None,
+                  raw: torch.Tensor) -> Sampled:
+        """One token from one processed (1, V) row (the model's row: `raw`): the argmax at
+        temperature 0, else a draw."""
         p = r.seq.params
         try:
             if p.temperature == 0:
-                toks, logp = [int(logits[0].argmax())], torch.log_softmax(logits.float(), -1)
+                toks, law = [int(logits[0].argmax())], None
             else:
                 gen = self.generator_for(p, r.index, len(r.seq.output_token_ids))
-                probs = probs_for(logits.float(), p)                              # (1, V)
-                toks, logp = [int(sample(probs, generator=gen)[0])], probs.log()
-            return Sampled(toks, logprobs=None if k is None else token_logprobs(logp, toks, k))
+                law = probs_for(logits.float(), p)                                # (1, V)
+                toks = [int(sample(law, generator=gen)[0])]
+            return Sampled(toks, logprobs=self._logprobs(k, toks, raw, logits, p, law))
         except (ValueError, RuntimeError) as e:
             return Sampled([], error=f"{type(e).__name__}: {e}")
 
@@ -186,6 +200,7 @@ class Sampler:
         seq, k, p, lk = r.seq, r.num_drafts, r.seq.params, logprobs_k(r.seq.params)
         if seq.draft_parents is not None:
             return self._verify_tree(r, logits)
+        raw = logits                                            # (K+1, V) as the model gave them
         try:
             ids = list(seq.draft_token_ids)
             if seq.needs_processing:
@@ -197,23 +212,23 @@ class Sampler:
                     ids = ids[:ok.index(False) - 1]
                     logits = logits[:len(ids) + 1]
                 if not ids:           # not even the first draft: one token from row 0
-                    s = self._draw_one(r, logits[:1], lk)
+                    s = self._draw_one(r, logits[:1], lk, raw[:1])
                     s.num_drafts = k
                     return s
             drafts = torch.tensor([ids], device=logits.device)                       # (1, K)
             if p.temperature == 0:
                 toks, acc = greedy_verify(logits[None], drafts)
-                logp = torch.log_softmax(logits.float(), -1) if lk is not None else None
+                law = None
             else:
                 target = probs_for(logits[None], p)                                  # (1, K+1, V)
                 q = seq.draft_probs[:, :len(ids)].to(target.dtype) if seq.draft_probs is not None else None
                 gen = self.generator_for(p, r.index, len(seq.output_token_ids))
                 toks, acc = rejection_sample(target, q, drafts, generator=gen)
-                logp = target[0].log() if lk is not None else None
+                law = target[0]
             n = int(acc[0])
             tokens = toks[0, :n + 1].tolist()
-            return Sampled(tokens, k, logprobs=None if lk is None else
-                           token_logprobs(logp[:n + 1], tokens, lk))
+            return Sampled(tokens, k, logprobs=self._logprobs(
+                lk, tokens, raw[:n + 1], logits[:n + 1], p, None if law is None else law[:n + 1]))
         except (ValueError, RuntimeError) as e:
             return Sampled([], k, error=f"{type(e).__name__}: {e}")
 
@@ -231,12 +246,12 @@ class Sampler:
                                                                      len(seq.output_token_ids))
             path, nxt = tree_accept(logits, draft, p.temperature, p.top_k, p.top_p, generator=gen)
             tokens = [seq.draft_token_ids[i - 1] for i in path[1:]] + [nxt]
-            logp = None
+            lps = None
             if lk is not None:
                 rows = logits[path].float()                                   # (len(path), V)
-                logp = torch.log_softmax(rows, -1) if p.temperature == 0 else probs_for(rows, p).log()
-            return Sampled(tokens, k, logprobs=None if lk is None else token_logprobs(logp, tokens, lk),
-                           path=path)
+                law = None if p.temperature == 0 else probs_for(rows, p)
+                lps = self._logprobs(lk, tokens, rows, rows, p, law)
+            return Sampled(tokens, k, logprobs=lps, path=path)
         except (ValueError, RuntimeError) as e:
             return Sampled([], k, error=f"{type(e).__name__}: {e}")
 

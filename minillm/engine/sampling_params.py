@@ -61,7 +61,7 @@ class SamplingParams:
     temperature: float = 0.0                   # [0, 100]
     top_p: float = 1.0                         # (0, 1]
     top_k: int = -1                            # -1 (off) or >= 1
-    max_tokens: int = 16                       # >= 1
+    max_tokens: int = 16                       # >= 1 (0: score the prompt, with prompt_logprobs)
     seed: int | None = None
     stop_token_ids: list[int] | None = None    # token ids >= 0
     ignore_eos: bool = False
@@ -80,6 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None         # the same for each prompt token
     best_of: int | None = None                 # >= n: sample best_of, return the n best (n: None)
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False   # keep the stop string's (stop token's) text
 
     def __post_init__(self):
         for name in self.__dataclass_fields__:
@@ -105,6 +106,8 @@ class SamplingParams:
         return self.top_k
 
     def _check_max_tokens(self):
+        if type(self.max_tokens) is int and self.max_tokens == 0 and self.prompt_logprobs is not None:
+            return 0                                   # score the prompt: no token is generated
         return check_int("max_tokens", self.max_tokens, 1)
 
     def _check_seed(self):
@@ -176,3 +179,9 @@ class SamplingParams:
             raise TypeError(f"structured_outputs must be a StructuredOutputsParams or None, got "
                             f"{type(so).__name__}")
         return so
+
+    def _check_include_stop_str_in_output(self):
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise TypeError(f"include_stop_str_in_output must be a bool, got "
+                            f"{self.include_stop_str_in_output!r}")
+        return self.include_stop_str_in_output

@@ -279,15 +279,15 @@ class Scheduler:
                 break
             tokens = seq.token_ids
             # probe first, allocate only what runs: a failed probe must not evict cached blocks
-            cached = self.bm.num_cached_tokens(tokens)
+            cached = self.bm.num_cached_tokens(tokens) if seq.reads_prefix_cache else 0
             need = len(tokens) - cached
             n = self._prefill_size(need, budget, prefill_seen)
-            if n == 0 or not self.bm.can_allocate(tokens):
+            if n == 0 or not self.bm.can_allocate(tokens, seq.reads_prefix_cache):
                 break
             if not self._partial_slot(need, n):
                 passed.append(self.waiting.popleft())   # keeps its place; the next one may fit
                 continue
-            seq.num_computed_tokens = self.bm.allocate(seq.seq_id, tokens)
+            seq.num_computed_tokens = self.bm.allocate(seq.seq_id, tokens, seq.reads_prefix_cache)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_cached_tokens = seq.num_computed_tokens

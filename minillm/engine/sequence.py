@@ -74,6 +74,12 @@ class Sequence:
         return self.procs is not None or self.grammar is not None
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when it asks for prompt logprobs,
+        which need every prompt position computed (vLLM skips the cache for it too)."""
+        return self.params.prompt_logprobs is None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -178,8 +184,9 @@ class RequestMetrics:
 
 @dataclass
 class Logprob:
-    """One token's log probability (vLLM's shape): its rank in the distribution it was sampled
-    from (1 = the most likely) and its text when the engine has a tokenizer."""
+    """One token's log probability (vLLM's shape; the model's own or the law it was drawn from,
+    by `EngineConfig.logprobs_mode`): its rank there (1 = the most likely) and its text when the
+    engine has a tokenizer."""
 
     logprob: float
     rank: int | None = None

@@ -191,34 +191,36 @@ class BlockManager:
         return self.offload.hits(tokens, hits) if self.offload else []  # the chain goes on there
 
     # ---- operations -------------------------------------------------------------------
-    def _plan(self, token_ids: list[int]) -> tuple[list[int], list[tuple[int, int]], int, int]:
+    def _plan(self, token_ids: list[int], use_cache: bool = True
+              ) -> tuple[list[int], list[tuple[int, int]], int, int]:
         """(tokens, prefix-cache hits, new blocks needed, blocks free for them): revived hits
-        need no new block but leave the free count."""
+        need no new block but leave the free count. use_cache False: no hits."""
         tokens = _check_tokens(token_ids)
         need = self.blocks_needed(len(tokens))
         if need > self.num_blocks:
             raise ValueError(f"a request of {len(tokens)} tokens needs {need} blocks of "
                              f"block_size={self.block_size}, but the pool has only "
                              f"num_blocks={self.num_blocks}")
-        hits = self.prefix_cache.lookup(tokens)
+        hits = self.prefix_cache.lookup(tokens) if use_cache else []
         revived = sum(self._ref[b] == 0 for b, _ in hits)  # hits that leave the evictable pool
         return tokens, hits, need - len(hits), self.num_free_blocks - revived
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
+    def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool:
         """Whether `allocate` would succeed now (prefix-cache hits need no new block).
         A prompt that could never fit in the whole pool raises ValueError instead."""
-        _, _, new, free = self._plan(token_ids)
+        _, _, new, free = self._plan(token_ids, use_cache)
         return new <= free
 
-    def allocate(self, seq_id, token_ids: list[int]) -> int:
+    def allocate(self, seq_id, token_ids: list[int], use_cache: bool = True) -> int:
         """Give a new sequence blocks for all its tokens; return how many leading prompt tokens
-        have their KV cached already (a multiple of P; host-tier restores, booked, included)."""
+        have their KV cached already (a multiple of P; host-tier restores, booked, included).
+        use_cache False: none (every block new; its full blocks still enter the cache)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
-        tokens, hits, new, free = self._plan(token_ids)
+        tokens, hits, new, free = self._plan(token_ids, use_cache)
         if new > free:
             raise NoFreeBlocksError(f"seq {seq_id!r} needs {new} new blocks, {free} free")
-        host = self._host_hits(tokens, hits)
+        host = self._host_hits(tokens, hits) if use_cache else []
         for b, _ in hits:  # take the hits first so that _take_free cannot evict them
             self._incref(b)
         table = [b for b, _ in hits]
@@ -230,7 +232,7 @@ class BlockManager:
         chain = [(h, self.prefix_cache.identity(b)) for b, h in hits]
         num_cached = (len(hits) + len(host)) * self.block_size
         self._seqs[seq_id] = _Seq(tokens, table, num_cached, chain)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             self.stats["queried_blocks"] += (len(tokens) - 1) // self.block_size
             self.stats["hit_blocks"] += len(hits)
         return num_cached

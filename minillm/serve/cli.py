@@ -41,6 +41,7 @@ ENGINE_FLAGS = {   # flag -> (EngineConfig field, type)
     # speculation that steps aside (vLLM V0's flag; or "disable_by_batch_size" in --speculative-config)
     "--speculative-disable-by-batch-size": ("speculative_disable_by_batch_size", int),
     "--speculative-min-seq-len": ("speculative_min_seq_len", int),
+    "--logprobs-mode": ("logprobs_mode", str),   # raw_logprobs (default) | processed_logprobs | ..
 }
 # the host KV tier (paging/offload.py): vLLM's --kv-offloading-size, in GiB (with
 # --enable-prefix-caching), and how long a cached block sits idle before it is copied there

@@ -5,8 +5,9 @@ silently ignored; one that changes nothing (a penalty of 0, `logit_bias: {}`) pa
     logprobs + top_logprobs (chat), logprobs=k (completions)   -> logprobs=k
     echo (completions; with logprobs, the prompt's too)        -> prompt_logprobs=k
     presence_penalty, frequency_penalty, logit_bias, and vLLM's repetition_penalty, min_p,
-    min_tokens, bad_words, stop_token_ids, prompt_logprobs     -> the same names (prompt_logprobs
-                                                                  not streamed, as vLLM)
+    min_tokens, bad_words, stop_token_ids, prompt_logprobs (not streamed, as vLLM),
+    include_stop_str_in_output                                 -> the same names
+    echo with max_tokens 0 (completions)                       -> score the prompt: max_tokens=0
     n with best_of (best_of >= n; not streamed when best_of > n, as vLLM)
     response_format, guided_* and structured_outputs           -> StructuredOutputsParams
                                       (at most MAX_GRAMMAR_CHARS; compiled in app.py's thread)
@@ -16,7 +17,7 @@ Refused: `suffix`, `tools` / `functions` unless tool_choice is "none", and `NO_O
 value that does something. `IGNORED` metadata (user, metadata, store, ...) and unknown fields pass.
 
 Left out on purpose: tool calling (no parser for a model without tool support), audio and
-images, beam search, `include_stop_str_in_output`, `allowed_token_ids`, prompt truncation.
+images, beam search, `allowed_token_ids`, prompt truncation.
 """
 import json
 
@@ -35,7 +36,7 @@ NO_OP = {  # field -> the values that change nothing; any other value is refused
     "documents": _NONE, "mm_processor_kwargs": _NONE, "guided_whitespace_pattern": _NONE,
     "allowed_token_ids": _NONE, "cache_salt": _NONE, "kv_transfer_params": _NONE,
     "vllm_xargs": _NONE, "modalities": (None, ["text"]),
-    "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+    "use_beam_search": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False), "chat_template_kwargs": (None, {}),

@@ -193,10 +193,11 @@ def _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n
     given = {name: body.get(name) for name in (
         "top_p", "top_k", "seed", "n", "stop", "ignore_eos", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
-        "stop_token_ids")}
-    given.update(fields.logprobs(body, kind, stream), logit_bias=fields.logit_bias(body, vocab_size),
-                 best_of=body.get("best_of"), structured_outputs=structured,
-                 max_tokens=_or(body.get(_max_tokens_name(body)), room),   # vLLM's default: the room
+        "stop_token_ids", "include_stop_str_in_output")}
+    max_tokens = _or(body.get(_max_tokens_name(body)), room)               # vLLM's default: the room
+    given.update(_scoring(body, kind, max_tokens, fields.logprobs(body, kind, stream)),
+                 logit_bias=fields.logit_bias(body, vocab_size),
+                 best_of=body.get("best_of"), structured_outputs=structured, max_tokens=max_tokens,
                  temperature=fields.temperature(_or(body.get("temperature"), 1.0)))   # OpenAI's
     try:              # the ranges are SamplingParams' own: null is the field's default
         params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
@@ -209,6 +210,20 @@ def _parse(body, kind, model, tokenizer, context, vocab_size, pool_tokens, max_n
         echo = text if text is not None else tokenizer.decode(ids)
     return GenRequest(kind, model, ids, params, stream, bool(opts.get("include_usage", False)),
                       priority, echo, body.get("prompt_logprobs") is not None, structured_param)
+
+
+def _scoring(body: dict, kind: str, max_tokens, lps: dict) -> dict:
+    """max_tokens 0 means "score the prompt" only with completions' echo (vLLM, OpenAI's legacy
+    API): the prompt's logprobs come back and nothing is generated. Otherwise a 400."""
+    if type(max_tokens) is not int or max_tokens != 0:
+        return lps
+    if kind != "completion" or body.get("echo") is not True:
+        if lps["prompt_logprobs"] is None:
+            return lps                                 # SamplingParams refuses it, naming it
+        name = _max_tokens_name(body)
+        raise APIError(400, f"'{name}': max_tokens must be an int >= 1 (0 only with 'echo': "
+                            f"true on /v1/completions), got 0", name)
+    return {**lps, "prompt_logprobs": 0 if lps["prompt_logprobs"] is None else lps["prompt_logprobs"]}
 
 
 def _or(value, default):

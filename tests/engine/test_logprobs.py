@@ -102,7 +102,8 @@ def test_sampled_logprobs_are_the_processed_law(tiny, spec):
                        logprobs=3)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     cfg = dict(num_speculative_tokens=3, speculative_method="ngram") if spec else {}
-    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8, **cfg))
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8,
+                                          logprobs_mode="processed_logprobs", **cfg))
     c = engine.generate([prompt], p)[0].outputs[0]
     if spec:
         assert engine.spec_stats.num_accepted_tokens > 0
@@ -111,8 +112,10 @@ def test_sampled_logprobs_are_the_processed_law(tiny, spec):
         assert law[t] > 0
         assert entry[t].logprob == pytest.approx(law[t].log().item(), abs=1e-6)   # drawn in fp32
         assert entry[t].rank == 1 + int((law > law[t]).sum())
-        top = set(law.topk(3).indices.tolist())
-        assert set(entry) == top | {t}
+        with torch.inference_mode():              # past the law's support: the model's order
+            raw = tiny(torch.tensor([prompt + c.token_ids[:i]]))[0, -1]
+        top = sorted(range(TV), key=lambda j: (-law[j].item(), -raw[j].item()))[:3]
+        assert set(entry) == set(top) | {t}
 
 
 def test_greedy_penalized_output_is_the_same_with_speculation(tiny):
@@ -153,11 +156,23 @@ def test_best_of_returns_the_n_best_by_cumulative_logprob(tiny):
     assert engine.num_free_blocks == engine.num_blocks      # the 3 others gave their blocks back
 
 
-def test_prompt_logprobs_refused_with_prefix_caching(tiny):
+def test_prompt_logprobs_with_prefix_caching_skip_the_cache(tiny):
+    """A prompt_logprobs request whose prefix is cached still gets every prompt position, equal
+    to a dense forward's log-softmax (vLLM skips the cache for it); a plain request reads it."""
     engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=32, enable_prefix_caching=True))
-    with pytest.raises(ValueError, match="prompt_logprobs.*enable_prefix_caching"):
-        engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=1))
-    engine.add_request([1, 2, 3], SamplingParams(logprobs=1))          # logprobs alone are fine
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    engine.generate([prompt], SamplingParams(max_tokens=1))              # caches 2 blocks
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert out.metrics.num_cached_tokens == 0
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny(torch.tensor([prompt]))[0].float(), -1)      # (T, V)
+    assert out.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(),
+                                                                          abs=1e-6)
+    again = engine.generate([prompt], SamplingParams(max_tokens=1))[0]
+    assert again.metrics.num_cached_tokens == 8
+    assert engine.num_free_blocks == engine.num_blocks
 
 
 # ---- the law under speculative decoding, by enumeration ----------------------------------------

@@ -46,6 +46,7 @@ TABLE = {  # field -> [(value as JSON carries it, refused?)]
     "logprobs": [(0, OK), (20, OK), (21, R), (-1, R), (1.5, R), (True, R)],
     "prompt_logprobs": [(0, OK), (20, OK), (21, R), (-1, R), ("1", R)],
     "best_of": [(1, OK), (2, OK), (8, OK), (0, R), (1.5, R), (True, R)],          # n 1
+    "include_stop_str_in_output": [(True, OK), (False, OK), (1, R), ("yes", R)],
 }
 NOT_IN_TABLE = {"structured_outputs"}           # a StructuredOutputsParams, built from HTTP shapes
 CASES = [(f, v, r) for f, rows in TABLE.items() for v, r in rows]

@@ -181,3 +181,18 @@ def test_the_slo_controller_says_at_startup_what_load_its_interval_needs(tok):
     assert _budget_moves(tiny_llm(tok, slo_tpot_p95_ms=1, slo_interval_s=0.5), 1.25 * need) > 0
     assert _budget_moves(tiny_llm(tok, slo_tpot_p95_ms=1, slo_interval_s=2.0), 0.8 * need) > 0
     assert slo_notice(tiny_llm(tok).llm_engine) is None                # no targets: no controller
+
+
+def test_logprobs_mode_is_a_flag_and_a_bad_one_is_one_line(capsys):
+    """--logprobs-mode reaches EngineConfig (vLLM's default raw_logprobs without it); a bad value
+    is refused before any weights load, one line naming logprobs_mode, exit status 2."""
+    from minillm.engine.config import EngineConfig
+    from minillm.serve.cli import engine_options, main, parser
+    opts = engine_options(parser().parse_args(["--logprobs-mode", "processed_logprobs"]))
+    assert EngineConfig(**opts).logprobs_mode == "processed_logprobs"
+    assert EngineConfig(**engine_options(parser().parse_args([]))).logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit) as info:
+        main(["--logprobs-mode", "raw", "--port", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "logprobs_mode" in err[-1] and "raw_logprobs" in err[-1] and "Traceback" not in "".join(err)

@@ -42,6 +42,10 @@ HONOURED = [  # (body, {SamplingParams field: value})
     (completion(logprobs=0), {"logprobs": 0}),                      # the sampled token's only
     (completion(logprobs=2, echo=True), {"logprobs": 2, "prompt_logprobs": 2}),
     (completion(prompt_logprobs=1), {"prompt_logprobs": 1}),        # vLLM's extra
+    (completion(echo=True, max_tokens=0, logprobs=1),                # score the prompt (vLLM)
+     {"max_tokens": 0, "logprobs": 1, "prompt_logprobs": 1}),
+    (completion(echo=True, max_tokens=0), {"max_tokens": 0, "prompt_logprobs": 0}),
+    (chat(include_stop_str_in_output=True), {"include_stop_str_in_output": True}),
     (chat(presence_penalty=1.5, frequency_penalty=-1), {"presence_penalty": 1.5, "frequency_penalty": -1.0}),
     (completion(repetition_penalty=1.3, min_p=0.1), {"repetition_penalty": 1.3, "min_p": 0.1}),
     (completion(min_tokens=3), {"min_tokens": 3}),
@@ -161,7 +165,9 @@ REFUSED = [  # (body, kind or None, param)
     (chat(modalities=["text", "audio"]), None, "modalities"),
     (chat(prediction={"type": "content", "content": "x"}), None, "prediction"),
     (chat(reasoning_effort="high"), None, "reasoning_effort"),
-    (chat(include_stop_str_in_output=True), None, "include_stop_str_in_output"),
+    (completion(max_tokens=0), None, "max_tokens"),                      # scoring needs echo
+    (completion(max_tokens=0, prompt_logprobs=1), None, "max_tokens"),
+    (chat(max_tokens=None, max_completion_tokens=0, logprobs=True), None, "max_completion_tokens"),
     (chat(use_beam_search=True), None, "use_beam_search"),
     (chat(add_generation_prompt=False), None, "add_generation_prompt"),
     (chat(chat_template="{{ x }}"), None, "chat_template"),
