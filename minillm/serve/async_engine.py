@@ -91,7 +91,8 @@ class AsyncEngine:
         self._prefix = secrets.token_hex(4)        # two servers may share one engine
         self._commands: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
-        self._tokens: dict[str, int] = {}          # tokens counted so far, per request
+        self._tokens: dict[str, int | None] = {}   # tokens counted so far (None: still in prefill)
+        self._params: dict[str, object] = {}       # each request's SamplingParams, for /metrics
         self.num_queued = 0                        # submitted, not yet added to the engine
         self.closing = False
         self._dead: str | None = None
@@ -189,8 +190,11 @@ class AsyncEngine:
                     self._finish_with(rid, err)
                     self._abort_in_engine(rid)
                 continue
+            prefills, generated = [], 0
             for out in outputs:
-                self._deliver(out)
+                generated += self._deliver(out, prefills)
+            if self.metrics is not None and outputs:
+                self.metrics.step(prefills, generated)
             if any(getattr(o, "error", None) for o in outputs):
                 self.find_death()                              # a lost worker: say so once
             await self._drain()
@@ -210,7 +214,7 @@ class AsyncEngine:
         if kind == "abort":
             if self._streams.pop(rid, None) is not None and self.metrics is not None:
                 self.metrics.aborted()
-            self._tokens.pop(rid, None)
+            self._forget(rid)
             self._abort_in_engine(rid)
             return
         self.num_queued -= 1
@@ -225,7 +229,7 @@ class AsyncEngine:
             return
         if self.metrics is not None:
             self.metrics.prompt_tokens(len(ids))
-        self._tokens[rid] = 0
+        self._tokens[rid], self._params[rid] = None, params
         fut.set_result(rid)
 
     def _abort_in_engine(self, rid: str) -> None:
@@ -234,23 +238,37 @@ class AsyncEngine:
         except ValueError:
             pass                                  # never added (it failed its checks)
 
-    def _deliver(self, out) -> None:
-        rid = out.request_id
+    def _forget(self, rid: str) -> None:
+        self._tokens.pop(rid, None)
+        self._params.pop(rid, None)
+
+    def _deliver(self, out, prefills: list) -> int:
+        """Hand `out` to its stream; returns the tokens it added, and appends (prompt tokens,
+        cached) to `prefills` when its prefill ended in this step (its first tokens came, or it
+        finished without any and without an error: a prompt scored only)."""
+        rid, new = out.request_id, 0
         if self.metrics is not None and rid in self._tokens:
-            total = sum(len(c.token_ids) for c in out.outputs)
-            self.metrics.generation_tokens(total - self._tokens[rid])
-            self._tokens[rid] = total
+            before, total = self._tokens[rid], sum(len(c.token_ids) for c in out.outputs)
+            new = total - (before or 0)
+            self.metrics.generation_tokens(new)
+            scored = out.finished and not getattr(out, "error", None)    # done, no token asked
+            prefilled = before is not None or total > 0 or scored
+            if before is None and prefilled:
+                prefills.append((len(out.prompt_token_ids), out.metrics.num_cached_tokens))
+            self._tokens[rid] = total if prefilled else None
         stream = self._streams.get(rid)
         if out.finished:
             self._streams.pop(rid, None)
-            self._tokens.pop(rid, None)
+            params = self._params.get(rid)
+            self._forget(rid)
             if self.metrics is not None:
-                self.metrics.finished(out)
+                self.metrics.finished(out, params)
         if stream is not None:
             stream.queue.put_nowait(out)
+        return new
 
     def _finish_with(self, rid: str, err: BaseException) -> None:
         stream = self._streams.pop(rid, None)
-        self._tokens.pop(rid, None)
+        self._forget(rid)
         if stream is not None:
             stream.queue.put_nowait(err)

@@ -5,7 +5,8 @@ already counts (speculation's `spec_stats`, the SLO controller's moves, the host
 or only the engine knows now (per-priority queues, cached blocks, the token budget). Copying them
 would be a second place that applies a step, so `EngineCollector.collect` reads them when
 `/metrics` is scraped: the slo_* series (budget, queue bounds, moves, P95s and targets),
-spec_decode_* (vLLM's draft and accepted counts, the switch), kv_cache_blocks_cached / _free,
+spec_decode_* (vLLM's drafts, draft and accepted token counts, the switch), cache_config_info
+(vLLM's info gauge: block size, blocks, prefix caching), kv_cache_blocks_cached / _free,
 kv_offload_* (the host pool and its traffic) and num_requests_{running,waiting}_by_priority. Every
 read is None-safe: a feature that is off exports the same names with 0, or no sample where a
 value is unknown. Queues are copied with one C-level `tuple(...)` before they are read, since the
@@ -63,6 +64,7 @@ class EngineCollector:
         yield from self._slo(getattr(e, "controller", None), getattr(e, "scheduler", None),
                              getattr(e, "config", None))
         yield from self._spec(e)
+        yield from self._config(e)
         yield from self._kv(getattr(e, "block_manager", None))
         yield from self._priorities(e)
 
@@ -92,6 +94,8 @@ class EngineCollector:
 
     def _spec(self, e):
         stats = getattr(e, "spec_stats", None)
+        yield self._counter("spec_decode_num_drafts", "Drafts verified: one per sequence and step "
+                            "that verified drafts.", _num(getattr(stats, "num_spec_steps", 0)))
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
                             _num(getattr(stats, "num_draft_tokens", 0)))
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
@@ -104,6 +108,16 @@ class EngineCollector:
                             "speculated.", _num(getattr(stats, "num_steps_speculated", 0)))
         yield self._counter("spec_decode_steps_skipped", "Engine steps with decodes where "
                             "speculation stepped aside.", _num(getattr(stats, "num_steps_skipped", 0)))
+
+    def _config(self, e):
+        info = GaugeMetricFamily("minillm:cache_config_info", "The KV cache's configuration (the "
+                                 "labels; the value is 1).", labels=["model_name", "block_size",
+                                 "num_gpu_blocks", "enable_prefix_caching"])
+        config, bm = getattr(e, "config", None), getattr(e, "block_manager", None)
+        if config is not None and bm is not None:
+            info.add_metric([self.model_name, str(config.block_size), str(bm.num_blocks),
+                             str(bool(config.enable_prefix_caching))], 1.0)
+        yield info
 
     def _kv(self, bm):
         cached = _num(getattr(bm, "num_evictable_blocks", 0))

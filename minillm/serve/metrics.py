@@ -2,16 +2,17 @@
 
 Written with `prometheus_client` into a registry of this server's own, so several servers in one
 process never count into each other. The names are vLLM's with `minillm:` for `vllm:` (a dashboard
-built for one reads the other): gauges of running / waiting / swapped requests and KV usage,
-counters of tokens, finished, aborted, rejected and timed-out requests and prefix-cache hits, and
-histograms of TTFT, inter-token latency, TPOT, end-to-end, queue, prefill and decode time and
-request sizes. Gauges are read at scrape time (`EngineCollector` in engine_metrics.py, which adds
-the SLO controller's, speculation's, the KV tier's and per-priority series; a feature that is off
-exports zeros); counters and histograms are written as requests advance. Histogram bounds run from
-a millisecond to ten minutes. `GET /dashboard` (dashboard.py) draws them in a browser.
+built for one reads the other): gauges of requests and KV usage; counters of tokens (prompt tokens
+also by source, computed or cached), outcomes and prefix-cache hits; histograms of latencies (TTFT,
+inter-token, TPOT, end-to-end, queue, prefill, decode), request sizes and parameters (n,
+max_tokens, the longest completion, prompt tokens computed) and tokens per engine step (vLLM's
+`iteration_tokens_total`: prompts whose prefill ended in the step plus the tokens it sampled).
+Gauges are read at scrape time (`EngineCollector`, engine_metrics.py: the SLO controller,
+speculation, the KV tier, priorities; a feature that is off exports zeros); counters and
+histograms are written as requests advance. `GET /dashboard` (dashboard.py) draws them.
 
-Left out on purpose: labels beyond the model name, finish reason, priority and direction; LoRA
-metrics; multiprocess mode.
+Left out on purpose: labels beyond the model name, finish reason, priority, direction and source;
+LoRA metrics; prompt tokens from an external KV transfer; multiprocess mode.
 """
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
@@ -22,6 +23,19 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
                    0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
                    640.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+STEP_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
+N_BUCKETS = (1, 2, 5, 10, 20)                                                      # vLLM's
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's bounds for per-request token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class ServerMetrics:
@@ -70,6 +84,22 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token to last token.")
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.output_len = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        context = buckets_1_2_5(engine.model.config.max_seq_len)
+        self.step_tokens = hist("iteration_tokens_total", "Tokens per engine step: the prompts whose "
+                                "prefill ended in it and the tokens it generated.", STEP_BUCKETS)
+        self.params_n = hist("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens request parameter.",
+                                      context)
+        self.max_gen = hist("request_max_num_generation_tokens", "Per request: the generated tokens of "
+                            "its longest completion.", context)
+        self.kv_computed = hist("request_prefill_kv_computed_tokens", "Per request: prompt tokens "
+                                "computed (not found in the prefix cache).", context)
+        self.by_source = counter("prompt_tokens_by_source", "Prompt tokens by where their KV came "
+                                 "from, counted as their prefill ends.", ["source"])
+        self.cached = counter("prompt_tokens_cached", "Prompt tokens found in the prefix cache, "
+                              "counted as their prefill ends.")
+        for source in ("local_compute", "local_cache_hit"):
+            self.by_source.labels(model_name, source)
         reg.register(EngineCollector(engine, model_name))
 
     # ---- written by the engine loop -----------------------------------------------------------
@@ -80,14 +110,24 @@ class ServerMetrics:
         if n > 0:
             self.generation.inc(n)
 
+    def step(self, prefills: list[tuple[int, int]], generated: int) -> None:
+        """An engine step's outputs are in: `prefills` holds (prompt tokens, of them cached) for
+        each request whose prefill ended in it, `generated` the tokens it sampled."""
+        self.step_tokens.observe(sum(n for n, _ in prefills) + generated)
+        cached = sum(c for _, c in prefills)
+        self.by_source.labels(self.model_name, "local_compute").inc(sum(n for n, _ in prefills) - cached)
+        self.by_source.labels(self.model_name, "local_cache_hit").inc(cached)
+        self.cached.inc(cached)
+
     def aborted(self) -> None:
         self.aborted_.inc()
 
     def rejected(self) -> None:
         self.rejected_.inc()
 
-    def finished(self, out) -> None:
-        """A request is done: its latencies, outcome and prefix-cache counts."""
+    def finished(self, out, params=None) -> None:
+        """A request is done: its latencies, outcome, sizes, parameters (its SamplingParams when
+        given) and prefix-cache counts."""
         m = out.metrics
         reasons = [c.finish_reason for c in out.outputs]
         if all(r in ("stop", "length") for r in reasons):
@@ -109,6 +149,13 @@ class ServerMetrics:
             self.itl.observe(max(0.0, b - a))
         self.prompt_len.observe(len(out.prompt_token_ids))
         self.output_len.observe(sum(len(c.token_ids) for c in out.outputs))
+        self.max_gen.observe(max((len(c.token_ids) for c in out.outputs), default=0))
+        if getattr(out, "error", None) is None:                       # its prompt was computed
+            self.kv_computed.observe(len(out.prompt_token_ids) - m.num_cached_tokens)
+        if params is not None:
+            self.params_n.observe(params.n)
+            if params.max_tokens:                                      # 0: a prompt scored only
+                self.params_max_tokens.observe(params.max_tokens)
         self.cache_queries.inc(len(out.prompt_token_ids))
         self.cache_hits.inc(m.num_cached_tokens)
         self.preemptions.inc(m.num_preemptions)

