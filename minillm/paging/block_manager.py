@@ -191,10 +191,9 @@ class BlockManager:
         return self.offload.hits(tokens, hits) if self.offload else []  # the chain goes on there
 
     # ---- operations -------------------------------------------------------------------
-    def _plan(self, token_ids: list[int], use_cache: bool = True
-              ) -> tuple[list[int], list[tuple[int, int]], int, int]:
-        """(tokens, prefix-cache hits, new blocks needed, blocks free for them): revived hits
-        need no new block but leave the free count. use_cache False: no hits."""
+    def _plan(self, token_ids: list[int], use_cache: bool = True) -> tuple[list, list, int, int]:
+        """(tokens, prefix-cache hits (none unless use_cache), new blocks needed, blocks free for
+        them): revived hits need no new block but leave the free count."""
         tokens = _check_tokens(token_ids)
         need = self.blocks_needed(len(tokens))
         if need > self.num_blocks:
@@ -212,9 +211,8 @@ class BlockManager:
         return new <= free
 
     def allocate(self, seq_id, token_ids: list[int], use_cache: bool = True) -> int:
-        """Give a new sequence blocks for all its tokens; return how many leading prompt tokens
-        have their KV cached already (a multiple of P; host-tier restores, booked, included).
-        use_cache False: none (every block new; its full blocks still enter the cache)."""
+        """Give a new sequence blocks for all its tokens; return how many leading prompt tokens have
+        their KV cached (a multiple of P; host-tier restores included; none unless use_cache)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated")
         tokens, hits, new, free = self._plan(token_ids, use_cache)

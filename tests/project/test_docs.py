@@ -22,7 +22,7 @@ def test_readme_is_a_front_page():
     assert (ROOT / "README.md").stat().st_size <= 10_000
 
 
-API_MD_MAX_BYTES = 28_500   # the aim is ~25 KB; every documented name must still fit
+API_MD_MAX_BYTES = 27_500   # the aim is ~25 KB; every documented name must still fit
 
 
 def test_api_md_is_sections_that_name_every_public_name():

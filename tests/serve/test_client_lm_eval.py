@@ -7,9 +7,9 @@ nothing is downloaded, the datasets cache goes to a temporary folder). lm-eval t
 question + choice itself and asks the server for the prompt's log-probabilities (`echo: true`,
 `logprobs: 1`, `max_tokens: 1`, the prompt as token ids); the tiny random model is saved as a
 transformers folder for `hf`. Every choice's log-likelihood agrees within 1e-4 nats (both fp32,
-different kernels), and so do the greedy flags and the accuracy. Two cases the server refuses
-today are expected to fail until it serves them: four prompts in one request (lm-eval's
-batch_size=4), and prompt logprobs with prefix caching on (vLLM skips the cache for them).
+different kernels), and so do the greedy flags and the accuracy, with prefix caching on too (a
+scoring request skips the cache, as in vLLM). Four prompts in one request (lm-eval's
+batch_size=4) is refused today and expected to fail until the server takes a list of prompts.
 """
 import math
 import os
@@ -81,8 +81,7 @@ def srv(request, tok):
 CASES = [pytest.param(False, 1, id="one_prompt_per_request"),
          pytest.param(False, 4, id="four_prompts_per_request", marks=pytest.mark.xfail(
              strict=False, reason="a list of prompts in one request is refused today")),
-         pytest.param(True, 1, id="prefix_caching", marks=pytest.mark.xfail(
-             strict=False, reason="needs echo scoring with prefix caching on (refused today)"))]
+         pytest.param(True, 1, id="prefix_caching")]
 
 
 @pytest.mark.parametrize("srv, batch_size", CASES, indirect=["srv"])
