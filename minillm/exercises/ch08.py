@@ -289,7 +289,8 @@ numeric("08.12", "A model keeps K and V in fp16 for 24 layers, 4 KV heads of 96 
         _tier_blocks, rtol=0, atol=0.01,
         hint="one block holds K and V for every layer, KV head, dim and token of the block; check "
              "which gigabyte the flag counts in, and count only whole blocks")
-numeric("08.13", "Restoring one block of SmolLM2-135M (section 4's: fp32, 16 tokens) from the host tier copies it at 8 GB/s (1e9 bytes); "
+numeric("08.13", "Restoring one block of SmolLM2-135M (section 4's: fp32, 16 tokens) from the host "
+        "tier copies it at 8 GB/s (1e9 bytes); "
         "recomputing it is a prefill of its 16 tokens at 0.27 GFLOP per token (about 2 x the "
         "parameters) on a machine doing 50 GFLOP/s. How many times longer does the recompute take?",
         _recompute_over_restore, rtol=0.01,

@@ -1,8 +1,9 @@
-"""Chapter 10 exercises (drafting without a copy: token trees, and whether drafting pays). The first
-three are code exercises: the reader's function runs through a check that a planted-broken version fails, against minillm's own
-tree code (the exact enumeration of the tree rule's law, `TokenTree.ancestor_mask`,
-`spec.tree_sizing.expected_tau`) on trees the check draws at random. The fourth is numeric: section 5's speedup formula,
-tau / (draft + verify), applied by hand to two drafts on a CPU and the better one chosen.
+"""Chapter 10 exercises (drafting without a copy: token trees, and whether drafting pays). The
+first three are code exercises: the reader's function runs through a check that a planted-broken
+version fails, against minillm's own tree code (the exact enumeration of the tree rule's law,
+`TokenTree.ancestor_mask`, `spec.tree_sizing.expected_tau`) on trees the check draws at random.
+The fourth is numeric: section 5's speedup formula, tau / (draft + verify), applied by hand to
+two drafts on a CPU, and the better one chosen.
 
     >>> from minillm import exercises
     >>> exercises.check("10.2", lambda parents: None)      # doctest: +SKIP

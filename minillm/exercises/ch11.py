@@ -15,7 +15,8 @@ from minillm.model.config import get_config
 numeric("11.1", "Llama-2-70B (80 layers, d_model 8192) with tensor_parallel_size=8 decodes a batch "
         "of 32 sequences (one new token each), its activations in bf16. How many bytes does one "
         "rank hand to all-reduces in that step?",
-        lambda: tp_collectives(get_config("llama-2-70b"), 8, 32, 32, dtype_bytes=2)["all_reduce"]["bytes"],
+        lambda: tp_collectives(get_config("llama-2-70b"), 8, 32, 32,
+                               dtype_bytes=2)["all_reduce"]["bytes"],
         rtol=0, atol=0.5, hint="section 3 counts the all-reduces of a step and the tensor each one "
         "sums; redo both for this model, batch and dtype")
 
@@ -33,7 +34,8 @@ numeric("11.2", "A pipeline of 4 stages fed equal micro-batches (GPipe, forward 
         hint="recompute section 5's bubble for 4 stages and growing m; below means strictly below")
 
 def _kv_transfer_ms(tokens: int = 2048, link_gbit_s: float = 400) -> float:
-    return kv_cache_bytes(get_config("llama-2-70b"), tokens, dtype="bf16") * 8 / (link_gbit_s * 1e9) * 1e3
+    bits = kv_cache_bytes(get_config("llama-2-70b"), tokens, dtype="bf16") * 8
+    return bits / (link_gbit_s * 1e9) * 1e3
 
 
 numeric("11.3", "Disaggregated serving of Llama-2-70B with a bf16 KV cache, section 9's setup: how "
