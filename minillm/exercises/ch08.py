@@ -265,11 +265,10 @@ def _decisions_to_floor(budget: int = 512, floor: int = 8, down: float = 0.75) -
     return n
 
 
-def _tier_blocks() -> float:
-    from minillm.analysis.kv_math import kv_cache_bytes
-    from minillm.model.config import get_config
-    from minillm.paging.host_pool import host_num_blocks
-    return host_num_blocks(0.3, kv_cache_bytes(get_config("smollm2-135m"), 16, dtype="fp32"))
+def _tier_blocks(layers: int = 24, kv_heads: int = 4, head_dim: int = 96, block: int = 32,
+                 dtype_bytes: int = 2, gib: float = 0.3) -> float:
+    per_block = 2 * layers * kv_heads * head_dim * block * dtype_bytes      # K and V, every layer
+    return int(gib * 2**30) // per_block
 
 
 def _recompute_over_restore() -> float:
@@ -285,14 +284,15 @@ numeric("08.11", "The SLO controller's budget is 512 and its floor 8. TPOT stays
         "below the floor.)", _decisions_to_floor, rtol=0, atol=0.01,
         hint="play the decisions one by one as section 2 describes them; the rounding down "
              "matters on the way to the floor")
-numeric("08.12", "SmolLM2-135M keeps K and V in fp32 for 30 layers, 3 KV heads of 64 dims. How "
-        "many blocks of 16 tokens does a host tier of kv_offloading_size=0.3 GiB hold?",
+numeric("08.12", "A model keeps K and V in fp16 for 24 layers, 4 KV heads of 96 dims, in blocks of "
+        "32 tokens. How many blocks does a host tier of kv_offloading_size=0.3 GiB hold?",
         _tier_blocks, rtol=0, atol=0.01,
-        hint="recompute one block's bytes (what section 4 says a restore copies, in fp32), "
-             "check which gigabyte the flag counts in, and count only whole blocks")
-numeric("08.13", "Restoring one such block from the host tier copies it at 8 GB/s (1e9 bytes); "
+        hint="one block holds K and V for every layer, KV head, dim and token of the block; check "
+             "which gigabyte the flag counts in, and count only whole blocks")
+numeric("08.13", "Restoring one block of SmolLM2-135M (section 4's: fp32, 16 tokens) from the host "
+        "tier copies it at 8 GB/s (1e9 bytes); "
         "recomputing it is a prefill of its 16 tokens at 0.27 GFLOP per token (about 2 x the "
         "parameters) on a machine doing 50 GFLOP/s. How many times longer does the recompute take?",
         _recompute_over_restore, rtol=0.01,
         hint="time each side on its own: the copy is limited by the bandwidth, the prefill "
-             "by the FLOP rate; the block's bytes are those of 08.12")
+             "by the FLOP rate; the block holds K and V of 30 layers, 3 KV heads of 64 dims")

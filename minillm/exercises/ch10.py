@@ -1,7 +1,9 @@
-"""Chapter 10 exercises (drafting without a copy: token trees). All three are code exercises: the
-reader's function runs through a check that a planted-broken version fails, against minillm's own
-tree code (the exact enumeration of the tree rule's law, `TokenTree.ancestor_mask`,
-`spec.tree_sizing.expected_tau`) on trees the check draws at random.
+"""Chapter 10 exercises (drafting without a copy: token trees, and whether drafting pays). The
+first three are code exercises: the reader's function runs through a check that a planted-broken
+version fails, against minillm's own tree code (the exact enumeration of the tree rule's law,
+`TokenTree.ancestor_mask`, `spec.tree_sizing.expected_tau`) on trees the check draws at random.
+The fourth is numeric: section 5's speedup formula, tau / (draft + verify), applied by hand to
+two drafts on a CPU, and the better one chosen.
 
     >>> from minillm import exercises
     >>> exercises.check("10.2", lambda parents: None)      # doctest: +SKIP
@@ -12,7 +14,7 @@ from unittest import mock
 
 import torch
 
-from minillm.exercises import call_reader as _call, code
+from minillm.exercises import call_reader as _call, code, numeric
 from minillm.spec import tree_rejection
 from minillm.spec.tree import TokenTree, TreeDraft
 from minillm.spec.tree_law import exact_tree_law
@@ -101,3 +103,17 @@ code("10.3", "Write tau(parents, depths, ranks, a) -> the expected tokens of one
      "a(depth, rank) the probability a node is accepted given its parent was.", _test_tau,
      hint="recompute each node's chance along its whole path, as section 6 does, and count the "
           "token every step emits of its own")
+
+
+def _better_of_two(draft: float = 0.05) -> float:
+    verify = {2: 1.15, 8: 1.9}            # tokens verified (root + drafts) -> cost in plain steps
+    tau = {2: 1.12, 8: 1.22}              # tokens a step emits with the chain of 1, the tree of 7
+    return max(tau[n] / (draft + verify[n]) for n in verify)
+
+
+numeric("10.4", "On a CPU, a verify pass over 2 tokens costs 1.15 plain decode steps and one over 8 "
+        "tokens 1.9; Medusa's heads cost 0.05 step to draft either way. A chain of one guess "
+        "emits 1.12 tokens a step, a tree of 7 draft nodes 1.22. Which is faster? Give its "
+        "speedup over plain decoding.", _better_of_two, rtol=0.005,
+        hint="section 5's formula for each: tokens a step over the step's cost in plain steps "
+             "(drafting plus the verify pass); then keep the larger")

@@ -12,11 +12,13 @@ from minillm.exercises import call_reader as _call, code, numeric
 from minillm.model.config import get_config
 
 
-numeric("11.1", "SmolLM2-135M with tensor_parallel_size=3 decodes a batch of 8 sequences (one new "
-        "token each) in fp32. How many bytes does one rank hand to all-reduces in that step?",
-        lambda: tp_collectives(get_config("smollm2-135m"), 3, 8, 8)["all_reduce"]["bytes"],
-        rtol=0, atol=0.5, hint="redo section 3's count of a decode step for 8 sequences: how many "
-        "all-reduces, and how big is the tensor each one sums")
+numeric("11.1", "Llama-2-70B (80 layers, d_model 8192) with tensor_parallel_size=8 decodes a batch "
+        "of 32 sequences (one new token each), its activations in bf16. How many bytes does one "
+        "rank hand to all-reduces in that step?",
+        lambda: tp_collectives(get_config("llama-2-70b"), 8, 32, 32,
+                               dtype_bytes=2)["all_reduce"]["bytes"],
+        rtol=0, atol=0.5, hint="section 3 counts the all-reduces of a step and the tensor each one "
+        "sums; redo both for this model, batch and dtype")
 
 
 def _fewest_microbatches(p: int, bubble: float) -> int:
@@ -31,11 +33,16 @@ numeric("11.2", "A pipeline of 4 stages fed equal micro-batches (GPipe, forward 
         lambda: _fewest_microbatches(4, 0.10), rtol=0, atol=0.5,
         hint="recompute section 5's bubble for 4 stages and growing m; below means strictly below")
 
-numeric("11.3", "Disaggregated serving of Llama-2-70B with a bf16 KV cache: how many GB (1e9 "
-        "bytes) does the prefill instance ship to the decode instance for one 2,000-token prompt?",
-        lambda: kv_cache_bytes(get_config("llama-2-70b"), 2000, dtype="bf16") / 1e9,
-        rtol=0.01, hint="recompute chapter 2's KV bytes for this model and prompt (section 6 "
-        "checked that they are exactly what moves); mind the dtype and that GB is 1e9")
+def _kv_transfer_ms(tokens: int = 2048, link_gbit_s: float = 400) -> float:
+    bits = kv_cache_bytes(get_config("llama-2-70b"), tokens, dtype="bf16") * 8
+    return bits / (link_gbit_s * 1e9) * 1e3
+
+
+numeric("11.3", "Disaggregated serving of Llama-2-70B with a bf16 KV cache, section 9's setup: how "
+        "many milliseconds does the KV cache of one 2,048-token prompt take to cross a 400 Gb/s "
+        "link (bandwidth only, no latency)?", _kv_transfer_ms, rtol=0.01,
+        hint="recompute chapter 2's KV bytes for this model and prompt (section 6 checked that they "
+        "are exactly what moves); mind the dtype, and that the link counts bits")
 
 
 def _vllm_kv_heads(num_kv_heads: int, tp: int, rank: int) -> list[int]:

@@ -123,8 +123,9 @@ def test_08_11_decisions_to_the_floor_as_the_controller_moves():
 
 
 def test_08_12_tier_blocks_from_the_layout():
-    per_block = 2 * 30 * 3 * 64 * 4 * 16
+    per_block = 2 * 24 * 4 * 96 * 2 * 32          # K and V x layers x heads x dims x fp16 x tokens
     assert exercises.check("08.12", int(0.3 * 2**30) // per_block)
+    assert not exercises.check("08.12", int(0.3 * 2**30) // (per_block // 2))  # K or V alone
     assert not exercises.check("08.12", int(0.3 * 2**30) / (per_block / 16))   # tokens, not blocks
     assert not exercises.check("08.12", int(0.3 * 1e9) // per_block)           # GB, not GiB
 

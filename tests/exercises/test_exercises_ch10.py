@@ -5,8 +5,16 @@ import torch
 from minillm import exercises
 
 
-def test_all_three_are_registered():
-    assert list(exercises.list_exercises("10")) == ["10.1", "10.2", "10.3"]
+def test_all_four_are_registered():
+    assert list(exercises.list_exercises("10")) == ["10.1", "10.2", "10.3", "10.4"]
+
+
+def test_10_4_the_better_draft_by_hand():
+    chain, tree = 1.12 / (1.15 + 0.05), 1.22 / (1.9 + 0.05)       # 0.933 and 0.626: both lose
+    assert exercises.check("10.4", chain)
+    assert not exercises.check("10.4", tree)                       # the slower of the two
+    assert not exercises.check("10.4", 1.12 / 1.15)                # drafting left out
+    assert not exercises.check("10.4", 1.22 / 1.9)                 # the tree, drafting left out
 
 
 def _rule(p, kids):

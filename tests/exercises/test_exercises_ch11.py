@@ -7,15 +7,19 @@ def test_keys():
 
 
 def test_numeric_answers_by_hand():
-    # 11.1: 30 layers x 2 all-reduces + the embedding's = 61 calls of 8 tokens x 576 x 4 bytes
-    assert exercises.check("11.1", 61 * 8 * 576 * 4)
-    assert not exercises.check("11.1", 60 * 8 * 576 * 4)          # the embedding's forgotten
+    # 11.1: 80 layers x 2 all-reduces + the embedding's = 161 calls of 32 tokens x 8192 x 2 bytes
+    assert exercises.check("11.1", 161 * 32 * 8192 * 2)
+    assert not exercises.check("11.1", 160 * 32 * 8192 * 2)       # the embedding's forgotten
+    assert not exercises.check("11.1", 161 * 32 * 8192 * 2 / 8)   # a shard, not the full sum
     # 11.2: 3 / (m + 3) < 0.1  <=>  m > 27
     assert exercises.check("11.2", 28)
     assert not exercises.check("11.2", 27)                      # exactly 10%: not below
-    # 11.3: 2 (K, V) x 80 layers x 8 KV heads x 128 dims x 2 bytes x 2000 tokens
-    assert exercises.check("11.3", 2 * 80 * 8 * 128 * 2 * 2000 / 1e9)
-    assert not exercises.check("11.3", 2 * 80 * 64 * 128 * 2 * 2000 / 1e9)   # all 64 heads
+    # 11.3: 2 (K, V) x 80 layers x 8 KV heads x 128 dims x 2 bytes x 2048 tokens, 8 bits a byte,
+    # over 400e9 bits/s, in ms
+    kv = 2 * 80 * 8 * 128 * 2 * 2048
+    assert exercises.check("11.3", kv * 8 / 400e9 * 1e3)
+    assert not exercises.check("11.3", kv / 400e9 * 1e3)                      # bytes as bits
+    assert not exercises.check("11.3", 2 * 80 * 64 * 128 * 2 * 2048 * 8 / 400e9 * 1e3)   # all 64 heads
 
 
 def _right(hkv, tp, rank):
