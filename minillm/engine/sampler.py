@@ -173,14 +173,16 @@ class Sampler:
             if i in errors:
                 out.append(Sampled([], error=errors[i]))
             elif p.temperature == 0:
-                lps = self._logprobs(k, tokens[i:i + 1], raw[i:i + 1], logits[i:i + 1], p)
+                lps = None if k is None else self._logprobs(k, tokens[i:i + 1], raw[i:i + 1],
+                                                            logits[i:i + 1], p)
                 out.append(Sampled([tokens[i]], logprobs=lps))
             else:
-                out.append(self._draw_one(r, logits[i:i + 1], k, raw[i:i + 1]))
+                out.append(self._draw_one(r, logits[i:i + 1], k,
+                                          None if k is None else raw[i:i + 1]))   # no op unused
         return out
 
     def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None,
-                  raw: torch.Tensor) -> Sampled:
+                  raw: torch.Tensor | None) -> Sampled:
         """One token from one processed (1, V) row (the model's row: `raw`): the argmax at
         temperature 0, else a draw."""
         p = r.seq.params
