@@ -181,10 +181,8 @@ class Sampler:
                                           None if k is None else raw[i:i + 1]))   # no op unused
         return out
 
-    def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None,
-                  raw: torch.Tensor | None) -> Sampled:
-        """One token from one processed (1, V) row (the model's row: `raw`): the argmax at
-        temperature 0, else a draw."""
+    def _draw_one(self, r: SampleRow, logits: torch.Tensor, k: int | None, raw) -> Sampled:
+        """One token from one processed (1, V) row (`raw`: the model's): the argmax at T=0, or a draw."""
         p = r.seq.params
         try:
             if p.temperature == 0:
